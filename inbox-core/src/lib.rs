@@ -1,0 +1,45 @@
+//! Types, traits and rules of a transactional inbox: process each broker message's
+//! effect exactly once per consumer group, although delivery is at-least-once.
+//!
+//! This crate has no database and no network code. It defines the vocabulary
+//! ([`Envelope`], [`MessageKey`], [`ConsumerGroup`], [`ClaimKey`]), the [`Handler`]
+//! trait users implement, the [`RetryPolicy`], the per-delivery [`Decision`] a store
+//! returns, the injectable [`Clock`], the [`InboxStore`] trait transports are generic
+//! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store.
+//!
+//! ```
+//! use inbox_core::{ConsumerGroup, MessageKey, RetryPolicy};
+//! use std::time::Duration;
+//!
+//! let group = ConsumerGroup::new("billing.daily-usage")?;
+//! let key = MessageKey::derive("billing", "usage-event-17", "usage.recorded");
+//! let policy = RetryPolicy::new(4, Duration::from_secs(1), Duration::from_secs(60))?;
+//! # let _ = (group, key, policy);
+//! # Ok::<(), inbox_core::Error>(())
+//! ```
+#![forbid(unsafe_code)]
+
+mod clock;
+mod decision;
+mod envelope;
+mod error;
+mod handler;
+mod key;
+#[doc(hidden)]
+pub mod names;
+mod retry;
+mod store;
+mod transport;
+
+pub use clock::{delta, Clock, ManualClock, SystemClock};
+pub use decision::{ClaimInvariantViolated, DeadLetterReason, Decision};
+pub use envelope::{payload_digest, Envelope};
+pub use error::{Error, Result};
+pub use handler::{
+    DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
+    MessageContext, ProjectionLock,
+};
+pub use key::{ClaimKey, ConsumerGroup, MessageKey};
+pub use retry::RetryPolicy;
+pub use store::InboxStore;
+pub use transport::{InProcessTransport, TransportStats};
