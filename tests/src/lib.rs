@@ -1,1 +1,328 @@
+//! Test fixtures: every test gets its own PostgreSQL schema or SQLite file, so tests
+//! run in parallel against the shared servers and never see each other's leftovers.
+//!
+//! PostgreSQL comes from `PG_DATABASE_URL`, then `DATABASE_URL`. Without either, a
+//! PostgreSQL test prints one line and returns, unless `INBOX_REQUIRE_SERVICES=1`
+//! (CI sets it), in which case it fails.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel::{PgConnection, SqliteConnection};
+use inbox_core::{
+    ConsumerGroup, Envelope, Handler, HandlerError, MessageContext, MessageKey, RetryPolicy,
+};
+use inbox_diesel::{Store, StoreBuilder, StoreConnection};
+
+/// Whether a missing service fails the test instead of skipping it.
+pub fn services_required() -> bool {
+    std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
+}
+
+/// The PostgreSQL URL, or `None` (after one line on stderr) when there is none.
+pub fn postgres_url() -> Option<String> {
+    let url = std::env::var("PG_DATABASE_URL")
+        .or_else(|_| std::env::var("DATABASE_URL"))
+        .ok()
+        .filter(|u| u.starts_with("postgres://") || u.starts_with("postgresql://"));
+    if url.is_none() {
+        assert!(
+            !services_required(),
+            "INBOX_REQUIRE_SERVICES=1 but neither PG_DATABASE_URL nor DATABASE_URL names a postgres:// URL"
+        );
+        eprintln!("skipping: set DATABASE_URL=postgres://... to run the PostgreSQL tests");
+    }
+    url
+}
+
+/// A name no other test (or test process) uses.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A store backend under test, with a private place for its tables.
+pub trait Fixture {
+    /// The connection type.
+    type Conn: StoreConnection + TestConn;
+
+    /// A store builder pointed at this fixture's schema or file.
+    fn builder(&self) -> StoreBuilder<Self::Conn>;
+
+    /// A fresh connection to the same schema or file, outside the store's pool.
+    fn connect(&self) -> Self::Conn;
+
+    /// Runs SQL on a fresh connection.
+    fn execute(&self, sql: &str) {
+        let mut conn = self.connect();
+        if let Err(err) = conn.batch_execute(sql) {
+            panic!("{sql}: {err}");
+        }
+    }
+}
+
+/// A PostgreSQL schema of one test's own, dropped afterwards.
+pub struct PgFixture {
+    url: String,
+    /// The schema's name.
+    pub schema: String,
+}
+
+impl PgFixture {
+    /// A new schema, or `None` when PostgreSQL is not configured.
+    pub fn new() -> Option<Self> {
+        let url = postgres_url()?;
+        let schema = unique_name("t");
+        let mut conn = PgConnection::establish(&url).expect("connect to DATABASE_URL");
+        conn.batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
+            .expect("create test schema");
+        Some(Self { url, schema })
+    }
+
+    /// The server URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for PgFixture {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = PgConnection::establish(&self.url) {
+            let _ = conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.schema));
+        }
+    }
+}
+
+impl Fixture for PgFixture {
+    type Conn = PgConnection;
+
+    fn builder(&self) -> StoreBuilder<PgConnection> {
+        Store::builder(self.url.clone()).schema(self.schema.clone())
+    }
+
+    fn connect(&self) -> PgConnection {
+        let mut conn = PgConnection::establish(&self.url).expect("connect");
+        conn.batch_execute(&format!("SET search_path TO \"{}\"", self.schema))
+            .expect("set search_path");
+        conn
+    }
+}
+
+/// An SQLite file in a temporary directory of one test's own.
+pub struct SqliteFixture {
+    _dir: tempfile::TempDir,
+    /// The file's path.
+    pub path: String,
+}
+
+impl SqliteFixture {
+    /// A new, empty database file.
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("inbox.db").to_string_lossy().into_owned();
+        Self { _dir: dir, path }
+    }
+}
+
+impl Default for SqliteFixture {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Fixture for SqliteFixture {
+    type Conn = SqliteConnection;
+
+    fn builder(&self) -> StoreBuilder<SqliteConnection> {
+        Store::builder(format!("sqlite://{}", self.path))
+    }
+
+    fn connect(&self) -> SqliteConnection {
+        let mut conn = SqliteConnection::establish(&self.path).expect("open sqlite file");
+        conn.batch_execute("PRAGMA busy_timeout = 5000").expect("busy_timeout");
+        conn
+    }
+}
+
+/// What tests' handlers write: an `effects` row per applied message, with no unique
+/// constraint, so a message applied twice shows up as two rows.
+pub trait TestConn: Connection {
+    /// Creates the effects table.
+    fn create_effects(&mut self) -> QueryResult<()> {
+        self.batch_execute(
+            "CREATE TABLE IF NOT EXISTS effects (message_key TEXT NOT NULL, amount BIGINT NOT NULL)",
+        )
+    }
+
+    /// Applies one effect.
+    fn record_effect(&mut self, key: &str, amount: i64) -> QueryResult<()>;
+
+    /// How many effects a key has.
+    fn effects_of(&mut self, key: &str) -> QueryResult<i64>;
+
+    /// All effects.
+    fn effect_count(&mut self) -> QueryResult<i64>;
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+macro_rules! test_conn {
+    ($conn:ty) => {
+        impl TestConn for $conn {
+            fn record_effect(&mut self, key: &str, amount: i64) -> QueryResult<()> {
+                diesel::sql_query("INSERT INTO effects (message_key, amount) VALUES ($1, $2)")
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(amount)
+                    .execute(self)
+                    .map(|_| ())
+            }
+
+            fn effects_of(&mut self, key: &str) -> QueryResult<i64> {
+                diesel::sql_query("SELECT COUNT(*) AS n FROM effects WHERE message_key = $1")
+                    .bind::<Text, _>(key)
+                    .get_result::<Count>(self)
+                    .map(|c| c.n)
+            }
+
+            fn effect_count(&mut self) -> QueryResult<i64> {
+                diesel::sql_query("SELECT COUNT(*) AS n FROM effects")
+                    .get_result::<Count>(self)
+                    .map(|c| c.n)
+            }
+        }
+    };
+}
+
+test_conn!(PgConnection);
+test_conn!(SqliteConnection);
+
+/// The test message.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Usage {
+    /// The amount.
+    pub amount: i64,
+}
+
+/// What a [`Recorder`] does with a message.
+pub type Behaviour = dyn Fn(&str, &MessageContext<'_>) -> Outcome + Send + Sync;
+
+/// The outcome a [`Recorder`] is told to produce.
+pub enum Outcome {
+    /// Record the effect.
+    Apply,
+    /// Record the effect, then fail transiently (the effect must be rolled back).
+    ApplyThenFail,
+    /// Fail permanently.
+    Permanent,
+    /// Panic.
+    Panic,
+    /// Open a nested transaction, write, and panic inside it.
+    PanicInNestedTransaction,
+}
+
+/// A handler that records an effect per message and counts its calls.
+pub struct Recorder {
+    group: ConsumerGroup,
+    message_type: String,
+    policy: RetryPolicy,
+    behaviour: Box<Behaviour>,
+    /// Keys of every call, in order.
+    pub calls: Arc<Mutex<Vec<String>>>,
+}
+
+impl Recorder {
+    /// A recorder for `group` taking `usage.recorded`, applying everything.
+    pub fn new(group: &str) -> Self {
+        Self {
+            group: ConsumerGroup::new(group).expect("valid group"),
+            message_type: "usage.recorded".to_owned(),
+            policy: RetryPolicy::default(),
+            behaviour: Box::new(|_, _| Outcome::Apply),
+            calls: Arc::default(),
+        }
+    }
+
+    /// Sets the retry policy.
+    pub fn policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets the behaviour.
+    pub fn behaviour(
+        mut self,
+        f: impl Fn(&str, &MessageContext<'_>) -> Outcome + Send + Sync + 'static,
+    ) -> Self {
+        self.behaviour = Box::new(f);
+        self
+    }
+
+    /// A handle on the calls made.
+    pub fn calls(&self) -> Arc<Mutex<Vec<String>>> {
+        Arc::clone(&self.calls)
+    }
+}
+
+impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
+    type Message = Usage;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        &self.message_type
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.policy
+    }
+
+    fn handle(&self, conn: &mut C, msg: Usage, ctx: &MessageContext<'_>) -> Result<(), HandlerError> {
+        let key = ctx.message_key().as_str();
+        self.calls.lock().expect("calls").push(key.to_owned());
+        match (self.behaviour)(key, ctx) {
+            Outcome::Apply => conn.record_effect(key, msg.amount)?,
+            Outcome::ApplyThenFail => {
+                conn.record_effect(key, msg.amount)?;
+                return Err(HandlerError::transient(format!("{key} failed after writing")));
+            }
+            Outcome::Permanent => return Err(HandlerError::permanent(format!("{key} is invalid"))),
+            Outcome::Panic => panic!("handler panicked on {key}"),
+            Outcome::PanicInNestedTransaction => {
+                let _ = conn.transaction::<(), diesel::result::Error, _>(|conn| {
+                    conn.record_effect(key, msg.amount)?;
+                    panic!("handler panicked inside its own transaction on {key}");
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A `usage.recorded` envelope with key `key` and amount `amount`.
+pub fn usage(key: &str, amount: i64) -> Envelope {
+    let payload = serde_json::to_vec(&Usage { amount }).expect("serialize");
+    Envelope::new(MessageKey::new(key).expect("valid key"), "usage.recorded", payload)
+}
+
+/// A consumer group from a literal.
+pub fn group(name: &str) -> ConsumerGroup {
+    ConsumerGroup::new(name).expect("valid group")
+}

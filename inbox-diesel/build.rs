@@ -1,0 +1,5 @@
+//! Rebuilds the crate when the embedded migrations change.
+// Embedded migrations are read at compile time: rebuild when they change.
+fn main() {
+    println!("cargo:rerun-if-changed=migrations");
+}

@@ -1,0 +1,2 @@
+DROP TABLE inbox_dead_letters;
+DROP TABLE inbox_claims;

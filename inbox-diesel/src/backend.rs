@@ -1,0 +1,95 @@
+//! What differs per backend beyond the claim statements: connecting, migrations,
+//! the catalog, the write transaction and projection locks.
+
+use diesel::connection::{AnsiTransactionManager, SimpleConnection};
+use diesel::r2d2::R2D2Connection;
+use diesel::{Connection, ConnectionResult, QueryResult};
+
+use crate::verify::Catalog;
+use crate::{Backend, Result};
+
+pub(crate) mod private {
+    use super::*;
+
+    /// Backend operations; sealed, so only this crate's backends implement them.
+    pub trait Sealed: crate::ops::ClaimOps + Sized {
+        const BACKEND: Backend;
+
+        /// Opens a connection from the store's URL.
+        fn establish_url(url: &str) -> ConnectionResult<Self>;
+
+        /// The URL the connection pool is given.
+        fn pool_url(url: &str) -> String;
+
+        /// Prepares a fresh pooled connection (search path, pragmas).
+        fn on_acquire(conn: &mut Self, schema: Option<&str>) -> QueryResult<()>;
+
+        /// Runs the embedded migrations (in `schema`, on PostgreSQL).
+        fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()>;
+
+        /// Reads the claim table's indexes and columns from the live catalog.
+        fn catalog(conn: &mut Self) -> Result<Catalog>;
+
+        /// Runs `f` in a write transaction (SQLite: `BEGIN IMMEDIATE`).
+        fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+        where
+            F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+            E: From<diesel::result::Error>;
+
+        /// Takes projection locks shared, for the rest of the transaction.
+        fn take_shared_locks(conn: &mut Self, ids: &[i64]) -> QueryResult<()>;
+
+        /// Takes a projection lock exclusively, for the rest of the transaction.
+        fn take_exclusive_lock(conn: &mut Self, id: i64) -> QueryResult<()>;
+    }
+}
+
+/// A diesel connection type the store runs on: `PgConnection` or `SqliteConnection`.
+///
+/// Sealed: the store's SQL is written for these two backends.
+pub trait StoreConnection:
+    private::Sealed
+    + Connection<TransactionManager = AnsiTransactionManager>
+    + R2D2Connection
+    + SimpleConnection
+    + Send
+    + 'static
+{
+}
+
+impl StoreConnection for diesel::PgConnection {}
+impl StoreConnection for diesel::SqliteConnection {}
+
+/// Whether a database error means "run the whole transaction again": a deadlock
+/// (40P01), a serialization failure (40001), or SQLite's busy/locked.
+///
+/// diesel maps 40001 to a kind but not 40P01, so the deadlock is recognised by the
+/// server's message.
+pub(crate) fn is_retryable(err: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match err {
+        Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        Error::DatabaseError(_, info) => {
+            let msg = info.message();
+            msg.contains("deadlock detected")
+                || msg.contains("database is locked")
+                || msg.contains("database table is locked")
+        }
+        _ => false,
+    }
+}
+
+/// Quotes an identifier already checked to be `[a-z_][a-z0-9_]*`.
+pub(crate) fn quoted(ident: &str) -> String {
+    format!("\"{ident}\"")
+}
+
+/// Checks a schema name: a plain lower-case identifier.
+pub(crate) fn valid_schema_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}

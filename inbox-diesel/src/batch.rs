@@ -1,0 +1,733 @@
+//! The inbox state machine: one consumer group's batch in one transaction.
+//!
+//! 1. De-duplicate inside the batch. 2. Claim in key order, digest and due time in
+//! the conflict condition. 3. Look up keys not returned by the same claim key:
+//! collision, duplicate, dead, not yet due, or (no row at all) a phantom conflict.
+//! 4. Run the owned messages' handlers after the claims: optimistically all at once,
+//! and if anything fails, again from the start with a savepoint per message, the
+//! failure recorded by the same claim key. 5. Commit once; the transport acts.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use inbox_core::{
+    delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterReason, Decision,
+    DynHandler, Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey,
+    RetryPolicy,
+};
+
+use crate::backend::{is_retryable, StoreConnection};
+use crate::ops::{ClaimRow, FailureUpdate, NewDeadLetter};
+use crate::store::{ClaimStatus, Inner};
+use crate::{Error, Result};
+
+/// How long a delivery waits when its transaction kept deadlocking even alone.
+const CONTENDED_RETRY: Duration = Duration::from_secs(1);
+
+/// The longest `last_error` kept.
+const MAX_ERROR_LEN: usize = 4000;
+
+/// One delivery of the batch, with what the store needs to claim it.
+struct Delivery<'a, C> {
+    idx: usize,
+    env: &'a Envelope,
+    digest: [u8; 32],
+    handler: Option<&'a Arc<dyn DynHandler<C>>>,
+}
+
+impl<C> Delivery<'_, C> {
+    fn row(&self) -> ClaimRow<'_> {
+        ClaimRow {
+            key: self.env.message_key.as_str(),
+            message_type: &self.env.message_type,
+            tenant: self.env.tenant.as_deref(),
+            digest: &self.digest,
+            payload: &self.env.payload,
+        }
+    }
+
+    fn key(&self) -> &str {
+        self.env.message_key.as_str()
+    }
+}
+
+/// Why a batch transaction did not commit.
+enum TxError {
+    /// Deadlock, serialization failure or SQLITE_BUSY: run the batch again.
+    Retryable(diesel::result::Error),
+    /// A handler failed in the optimistic run: run again with a savepoint each.
+    Isolate,
+    /// Anything else: nothing committed, the transport acks nothing.
+    Fatal(Error),
+}
+
+impl From<diesel::result::Error> for TxError {
+    fn from(err: diesel::result::Error) -> Self {
+        if is_retryable(&err) {
+            Self::Retryable(err)
+        } else {
+            Self::Fatal(Error::Database(err))
+        }
+    }
+}
+
+impl From<Error> for TxError {
+    fn from(err: Error) -> Self {
+        match err {
+            Error::Database(db) => db.into(),
+            other => Self::Fatal(other),
+        }
+    }
+}
+
+/// The outcome of one handler call inside its savepoint.
+enum SavepointError {
+    Failed(HandlerFailure),
+    Db(diesel::result::Error),
+}
+
+impl From<diesel::result::Error> for SavepointError {
+    fn from(err: diesel::result::Error) -> Self {
+        Self::Db(err)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Optimistic,
+    Isolated,
+}
+
+fn depth<C: StoreConnection>(conn: &mut C) -> std::result::Result<u32, TxError> {
+    let status = AnsiTransactionManager::transaction_manager_status_mut(conn);
+    Ok(status
+        .transaction_depth()
+        .map_err(TxError::from)?
+        .map_or(0, NonZeroU32::get))
+}
+
+/// Puts the connection back at `target` depth: a handler that panicked inside its own
+/// nested transaction leaves diesel's manager one level deeper, and diesel does not
+/// unwind that for us.
+fn restore_depth<C: StoreConnection>(conn: &mut C, target: u32) -> std::result::Result<(), TxError> {
+    loop {
+        let found = depth(conn)?;
+        if found <= target {
+            return Ok(());
+        }
+        AnsiTransactionManager::rollback_transaction(conn)?;
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+/// Whether a handler's failure is the database asking for the transaction again (a
+/// deadlock inside the handler retries the batch; it is not the message's fault).
+fn failure_is_retryable(failure: &HandlerFailure) -> bool {
+    match failure {
+        HandlerFailure::Handler(err) => err
+            .downcast_ref::<diesel::result::Error>()
+            .is_some_and(is_retryable),
+        _ => false,
+    }
+}
+
+fn truncate(mut s: String) -> String {
+    if s.len() > MAX_ERROR_LEN {
+        let mut end = MAX_ERROR_LEN;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
+}
+
+fn headers_json(env: &Envelope) -> String {
+    serde_json::to_string(&env.headers).unwrap_or_else(|_| "{}".to_owned())
+}
+
+/// A copy later in the batch with the same digest takes the first copy's decision.
+fn copy_decision(first: &Decision) -> Decision {
+    match first {
+        Decision::Processed | Decision::Duplicate => Decision::Duplicate,
+        Decision::DeadLettered(_) | Decision::AlreadyDeadLettered => Decision::AlreadyDeadLettered,
+        other => other.clone(),
+    }
+}
+
+fn record_metrics(group: &ConsumerGroup, decision: &Decision) {
+    let group = group.to_string();
+    match decision {
+        Decision::Processed => metrics::counter!("inbox_processed_total", "group" => group).increment(1),
+        Decision::Duplicate | Decision::AlreadyDeadLettered => {
+            metrics::counter!("inbox_duplicates_total", "group" => group).increment(1)
+        }
+        Decision::RetryAfter(_) => metrics::counter!("inbox_retried_total", "group" => group).increment(1),
+        Decision::DeadLettered(reason) => metrics::counter!(
+            "inbox_dead_lettered_total", "group" => group, "reason" => reason.as_str()
+        )
+        .increment(1),
+        Decision::Stop(_) => {}
+        _ => {}
+    }
+}
+
+impl<C: StoreConnection> Inner<C> {
+    pub(crate) fn process(&self, group: &ConsumerGroup, batch: &[Envelope]) -> Result<Vec<Decision>> {
+        let span = tracing::debug_span!("inbox.batch", group = %group, size = batch.len());
+        let _entered = span.enter();
+
+        let mut first_copy: HashMap<&MessageKey, usize> = HashMap::new();
+        let mut copies = Vec::new();
+        let mut fresh = Vec::new();
+        let mut redelivered = Vec::new();
+        for (idx, env) in batch.iter().enumerate() {
+            let delivery = Delivery {
+                idx,
+                env,
+                digest: env.payload_digest(),
+                handler: self.handlers.get(&(group.clone(), env.message_type.clone())),
+            };
+            match first_copy.entry(&env.message_key) {
+                // A multi-row upsert cannot touch a row twice: claim each key once.
+                Entry::Occupied(first) => copies.push((delivery, *first.get())),
+                Entry::Vacant(slot) => {
+                    slot.insert(idx);
+                    if env.redelivered {
+                        redelivered.push(delivery);
+                    } else {
+                        fresh.push(delivery);
+                    }
+                }
+            }
+        }
+
+        let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
+        if !fresh.is_empty() {
+            for (idx, decision) in self.run_with_retries(group, &fresh)? {
+                decisions[idx] = Some(decision);
+            }
+        }
+        for delivery in &redelivered {
+            let decision = self.run_redelivered(group, delivery)?;
+            decisions[delivery.idx] = Some(decision);
+        }
+
+        let mut collisions = Vec::new();
+        for (copy, first) in copies {
+            if copy.digest == batch[first].payload_digest() {
+                decisions[copy.idx] = decisions[first].as_ref().map(copy_decision);
+            } else {
+                collisions.push(copy);
+            }
+        }
+        if !collisions.is_empty() {
+            let now = self.clock.now();
+            let mut conn = self.pool.get()?;
+            C::write_transaction(&mut conn, |conn| {
+                for copy in &collisions {
+                    self.dead_letter_collision(conn, group, copy, now, "an earlier copy in the same batch")?;
+                }
+                Ok::<_, Error>(())
+            })?;
+            for copy in &collisions {
+                decisions[copy.idx] = Some(Decision::DeadLettered(DeadLetterReason::KeyCollision));
+            }
+        }
+
+        let decisions: Vec<Decision> = decisions
+            .into_iter()
+            .map(|d| d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned())))
+            .collect::<Result<_>>()?;
+        for decision in &decisions {
+            record_metrics(group, decision);
+        }
+        Ok(decisions)
+    }
+
+    /// Runs a batch transaction, again after a deadlock (bounded), then split in halves.
+    fn run_with_retries(
+        &self,
+        group: &ConsumerGroup,
+        items: &[Delivery<'_, C>],
+    ) -> Result<Vec<(usize, Decision)>> {
+        let mut tries = 0;
+        loop {
+            let mut conn = self.pool.get()?;
+            let err = match self.run_transaction(&mut conn, group, items) {
+                Ok(decisions) => return Ok(decisions),
+                Err(TxError::Fatal(err)) => return Err(err),
+                Err(TxError::Retryable(err)) => err,
+                Err(TxError::Isolate) => {
+                    return Err(Error::Config("isolation requested twice".to_owned()))
+                }
+            };
+            drop(conn);
+            tries += 1;
+            metrics::counter!("inbox_batch_conflicts_total", "group" => group.to_string()).increment(1);
+            tracing::warn!(group = %group, tries, error = %err, "batch transaction conflicted");
+            if tries <= self.settings.transaction_retries {
+                std::thread::sleep(Duration::from_millis(5 * u64::from(tries)));
+                continue;
+            }
+            if items.len() > 1 {
+                let (left, right) = items.split_at(items.len() / 2);
+                let mut decisions = self.run_with_retries(group, left)?;
+                decisions.extend(self.run_with_retries(group, right)?);
+                return Ok(decisions);
+            }
+            // Alone and still conflicting: try later; it is not the message's fault,
+            // so no attempt is counted.
+            return Ok(items
+                .iter()
+                .map(|d| (d.idx, Decision::RetryAfter(CONTENDED_RETRY)))
+                .collect());
+        }
+    }
+
+    fn run_transaction(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        items: &[Delivery<'_, C>],
+    ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
+        let started = Instant::now();
+        let now = self.clock.now();
+        let decisions = match self.attempt(conn, group, items, now, Mode::Optimistic) {
+            Err(TxError::Isolate) => self.attempt(conn, group, items, now, Mode::Isolated)?,
+            other => other?,
+        };
+        let left = depth(conn)?;
+        if left != 0 {
+            return Err(TxError::Fatal(Error::TransactionDepth {
+                expected: 0,
+                found: left,
+            }));
+        }
+        metrics::histogram!("inbox_batch_commit_seconds", "group" => group.to_string())
+            .record(started.elapsed().as_secs_f64());
+        Ok(decisions)
+    }
+
+    fn attempt(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        items: &[Delivery<'_, C>],
+        now: DateTime<Utc>,
+        mode: Mode,
+    ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
+        C::write_transaction(conn, |conn| {
+            // Lock before claim: a projection rebuild holds the lock exclusively, so
+            // live batches wait for it instead of double counting beside it.
+            let mut locks: Vec<i64> = items
+                .iter()
+                .filter_map(|d| d.handler.and_then(|h| h.lock()))
+                .map(|l| l.id())
+                .collect();
+            locks.sort_unstable();
+            locks.dedup();
+            C::take_shared_locks(conn, &locks)?;
+
+            // Claims in key order, so concurrent batches lock rows in the same order.
+            let mut sorted: Vec<&Delivery<'_, C>> = items.iter().collect();
+            sorted.sort_by(|a, b| a.key().cmp(b.key()));
+            let rows: Vec<ClaimRow<'_>> = sorted.iter().map(|d| d.row()).collect();
+            let owned: HashMap<String, i32> = C::claim(conn, group, &rows, now)?.into_iter().collect();
+
+            let missing: Vec<&str> = sorted
+                .iter()
+                .map(|d| d.key())
+                .filter(|k| !owned.contains_key(*k))
+                .collect();
+            let stored: HashMap<String, _> = if missing.is_empty() {
+                HashMap::new()
+            } else {
+                C::lookup(conn, group, &missing)?
+                    .into_iter()
+                    .map(|s| (s.key.clone(), s))
+                    .collect()
+            };
+
+            let mut decisions = Vec::with_capacity(items.len());
+            let mut mine = Vec::with_capacity(owned.len());
+            for d in sorted {
+                if let Some(&attempts) = owned.get(d.key()) {
+                    mine.push((d, attempts));
+                    continue;
+                }
+                let decision = match stored.get(d.key()) {
+                    None => phantom(
+                        group,
+                        &d.env.message_key,
+                        "the claim insert conflicted but no row exists under the same claim key",
+                    ),
+                    Some(s) if s.digest != d.digest => {
+                        self.dead_letter_collision(conn, group, d, now, "the claimed message")?;
+                        Decision::DeadLettered(DeadLetterReason::KeyCollision)
+                    }
+                    Some(s) => match ClaimStatus::parse(&s.status) {
+                        Some(ClaimStatus::Done) => Decision::Duplicate,
+                        Some(ClaimStatus::Dead) => Decision::AlreadyDeadLettered,
+                        Some(ClaimStatus::Failed | ClaimStatus::Started) => {
+                            match s.next_attempt_at.map(|t| (t - now).to_std()) {
+                                Some(Ok(wait)) if !wait.is_zero() => Decision::RetryAfter(wait),
+                                _ => phantom(
+                                    group,
+                                    &d.env.message_key,
+                                    "the claim insert conflicted with a row it should have taken over",
+                                ),
+                            }
+                        }
+                        None => phantom(
+                            group,
+                            &d.env.message_key,
+                            &format!("unknown claim status {:?}", s.status),
+                        ),
+                    },
+                };
+                decisions.push((d.idx, decision));
+            }
+
+            // Handlers run only after every claim of the batch is taken.
+            // A lone message goes straight to its savepoint: a failure then costs one
+            // handler call, not an optimistic run plus an isolated one.
+            match mode {
+                Mode::Optimistic if mine.len() > 1 => {
+                    self.run_optimistic(conn, group, &mine, now, &mut decisions)?
+                }
+                _ => self.run_isolated(conn, group, &mine, now, &mut decisions)?,
+            }
+            Ok(decisions)
+        })
+    }
+
+    /// Every owned message at once, no savepoints; any failure asks for isolation.
+    fn run_optimistic(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        mine: &[(&Delivery<'_, C>, i32)],
+        now: DateTime<Utc>,
+        decisions: &mut Vec<(usize, Decision)>,
+    ) -> std::result::Result<(), TxError> {
+        let mut per_handler: Vec<(&Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'_>)>)> = Vec::new();
+        for (d, attempts) in mine {
+            let Some(handler) = d.handler else {
+                decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
+                continue;
+            };
+            let ctx = MessageContext::new(d.env, group, attempt_number(*attempts), now);
+            match per_handler.iter_mut().find(|(h, _)| Arc::ptr_eq(h, handler)) {
+                Some((_, ctxs)) => ctxs.push((d.idx, ctx)),
+                None => per_handler.push((handler, vec![(d.idx, ctx)])),
+            }
+        }
+        for (handler, entries) in per_handler {
+            let ctxs: Vec<MessageContext<'_>> = entries.iter().map(|(_, c)| *c).collect();
+            let before = depth(conn)?;
+            let outcome = catch_unwind(AssertUnwindSafe(|| handler.handle_all(conn, &ctxs)));
+            match outcome {
+                Ok(Ok(())) => decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed))),
+                Ok(Err(failure)) => {
+                    restore_depth(conn, before)?;
+                    if failure_is_retryable(&failure) {
+                        return Err(TxError::Retryable(retryable_cause(failure)));
+                    }
+                    return Err(TxError::Isolate);
+                }
+                Err(_) => {
+                    restore_depth(conn, before)?;
+                    return Err(TxError::Isolate);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One savepoint per owned message; a failure rolls back to it and is recorded.
+    fn run_isolated(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        mine: &[(&Delivery<'_, C>, i32)],
+        now: DateTime<Utc>,
+        decisions: &mut Vec<(usize, Decision)>,
+    ) -> std::result::Result<(), TxError> {
+        for (d, attempts) in mine {
+            let Some(handler) = d.handler else {
+                decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
+                continue;
+            };
+            let ctx = MessageContext::new(d.env, group, attempt_number(*attempts), now);
+            let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
+                let before = depth(conn).map_err(|e| match e {
+                    TxError::Retryable(db) => SavepointError::Db(db),
+                    _ => SavepointError::Failed(HandlerFailure::Panic("broken transaction state".into())),
+                })?;
+                let result = catch_unwind(AssertUnwindSafe(|| handler.handle_payload(conn, &ctx)));
+                let failure = match result {
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(failure)) => failure,
+                    Err(payload) => HandlerFailure::Panic(panic_message(&*payload)),
+                };
+                if restore_depth(conn, before).is_err() {
+                    return Err(SavepointError::Db(diesel::result::Error::BrokenTransactionManager));
+                }
+                Err(SavepointError::Failed(failure))
+            });
+            let decision = match outcome {
+                Ok(()) => Decision::Processed,
+                Err(SavepointError::Db(err)) => return Err(err.into()),
+                Err(SavepointError::Failed(failure)) => {
+                    if failure_is_retryable(&failure) {
+                        return Err(TxError::Retryable(retryable_cause(failure)));
+                    }
+                    // The savepoint is rolled back; the claim row is still ours.
+                    self.fail(conn, group, d, *attempts, Some(failure), now)?
+                }
+            };
+            decisions.push((d.idx, decision));
+        }
+        Ok(())
+    }
+
+    /// Records a failure by the same claim key the claim used; `None` means no
+    /// handler takes the message type.
+    fn fail(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        d: &Delivery<'_, C>,
+        attempts_before: i32,
+        failure: Option<HandlerFailure>,
+        now: DateTime<Utc>,
+    ) -> std::result::Result<Decision, TxError> {
+        let policy = d.handler.map_or_else(RetryPolicy::default, |h| h.retry_policy());
+        let attempts = attempts_before.saturating_add(1);
+        let exhausted = policy.is_exhausted(u32::try_from(attempts).unwrap_or(u32::MAX));
+        let (outcome, last_error) = match &failure {
+            None => (
+                Err(DeadLetterReason::NoHandler),
+                format!("no handler in group {group} takes message type {:?}", d.env.message_type),
+            ),
+            Some(f @ HandlerFailure::Decode(_)) => (Err(DeadLetterReason::DecodeError), f.to_string()),
+            Some(f @ HandlerFailure::Handler(e)) => {
+                let outcome = match e.kind() {
+                    HandlerErrorKind::Permanent => Err(DeadLetterReason::Permanent),
+                    _ if exhausted => Err(DeadLetterReason::MaxAttempts),
+                    HandlerErrorKind::RetryAfter(delay) => Ok(delay),
+                    _ => Ok(policy.delay_after(attempts.unsigned_abs())),
+                };
+                (outcome, f.to_string())
+            }
+            Some(f) => (
+                if exhausted {
+                    Err(DeadLetterReason::MaxAttempts)
+                } else {
+                    Ok(policy.delay_after(attempts.unsigned_abs()))
+                },
+                f.to_string(),
+            ),
+        };
+        let last_error = truncate(last_error);
+        let update = FailureUpdate {
+            status: if outcome.is_ok() { ClaimStatus::Failed } else { ClaimStatus::Dead },
+            next_attempt_at: outcome.as_ref().ok().map(|delay| now + delta(*delay)),
+            last_error: &last_error,
+            // Kept only while a retry is pending, so the message can be redriven.
+            payload: outcome.is_ok().then_some(d.env.payload.as_slice()),
+            now,
+        };
+        let key = ClaimKey::new(group.clone(), d.env.message_key.clone());
+        // By the same claim key the claim used: exactly one row, or the claim vanished.
+        let touched = C::record_failure(conn, &key, &update, true)?;
+        if touched != [attempts] {
+            return Ok(phantom(
+                group,
+                &d.env.message_key,
+                &format!(
+                    "the failure update by claim key returned attempts {touched:?}, expected [{attempts}]"
+                ),
+            ));
+        }
+        tracing::warn!(group = %group, key = %d.env.message_key, attempts, error = %last_error, "handler failed");
+        match outcome {
+            Ok(delay) => Ok(Decision::RetryAfter(delay)),
+            Err(reason) => {
+                C::insert_dead_letter(
+                    conn,
+                    &NewDeadLetter {
+                        group: group.as_str(),
+                        key: d.key(),
+                        message_type: &d.env.message_type,
+                        tenant: d.env.tenant.as_deref(),
+                        payload: &d.env.payload,
+                        headers: headers_json(d.env),
+                        attempts,
+                        reason: reason.as_str(),
+                        last_error: Some(&last_error),
+                        now,
+                    },
+                )?;
+                tracing::error!(group = %group, key = %d.env.message_key, %reason, "message dead-lettered");
+                Ok(Decision::DeadLettered(reason))
+            }
+        }
+    }
+
+    /// Dead-letters a newcomer whose payload differs from the claimed one; the stored
+    /// claim is left untouched.
+    fn dead_letter_collision(
+        &self,
+        conn: &mut C,
+        group: &ConsumerGroup,
+        d: &Delivery<'_, C>,
+        now: DateTime<Utc>,
+        against: &str,
+    ) -> std::result::Result<(), diesel::result::Error> {
+        let last_error = format!(
+            "key collision: payload digest differs from {against} under key {}",
+            d.env.message_key
+        );
+        tracing::error!(group = %group, key = %d.env.message_key, "{last_error}");
+        metrics::counter!("inbox_key_collisions_total", "group" => group.to_string()).increment(1);
+        C::insert_dead_letter(
+            conn,
+            &NewDeadLetter {
+                group: group.as_str(),
+                key: d.key(),
+                message_type: &d.env.message_type,
+                tenant: d.env.tenant.as_deref(),
+                payload: &d.env.payload,
+                headers: headers_json(d.env),
+                attempts: 0,
+                reason: DeadLetterReason::KeyCollision.as_str(),
+                last_error: Some(&last_error),
+                now,
+            },
+        )
+    }
+
+    /// A redelivered message: one at a time per group in this process, first a
+    /// committed start mark (under the claim's own conflict condition), then the
+    /// normal path. Too many unfinished starts dead-letter it as a crash loop.
+    fn run_redelivered(&self, group: &ConsumerGroup, d: &Delivery<'_, C>) -> Result<Decision> {
+        let slot = self.slot(group);
+        let _one_at_a_time = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tries = 0;
+        let crashed = loop {
+            let now = self.clock.now();
+            let mut conn = self.pool.get()?;
+            let marked = C::write_transaction(&mut conn, |conn| {
+                let Some(starts) = C::mark_start(conn, group, &d.row(), now)? else {
+                    return Ok(None);
+                };
+                let limit = i32::try_from(self.settings.crash_limit).unwrap_or(i32::MAX);
+                if starts <= limit {
+                    return Ok(None);
+                }
+                let unfinished = starts - 1;
+                let last_error = format!(
+                    "crash loop: {unfinished} starts without an outcome (limit {limit})"
+                );
+                let update = FailureUpdate {
+                    status: ClaimStatus::Dead,
+                    next_attempt_at: None,
+                    last_error: &last_error,
+                    payload: None,
+                    now,
+                };
+                let key = ClaimKey::new(group.clone(), d.env.message_key.clone());
+                let touched = C::record_failure(conn, &key, &update, false)?;
+                let [attempts] = touched[..] else {
+                    return Ok(Some(phantom(
+                        group,
+                        &d.env.message_key,
+                        &format!("the crash-loop update by claim key touched {} rows", touched.len()),
+                    )));
+                };
+                C::insert_dead_letter(
+                    conn,
+                    &NewDeadLetter {
+                        group: group.as_str(),
+                        key: d.key(),
+                        message_type: &d.env.message_type,
+                        tenant: d.env.tenant.as_deref(),
+                        payload: &d.env.payload,
+                        headers: headers_json(d.env),
+                        attempts,
+                        reason: DeadLetterReason::CrashLoop.as_str(),
+                        last_error: Some(&last_error),
+                        now,
+                    },
+                )?;
+                tracing::error!(group = %group, key = %d.env.message_key, unfinished, "crash loop: dead-lettered");
+                Ok::<_, TxError>(Some(Decision::DeadLettered(DeadLetterReason::CrashLoop)))
+            });
+            match marked {
+                Ok(decision) => break decision,
+                Err(TxError::Retryable(err)) if tries < self.settings.transaction_retries => {
+                    tries += 1;
+                    tracing::warn!(group = %group, error = %err, "start mark conflicted");
+                }
+                Err(TxError::Retryable(_)) => return Ok(Decision::RetryAfter(CONTENDED_RETRY)),
+                Err(TxError::Fatal(err)) => return Err(err),
+                Err(TxError::Isolate) => return Err(Error::Config("isolation requested by a start mark".to_owned())),
+            }
+        };
+        match crashed {
+            Some(decision) => Ok(decision),
+            None => {
+                let mut decisions = self.run_with_retries(group, std::slice::from_ref(d))?;
+                decisions
+                    .pop()
+                    .map(|(_, decision)| decision)
+                    .ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
+            }
+        }
+    }
+}
+
+fn attempt_number(attempts_before: i32) -> u32 {
+    attempts_before.unsigned_abs().saturating_add(1)
+}
+
+fn retryable_cause(failure: HandlerFailure) -> diesel::result::Error {
+    match failure {
+        HandlerFailure::Handler(err) => match err.downcast_ref::<diesel::result::Error>() {
+            Some(diesel::result::Error::DatabaseError(kind, info)) => {
+                diesel::result::Error::DatabaseError(*kind, Box::new(info.message().to_owned()))
+            }
+            _ => diesel::result::Error::RollbackTransaction,
+        },
+        _ => diesel::result::Error::RollbackTransaction,
+    }
+}
+
+/// The claim table rejected or lost a claim its lookup cannot explain: halt the group,
+/// loudly. Acking it as a duplicate would drop the message's effect silently.
+fn phantom(group: &ConsumerGroup, key: &MessageKey, detail: &str) -> Decision {
+    tracing::error!(group = %group, key = %key, detail, "claim invariant violated: stopping the consumer group");
+    metrics::counter!("inbox_phantom_conflicts_total", "group" => group.to_string()).increment(1);
+    Decision::Stop(ClaimInvariantViolated {
+        group: group.clone(),
+        key: key.clone(),
+        detail: detail.to_owned(),
+    })
+}

@@ -1,0 +1,68 @@
+/// Everything that can go wrong in `inbox-diesel`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The URL's scheme names no supported backend.
+    #[error("unsupported database url {url}: expected postgres://, postgresql://, sqlite:// or a file path")]
+    UnsupportedUrl {
+        /// The URL, password redacted.
+        url: String,
+    },
+    /// The database could not be reached; the driver's own error is kept.
+    #[error("could not connect to {url}: {source}")]
+    Connect {
+        /// The URL, password redacted.
+        url: String,
+        /// The driver's error.
+        #[source]
+        source: diesel::ConnectionError,
+    },
+    /// The connection pool failed.
+    #[error("connection pool error: {0}")]
+    Pool(#[from] diesel::r2d2::PoolError),
+    /// A schema name is not a plain identifier.
+    #[error("invalid schema name {0:?}: expected [a-z_][a-z0-9_]*, at most 63 bytes")]
+    InvalidSchemaName(String),
+    /// Running the embedded migrations failed.
+    #[error("migration failed: {0}")]
+    Migration(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The live schema does not enforce the claim key the store uses.
+    #[error("claim index mismatch: expected {expected}, found {found} on {table}")]
+    SchemaMismatch {
+        /// What the store needs.
+        expected: String,
+        /// What the catalog says.
+        found: String,
+        /// The table, schema-qualified where the backend has schemas.
+        table: String,
+    },
+    /// A setting was rejected.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A database statement failed.
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+    /// The connection was left inside a transaction it could not unwind.
+    #[error("connection left at transaction depth {found}, expected {expected}")]
+    TransactionDepth {
+        /// The depth the store expected.
+        expected: u32,
+        /// The depth found.
+        found: u32,
+    },
+    /// An `inbox-core` error (invalid key, invariant violation, ...).
+    #[error(transparent)]
+    Core(#[from] inbox_core::Error),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<Error> for inbox_core::Error {
+    fn from(err: Error) -> Self {
+        match err {
+            Error::Core(core) => core,
+            other => inbox_core::Error::Store(Box::new(other)),
+        }
+    }
+}

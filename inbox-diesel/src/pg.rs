@@ -1,0 +1,160 @@
+//! PostgreSQL specifics.
+
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text};
+use diesel::{ConnectionResult, PgConnection, QueryResult};
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+
+use crate::backend::{private::Sealed, quoted};
+use crate::verify::{Catalog, IndexInfo};
+use crate::{Backend, Error, Result};
+
+const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+
+/// Serialises concurrent migration runs of several processes (an advisory lock key).
+const MIGRATION_LOCK: i64 = 0x1b0c_5a11_0000_0001;
+
+#[derive(QueryableByName)]
+struct IndexRow {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Bool)]
+    is_unique: bool,
+    #[diesel(sql_type = Bool)]
+    is_partial: bool,
+    #[diesel(sql_type = Array<Nullable<Text>>)]
+    columns: Vec<Option<String>>,
+}
+
+#[derive(QueryableByName)]
+struct ColumnRow {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Bool)]
+    not_null: bool,
+}
+
+#[derive(QueryableByName)]
+struct TableRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    schema: Option<String>,
+    #[diesel(sql_type = Bool)]
+    exists: bool,
+}
+
+/// The claim table of the store's own schema: the first schema of its search path.
+const CLAIMS: &str = "to_regclass(format('%I.%I', current_schema(), 'inbox_claims'))";
+
+impl Sealed for PgConnection {
+    const BACKEND: Backend = Backend::Postgres;
+
+    fn establish_url(url: &str) -> ConnectionResult<Self> {
+        PgConnection::establish(url)
+    }
+
+    fn pool_url(url: &str) -> String {
+        url.to_owned()
+    }
+
+    fn on_acquire(conn: &mut Self, schema: Option<&str>) -> QueryResult<()> {
+        match schema {
+            Some(schema) => conn.batch_execute(&format!("SET search_path TO {}", quoted(schema))),
+            None => Ok(()),
+        }
+    }
+
+    fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
+        if let Some(schema) = schema {
+            let q = quoted(schema);
+            conn.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"))?;
+        }
+        diesel::sql_query("SELECT pg_advisory_lock($1)")
+            .bind::<BigInt, _>(MIGRATION_LOCK)
+            .execute(conn)?;
+        let ran = conn
+            .run_pending_migrations(MIGRATIONS)
+            .map(|_| ())
+            .map_err(Error::Migration);
+        diesel::sql_query("SELECT pg_advisory_unlock($1)")
+            .bind::<BigInt, _>(MIGRATION_LOCK)
+            .execute(conn)?;
+        ran
+    }
+
+    fn catalog(conn: &mut Self) -> Result<Catalog> {
+        let table: TableRow = diesel::sql_query(format!(
+            "SELECT current_schema()::text AS schema, {CLAIMS} IS NOT NULL AS exists"
+        ))
+        .get_result(conn)?;
+        let name = format!(
+            "{}.inbox_claims",
+            table.schema.as_deref().unwrap_or("<no schema>")
+        );
+        if !table.exists {
+            return Ok(Catalog {
+                table: name,
+                exists: false,
+                indexes: vec![],
+                columns: vec![],
+            });
+        }
+        // Key columns only (not INCLUDE columns), in index order; 0 is an expression.
+        let indexes: Vec<IndexRow> = diesel::sql_query(format!(
+            "SELECT ic.relname::text AS name, i.indisunique AS is_unique, \
+                    (i.indpred IS NOT NULL) AS is_partial, \
+                    ARRAY(SELECT a.attname::text \
+                          FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+                          LEFT JOIN pg_attribute a \
+                            ON a.attrelid = i.indrelid AND a.attnum = k.attnum AND k.attnum > 0 \
+                          WHERE k.ord <= i.indnkeyatts \
+                          ORDER BY k.ord) AS columns \
+             FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
+             WHERE i.indrelid = {CLAIMS} ORDER BY ic.relname"
+        ))
+        .load(conn)?;
+        let columns: Vec<ColumnRow> = diesel::sql_query(format!(
+            "SELECT attname::text AS name, attnotnull AS not_null FROM pg_attribute \
+             WHERE attrelid = {CLAIMS} AND attnum > 0 AND NOT attisdropped"
+        ))
+        .load(conn)?;
+        Ok(Catalog {
+            table: name,
+            exists: true,
+            indexes: indexes
+                .into_iter()
+                .map(|i| IndexInfo {
+                    name: i.name,
+                    unique: i.is_unique,
+                    partial: i.is_partial,
+                    columns: i.columns,
+                })
+                .collect(),
+            columns: columns.into_iter().map(|c| (c.name, c.not_null)).collect(),
+        })
+    }
+
+    fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+        E: From<diesel::result::Error>,
+    {
+        conn.transaction(f)
+    }
+
+    fn take_shared_locks(conn: &mut Self, ids: &[i64]) -> QueryResult<()> {
+        for id in ids {
+            diesel::sql_query("SELECT pg_advisory_xact_lock_shared($1)")
+                .bind::<BigInt, _>(id)
+                .execute(conn)?;
+        }
+        Ok(())
+    }
+
+    fn take_exclusive_lock(conn: &mut Self, id: i64) -> QueryResult<()> {
+        diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+            .bind::<BigInt, _>(id)
+            .execute(conn)
+            .map(|_| ())
+    }
+}

@@ -1,0 +1,55 @@
+//! Diesel table definitions, one module per backend: they differ only in how a
+//! timestamp is stored (TIMESTAMPTZ on PostgreSQL, RFC 3339 text on SQLite).
+
+macro_rules! inbox_tables {
+    ($ts:ident) => {
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            inbox_claims (consumer_group, message_key) {
+                consumer_group -> Text,
+                message_key -> Text,
+                message_type -> Text,
+                tenant -> Nullable<Text>,
+                payload_digest -> Binary,
+                status -> Text,
+                attempts -> Integer,
+                starts -> Integer,
+                next_attempt_at -> Nullable<$ts>,
+                last_error -> Nullable<Text>,
+                payload -> Nullable<Binary>,
+                first_seen_at -> $ts,
+                updated_at -> $ts,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            inbox_dead_letters (id) {
+                id -> BigInt,
+                consumer_group -> Text,
+                message_key -> Text,
+                message_type -> Text,
+                tenant -> Nullable<Text>,
+                payload -> Binary,
+                headers -> Text,
+                attempts -> Integer,
+                reason -> Text,
+                last_error -> Nullable<Text>,
+                dead_lettered_at -> $ts,
+                replayed_at -> Nullable<$ts>,
+            }
+        }
+    };
+}
+
+/// PostgreSQL tables.
+pub mod pg {
+    inbox_tables!(Timestamptz);
+}
+
+/// SQLite tables.
+pub mod sqlite {
+    inbox_tables!(TimestamptzSqlite);
+}

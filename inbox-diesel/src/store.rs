@@ -1,0 +1,392 @@
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use chrono::{DateTime, Utc};
+use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, PooledConnection};
+use inbox_core::{
+    ClaimKey, Clock, ConsumerGroup, Decision, DynHandler, Envelope, Handler, InboxStore,
+    SystemClock,
+};
+
+use crate::backend::{valid_schema_name, StoreConnection};
+use crate::{verify, Backend, Error, Result};
+
+/// A claim's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimStatus {
+    /// A redelivered message's processing started (crash-loop detection).
+    Started,
+    /// The handler's effect committed.
+    Done,
+    /// The handler failed; a retry is due at `next_attempt_at`.
+    Failed,
+    /// Dead-lettered.
+    Dead,
+}
+
+impl ClaimStatus {
+    /// The status as stored.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Dead => "dead",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "started" => Self::Started,
+            "done" => Self::Done,
+            "failed" => Self::Failed,
+            "dead" => Self::Dead,
+            _ => return None,
+        })
+    }
+}
+
+/// A row of the claim table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimRecord {
+    /// The consumer group.
+    pub group: String,
+    /// The message key.
+    pub key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The tenant, informational.
+    pub tenant: Option<String>,
+    /// The state.
+    pub status: ClaimStatus,
+    /// Handled failures so far.
+    pub attempts: i32,
+    /// Starts of redelivered processing without an outcome since.
+    pub starts: i32,
+    /// When a retry is due.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// Whether the payload is kept (only while a retry is pending).
+    pub has_payload: bool,
+    /// When the claim was first made.
+    pub first_seen_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A row of the dead-letter table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Surrogate id (a key collision dead-letters under an existing key).
+    pub id: i64,
+    /// The consumer group.
+    pub group: String,
+    /// The message key.
+    pub key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The tenant.
+    pub tenant: Option<String>,
+    /// The payload, as delivered.
+    pub payload: Vec<u8>,
+    /// The transport headers.
+    pub headers: BTreeMap<String, String>,
+    /// Handled failures when it was dead-lettered.
+    pub attempts: i32,
+    /// Why (`max_attempts`, `permanent`, `decode_error`, `key_collision`, `crash_loop`, ...).
+    pub reason: String,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When.
+    pub dead_lettered_at: DateTime<Utc>,
+    /// When it was replayed, if it was.
+    pub replayed_at: Option<DateTime<Utc>>,
+}
+
+pub(crate) struct Settings {
+    pub crash_limit: u32,
+    pub transaction_retries: u32,
+}
+
+pub(crate) struct Inner<C: StoreConnection> {
+    pub pool: Pool<ConnectionManager<C>>,
+    pub handlers: HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>,
+    pub clock: Arc<dyn Clock>,
+    pub settings: Settings,
+    /// One crash-detection slot per consumer group in this process.
+    pub slots: Mutex<HashMap<ConsumerGroup, Arc<Mutex<()>>>>,
+}
+
+impl<C: StoreConnection> Inner<C> {
+    pub(crate) fn slot(&self, group: &ConsumerGroup) -> Arc<Mutex<()>> {
+        self.slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(group.clone())
+            .or_default()
+            .clone()
+    }
+}
+
+/// The claim store: processes batches of deliveries exactly once per consumer group
+/// on PostgreSQL or SQLite, with retries, dead letters and crash-loop detection.
+///
+/// Cloning is cheap and shares the pool. Build it with [`Store::builder`].
+///
+/// ```no_run
+/// use diesel::PgConnection;
+/// use inbox_diesel::Store;
+/// # fn main() -> inbox_diesel::Result<()> {
+/// let store = Store::<PgConnection>::builder("postgres://postgres@127.0.0.1/test")
+///     .schema("billing")
+///     .build()?; // runs migrations, then verifies the claim index
+/// # let _ = store; Ok(()) }
+/// ```
+pub struct Store<C: StoreConnection> {
+    pub(crate) inner: Arc<Inner<C>>,
+}
+
+impl<C: StoreConnection> Clone for Store<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<C: StoreConnection> fmt::Debug for Store<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &C::BACKEND)
+            .field("handlers", &self.inner.handlers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: StoreConnection> Store<C> {
+    /// Starts building a store for `url`.
+    pub fn builder(url: impl Into<String>) -> StoreBuilder<C> {
+        StoreBuilder {
+            url: url.into(),
+            schema: None,
+            pool_size: 4,
+            clock: Arc::new(SystemClock),
+            handlers: Vec::new(),
+            crash_limit: 3,
+            transaction_retries: 3,
+            migrate: true,
+        }
+    }
+
+    /// The connection pool (for the application's own queries and tests).
+    pub fn pool(&self) -> &Pool<ConnectionManager<C>> {
+        &self.inner.pool
+    }
+
+    /// A pooled connection, set up like the store's own (search path, pragmas).
+    pub fn connection(&self) -> Result<PooledConnection<ConnectionManager<C>>> {
+        Ok(self.inner.pool.get()?)
+    }
+
+    /// The store's clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
+    }
+
+    /// Checks the live schema: a unique index (or primary key) must cover exactly the
+    /// claim key columns, with no predicate and no expression, on NOT NULL columns,
+    /// and no other unique index may constrain a part of them.
+    pub fn verify_schema(&self) -> Result<()> {
+        let mut conn = self.connection()?;
+        verify::check(&C::catalog(&mut conn)?)
+    }
+
+    /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
+    pub fn process_batch(&self, group: &ConsumerGroup, batch: &[Envelope]) -> Result<Vec<Decision>> {
+        self.inner.process(group, batch)
+    }
+
+    /// Reads one claim.
+    pub fn claim(&self, key: &ClaimKey) -> Result<Option<ClaimRecord>> {
+        let mut conn = self.connection()?;
+        Ok(C::read_claim(&mut conn, key)?)
+    }
+
+    /// Reads a group's dead letters, oldest first.
+    pub fn dead_letters(&self, group: &ConsumerGroup) -> Result<Vec<DeadLetter>> {
+        let mut conn = self.connection()?;
+        Ok(C::read_dead_letters(&mut conn, group)?)
+    }
+}
+
+impl<C: StoreConnection> InboxStore for Store<C> {
+    fn process_batch(
+        &self,
+        group: &ConsumerGroup,
+        batch: &[Envelope],
+    ) -> inbox_core::Result<Vec<Decision>> {
+        Ok(self.inner.process(group, batch)?)
+    }
+
+    fn routes(&self) -> Vec<(ConsumerGroup, String)> {
+        let mut routes: Vec<_> = self.inner.handlers.keys().cloned().collect();
+        routes.sort();
+        routes
+    }
+}
+
+/// Builds a [`Store`].
+#[must_use]
+pub struct StoreBuilder<C: StoreConnection> {
+    url: String,
+    schema: Option<String>,
+    pool_size: u32,
+    clock: Arc<dyn Clock>,
+    handlers: Vec<Arc<dyn DynHandler<C>>>,
+    crash_limit: u32,
+    transaction_retries: u32,
+    migrate: bool,
+}
+
+impl<C: StoreConnection> StoreBuilder<C> {
+    /// PostgreSQL only: keep the store's tables in this schema (created if missing)
+    /// and verify that schema's claim table. Defaults to the connection's search path.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The most connections the pool opens (default 4).
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// The clock every "now" comes from (default: the system clock).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Registers a handler.
+    pub fn handler<H: Handler<C>>(mut self, handler: H) -> Self {
+        self.handlers.push(Arc::new(handler));
+        self
+    }
+
+    /// Registers a shared, type-erased handler.
+    pub fn dyn_handler(mut self, handler: Arc<dyn DynHandler<C>>) -> Self {
+        self.handlers.push(handler);
+        self
+    }
+
+    /// Unfinished starts of a redelivered message after which it is dead-lettered as
+    /// `crash_loop` without running (default 3, at least 1).
+    pub fn crash_limit(mut self, limit: u32) -> Self {
+        self.crash_limit = limit;
+        self
+    }
+
+    /// How often a batch is run again after a deadlock, serialization failure or
+    /// SQLITE_BUSY before it is split (default 3).
+    pub fn transaction_retries(mut self, retries: u32) -> Self {
+        self.transaction_retries = retries;
+        self
+    }
+
+    /// Whether `build` runs the embedded migrations first (default true).
+    pub fn run_migrations(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// Connects, runs the migrations (unless turned off), and refuses to start unless
+    /// [`Store::verify_schema`] accepts the live schema.
+    pub fn build(self) -> Result<Store<C>> {
+        let store = self.build_unchecked()?;
+        store.verify_schema()?;
+        Ok(store)
+    }
+
+    /// Like [`StoreBuilder::build`] but without verifying the schema. For tests that
+    /// sabotage the schema on purpose; a production store uses `build`.
+    pub fn build_unchecked(self) -> Result<Store<C>> {
+        if let Some(schema) = &self.schema {
+            if C::BACKEND != Backend::Postgres {
+                return Err(Error::Config(
+                    "a schema can only be set on PostgreSQL".to_owned(),
+                ));
+            }
+            if !valid_schema_name(schema) {
+                return Err(Error::InvalidSchemaName(schema.clone()));
+            }
+        }
+        if self.crash_limit == 0 {
+            return Err(Error::Config(
+                "crash_limit must be at least 1, found 0".to_owned(),
+            ));
+        }
+        if self.pool_size == 0 {
+            return Err(Error::Config("pool_size must be at least 1, found 0".to_owned()));
+        }
+        let mut handlers = HashMap::new();
+        for handler in self.handlers {
+            let route = (handler.group().clone(), handler.message_type().to_owned());
+            if handlers.contains_key(&route) {
+                return Err(Error::Core(inbox_core::Error::DuplicateHandler {
+                    group: route.0.to_string(),
+                    message_type: route.1,
+                }));
+            }
+            handlers.insert(route, handler);
+        }
+
+        // Connect once by hand: the driver's own error says why ("connection refused"),
+        // which a pool's time-out would not.
+        let mut first = C::establish_url(&self.url).map_err(|source| Error::Connect {
+            url: crate::redact(&self.url),
+            source,
+        })?;
+        C::on_acquire(&mut first, self.schema.as_deref())?;
+        if self.migrate {
+            C::migrate(&mut first, self.schema.as_deref())?;
+        }
+        drop(first);
+
+        let pool = Pool::builder()
+            .max_size(self.pool_size)
+            .min_idle(Some(1))
+            .connection_customizer(Box::new(Customizer {
+                schema: self.schema,
+            }))
+            .build(ConnectionManager::<C>::new(C::pool_url(&self.url)))?;
+        Ok(Store {
+            inner: Arc::new(Inner {
+                pool,
+                handlers,
+                clock: self.clock,
+                settings: Settings {
+                    crash_limit: self.crash_limit,
+                    transaction_retries: self.transaction_retries,
+                },
+                slots: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Customizer {
+    schema: Option<String>,
+}
+
+impl<C: StoreConnection> CustomizeConnection<C, diesel::r2d2::Error> for Customizer {
+    fn on_acquire(&self, conn: &mut C) -> std::result::Result<(), diesel::r2d2::Error> {
+        C::on_acquire(conn, self.schema.as_deref()).map_err(diesel::r2d2::Error::QueryError)
+    }
+}

@@ -1,0 +1,97 @@
+use crate::{Error, Result};
+
+/// The database a URL points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    /// `postgres://` or `postgresql://`.
+    Postgres,
+    /// `sqlite://path`, `file:path`, or a plain file path.
+    Sqlite,
+}
+
+impl Backend {
+    /// Picks the backend from the URL's scheme.
+    ///
+    /// ```
+    /// use inbox_diesel::Backend;
+    /// assert_eq!(Backend::from_url("postgres://app@db/billing")?, Backend::Postgres);
+    /// assert_eq!(Backend::from_url("sqlite:///tmp/inbox.db")?, Backend::Sqlite);
+    /// assert_eq!(Backend::from_url("/tmp/inbox.db")?, Backend::Sqlite);
+    /// assert!(Backend::from_url("mysql://root:hunter2@db/x").is_err());
+    /// # Ok::<(), inbox_diesel::Error>(())
+    /// ```
+    pub fn from_url(url: &str) -> Result<Self> {
+        let lower = url.to_ascii_lowercase();
+        if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+            Ok(Self::Postgres)
+        } else if lower.starts_with("sqlite:") || lower.starts_with("file:") || !lower.contains("://")
+        {
+            Ok(Self::Sqlite)
+        } else {
+            Err(Error::UnsupportedUrl { url: redact(url) })
+        }
+    }
+}
+
+/// The path diesel's SQLite driver takes for a `sqlite://` URL.
+pub(crate) fn sqlite_path(url: &str) -> &str {
+    url.strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url)
+}
+
+/// Replaces the password of a URL's user info with `***`.
+///
+/// ```
+/// use inbox_diesel::redact;
+/// assert_eq!(redact("postgres://app:s3cret@db:5432/billing"), "postgres://app:***@db:5432/billing");
+/// assert_eq!(redact("postgres://app@db/billing"), "postgres://app@db/billing");
+/// ```
+pub fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &authority[..at];
+    match userinfo.find(':') {
+        Some(colon) => format!(
+            "{}{}:***{}",
+            &url[..scheme_end + 3],
+            &userinfo[..colon],
+            &rest[at..]
+        ),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_only_the_password() {
+        assert_eq!(
+            redact("postgresql://u:p%40ss@h/db?sslmode=disable"),
+            "postgresql://u:***@h/db?sslmode=disable"
+        );
+        assert_eq!(redact("amqp://guest:guest@127.0.0.1:5672/%2f"), "amqp://guest:***@127.0.0.1:5672/%2f");
+        assert_eq!(redact("/tmp/a.db"), "/tmp/a.db");
+        // An '@' in the path is not user info.
+        assert_eq!(redact("postgres://h/db@x"), "postgres://h/db@x");
+        // A password containing '@' is still hidden whole.
+        assert_eq!(redact("postgres://u:a@b@h/db"), "postgres://u:***@h/db");
+    }
+
+    #[test]
+    fn unsupported_url_error_hides_the_password() {
+        let err = Backend::from_url("mysql://root:hunter2@db/x").unwrap_err().to_string();
+        assert!(!err.contains("hunter2"), "{err}");
+        assert!(err.contains("mysql://root:***@db/x"), "{err}");
+    }
+}

@@ -1,0 +1,186 @@
+//! `verify_schema`: the claim table's unique index must enforce exactly the claim key.
+
+use inbox_core::ClaimKey;
+
+use crate::{Error, Result};
+
+/// One index of the claim table, as the live catalog describes it.
+#[derive(Debug)]
+pub struct IndexInfo {
+    pub name: String,
+    pub unique: bool,
+    pub partial: bool,
+    /// Key columns in index order; `None` for an expression.
+    pub columns: Vec<Option<String>>,
+}
+
+/// What the live catalog says about the claim table.
+#[derive(Debug)]
+pub struct Catalog {
+    /// The table's name as the store sees it (schema-qualified on PostgreSQL).
+    pub table: String,
+    /// Whether the table exists.
+    pub exists: bool,
+    pub indexes: Vec<IndexInfo>,
+    /// (column, not null) for every column of the table.
+    pub columns: Vec<(String, bool)>,
+}
+
+fn describe(index: &IndexInfo) -> String {
+    let cols: Vec<&str> = index
+        .columns
+        .iter()
+        .map(|c| c.as_deref().unwrap_or("<expression>"))
+        .collect();
+    format!(
+        "{}unique ({}) [{}]",
+        if index.partial { "partial " } else { "" },
+        cols.join(", "),
+        index.name
+    )
+}
+
+fn key_list() -> String {
+    format!("({})", ClaimKey::COLUMNS.join(", "))
+}
+
+/// Whether the index's plain columns include every claim-key column.
+fn covers_key(index: &IndexInfo) -> bool {
+    ClaimKey::COLUMNS
+        .iter()
+        .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
+}
+
+/// Whether the index is exactly the claim key: unique, not partial, no expression,
+/// the same column set.
+fn is_claim_key(index: &IndexInfo) -> bool {
+    index.unique
+        && !index.partial
+        && index.columns.len() == ClaimKey::COLUMNS.len()
+        && covers_key(index)
+}
+
+/// Refuses a claim table whose unique indexes do not enforce exactly the claim key.
+pub(crate) fn check(catalog: &Catalog) -> Result<()> {
+    let mismatch = |expected: String, found: String| Error::SchemaMismatch {
+        expected,
+        found,
+        table: catalog.table.clone(),
+    };
+    if !catalog.exists {
+        return Err(mismatch(
+            format!("table with unique {}", key_list()),
+            "no such table (were the migrations run?)".to_owned(),
+        ));
+    }
+    for key in ClaimKey::COLUMNS {
+        match catalog.columns.iter().find(|(name, _)| name == key) {
+            None => {
+                return Err(mismatch(
+                    format!("NOT NULL column {key}"),
+                    "no such column".to_owned(),
+                ))
+            }
+            Some((_, false)) => {
+                return Err(mismatch(
+                    format!("NOT NULL column {key}"),
+                    format!("nullable column {key}"),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let unique: Vec<&IndexInfo> = catalog.indexes.iter().filter(|i| i.unique).collect();
+    let found_all = || {
+        if unique.is_empty() {
+            "no unique index".to_owned()
+        } else {
+            unique.iter().map(|i| describe(i)).collect::<Vec<_>>().join(", ")
+        }
+    };
+    if !unique.iter().any(|i| is_claim_key(i)) {
+        return Err(mismatch(
+            format!("unique {} without predicate or expression", key_list()),
+            found_all(),
+        ));
+    }
+    // Another unique index that does not contain the whole claim key can reject a
+    // claim the claim key allows (a unique message_key makes a second group's claim
+    // fail), so the insert's conflict and the lookup would disagree.
+    if let Some(extra) = unique.iter().find(|i| !covers_key(i)) {
+        return Err(mismatch(
+            format!(
+                "no unique index other than on {} or a superset of it",
+                key_list()
+            ),
+            describe(extra),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(name: &str, cols: &[&str], partial: bool) -> IndexInfo {
+        IndexInfo {
+            name: name.into(),
+            unique: true,
+            partial,
+            columns: cols
+                .iter()
+                .map(|c| (*c != "<expr>").then(|| c.to_string()))
+                .collect(),
+        }
+    }
+
+    fn catalog(indexes: Vec<IndexInfo>) -> Catalog {
+        Catalog {
+            table: "s.inbox_claims".into(),
+            exists: true,
+            indexes,
+            columns: vec![
+                ("consumer_group".into(), true),
+                ("message_key".into(), true),
+                ("tenant".into(), false),
+            ],
+        }
+    }
+
+    #[test]
+    fn accepts_the_key_in_any_order_and_supersets() {
+        let ok = catalog(vec![
+            index("pk", &["message_key", "consumer_group"], false),
+            index("wide", &["consumer_group", "message_key", "tenant"], false),
+        ]);
+        check(&ok).unwrap();
+    }
+
+    #[test]
+    fn names_what_it_expected_and_found() {
+        let err = check(&catalog(vec![index("t", &["tenant", "message_key"], false)]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "claim index mismatch: expected unique (consumer_group, message_key) without \
+             predicate or expression, found unique (tenant, message_key) [t] on s.inbox_claims"
+        );
+    }
+
+    #[test]
+    fn refuses_expressions_partials_and_subsets() {
+        for bad in [
+            vec![index("e", &["consumer_group", "<expr>"], false)],
+            vec![index("p", &["consumer_group", "message_key"], true)],
+            vec![
+                index("pk", &["consumer_group", "message_key"], false),
+                index("k", &["message_key"], false),
+            ],
+            vec![],
+        ] {
+            assert!(check(&catalog(bad)).is_err());
+        }
+    }
+}

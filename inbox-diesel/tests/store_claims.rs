@@ -1,0 +1,465 @@
+//! The inbox state machine against real PostgreSQL and SQLite: one schema or file per
+//! test, time driven by a manual clock, assertions on stored values.
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use inbox_core::{
+    ClaimKey, Clock, DeadLetterReason, Decision, Envelope, ManualClock, MessageKey, RetryPolicy,
+};
+use inbox_diesel::{ClaimStatus, Store};
+use inbox_test_support::{
+    group, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn,
+};
+
+const GROUP: &str = "billing.daily-usage";
+
+fn start() -> DateTime<Utc> {
+    "2026-11-30T12:00:00Z".parse().expect("timestamp")
+}
+
+fn key(k: &str) -> ClaimKey {
+    ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
+}
+
+/// Runs a scenario once on PostgreSQL (when configured) and once on SQLite.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(fx) = inbox_test_support::PgFixture::new() {
+                        super::$name(&fx);
+                    }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(&inbox_test_support::SqliteFixture::new());
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    processes_once_and_acks_duplicates,
+    failures_advance_attempts_then_dead_letter_once,
+    first_failure_of_a_new_message_is_recorded,
+    permanent_error_dead_letters_at_once,
+    panics_are_failures_and_the_rest_commits,
+    key_collision_after_success,
+    key_collision_while_awaiting_retry,
+    key_repeated_in_one_batch,
+    batch_of_100_with_3_failures,
+    undecodable_payload_is_dead_lettered,
+    type_without_handler_is_dead_lettered,
+    retry_after_overrides_the_policy,
+);
+
+fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+
+    let g = group(GROUP);
+    assert_eq!(store.process_batch(&g, &[usage("a", 40)]).unwrap(), [Decision::Processed]);
+    assert_eq!(store.process_batch(&g, &[usage("a", 40)]).unwrap(), [Decision::Duplicate]);
+    assert_eq!(
+        store.process_batch(&g, &[usage("a", 40).redelivered()]).unwrap(),
+        [Decision::Duplicate]
+    );
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    assert_eq!(fx.connect().effects_of("a").unwrap(), 1);
+    let claim = store.claim(&key("a")).unwrap().expect("claim");
+    assert_eq!((claim.status, claim.attempts, claim.starts), (ClaimStatus::Done, 0, 0));
+    assert!(!claim.has_payload, "a done claim keeps no payload");
+
+    // Another group's claim of the same key is independent.
+    let other = Recorder::new("billing.other");
+    let other_store = fx.builder().handler(other).build().expect("store");
+    assert_eq!(
+        other_store.process_batch(&group("billing.other"), &[usage("a", 40)]).unwrap(),
+        [Decision::Processed]
+    );
+}
+
+fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
+    let clock = ManualClock::new(start());
+    let policy = RetryPolicy::new(4, Duration::from_secs(10), Duration::from_secs(25)).unwrap();
+    let handler = Recorder::new(GROUP)
+        .policy(policy)
+        .behaviour(|_, _| Outcome::ApplyThenFail);
+    let calls = handler.calls();
+    let store = fx
+        .builder()
+        .clock(Arc::new(clock.clone()))
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let msg = usage("poison", 5).with_tenant("acme");
+
+    let expected_delays = [10, 20, 25];
+    for attempt in 1..=3 {
+        let now = clock.now();
+        let decision = store.process_batch(&g, &[msg.clone()]).unwrap();
+        let delay = Duration::from_secs(expected_delays[attempt - 1]);
+        assert_eq!(decision, [Decision::RetryAfter(delay)], "attempt {attempt}");
+        let claim = store.claim(&key("poison")).unwrap().expect("claim");
+        assert_eq!(claim.attempts, attempt as i32);
+        assert_eq!(claim.status, ClaimStatus::Failed);
+        assert_eq!(claim.next_attempt_at, Some(now + chrono::Duration::from_std(delay).unwrap()));
+        assert!(claim.has_payload, "a failed claim keeps its payload for redrive");
+        assert_eq!(claim.tenant.as_deref(), Some("acme"));
+        assert!(claim.last_error.unwrap().contains("poison failed after writing"));
+
+        // Before next_attempt_at: the handler does not run.
+        clock.advance(delay - Duration::from_secs(1));
+        assert_eq!(
+            store.process_batch(&g, &[msg.clone()]).unwrap(),
+            [Decision::RetryAfter(Duration::from_secs(1))]
+        );
+        assert_eq!(calls.lock().unwrap().len(), attempt);
+        clock.advance(Duration::from_secs(1));
+    }
+
+    let decision = store.process_batch(&g, &[msg.clone()]).unwrap();
+    assert_eq!(decision, [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]);
+    let claim = store.claim(&key("poison")).unwrap().expect("claim");
+    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 4));
+    assert_eq!(calls.lock().unwrap().len(), 4);
+
+    // Later deliveries, redelivered or not, do not run the handler or dead-letter again.
+    clock.advance(Duration::from_secs(3600));
+    for again in [msg.clone(), msg.clone().redelivered()] {
+        assert_eq!(store.process_batch(&g, &[again]).unwrap(), [Decision::AlreadyDeadLettered]);
+    }
+    assert_eq!(calls.lock().unwrap().len(), 4);
+
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1, "dead-lettered exactly once");
+    assert_eq!(dead[0].reason, "max_attempts");
+    assert_eq!(dead[0].attempts, 4);
+    assert_eq!(dead[0].payload, msg.payload);
+    assert_eq!(dead[0].tenant.as_deref(), Some("acme"));
+    assert!(dead[0].last_error.as_deref().unwrap().contains("poison failed after writing"));
+    // Every failed attempt's write was rolled back with its savepoint.
+    assert_eq!(fx.connect().effects_of("poison").unwrap(), 0);
+}
+
+fn first_failure_of_a_new_message_is_recorded<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::ApplyThenFail);
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let decision = store.process_batch(&group(GROUP), &[usage("new", 1)]).unwrap();
+    assert!(matches!(decision[..], [Decision::RetryAfter(_)]));
+    // The claim was inserted in the same transaction as the handler's savepoint; it
+    // survives the savepoint's rollback.
+    let claim = store.claim(&key("new")).unwrap().expect("the claim survives");
+    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
+    assert_eq!(fx.connect().effects_of("new").unwrap(), 0);
+}
+
+fn permanent_error_dead_letters_at_once<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent);
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    assert_eq!(
+        store.process_batch(&g, &[usage("bad", 1)]).unwrap(),
+        [Decision::DeadLettered(DeadLetterReason::Permanent)]
+    );
+    let claim = store.claim(&key("bad")).unwrap().expect("claim");
+    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 1));
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, "permanent");
+    assert_eq!(dead[0].last_error.as_deref(), Some("bad is invalid"));
+}
+
+fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP).behaviour(|key, _| match key {
+        "boom" => Outcome::Panic,
+        "nested" => Outcome::PanicInNestedTransaction,
+        _ => Outcome::Apply,
+    });
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let batch = [usage("a", 1), usage("boom", 1), usage("nested", 1), usage("z", 1)];
+    let decisions = store.process_batch(&g, &batch).unwrap();
+    assert_eq!(decisions[0], Decision::Processed);
+    assert!(matches!(decisions[1], Decision::RetryAfter(_)));
+    assert!(matches!(decisions[2], Decision::RetryAfter(_)));
+    assert_eq!(decisions[3], Decision::Processed);
+
+    // Check from a second connection that the rest of the batch really committed.
+    let mut other = fx.connect();
+    assert_eq!(other.effects_of("a").unwrap(), 1);
+    assert_eq!(other.effects_of("z").unwrap(), 1);
+    assert_eq!(other.effects_of("boom").unwrap(), 0);
+    assert_eq!(other.effects_of("nested").unwrap(), 0);
+    for k in ["boom", "nested"] {
+        let claim = store.claim(&key(k)).unwrap().expect("claim");
+        assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1), "{k}");
+        assert!(claim.last_error.unwrap().contains("panicked"));
+    }
+    // The pooled connections are usable afterwards: the process keeps going.
+    for i in 0..8 {
+        let k = format!("after-{i}");
+        assert_eq!(store.process_batch(&g, &[usage(&k, 1)]).unwrap(), [Decision::Processed]);
+    }
+    assert_eq!(other.effect_count().unwrap(), 10);
+}
+
+fn key_collision_after_success<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    assert_eq!(store.process_batch(&g, &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    for delivery in [usage("k", 2), usage("k", 2).redelivered()] {
+        assert_eq!(
+            store.process_batch(&g, &[delivery]).unwrap(),
+            [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
+        );
+    }
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    let claim = store.claim(&key("k")).unwrap().expect("claim");
+    assert_eq!(claim.status, ClaimStatus::Done, "the stored claim is untouched");
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 2);
+    assert!(dead.iter().all(|d| d.reason == "key_collision"));
+    assert_eq!(dead[0].payload, usage("k", 2).payload);
+}
+
+fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
+    let clock = ManualClock::new(start());
+    let handler = Recorder::new(GROUP).behaviour(|_, ctx| {
+        if ctx.attempt() == 1 {
+            Outcome::ApplyThenFail
+        } else {
+            Outcome::Apply
+        }
+    });
+    let calls = handler.calls();
+    let store = fx
+        .builder()
+        .clock(Arc::new(clock.clone()))
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    assert!(matches!(
+        store.process_batch(&g, &[usage("k", 1)]).unwrap()[..],
+        [Decision::RetryAfter(_)]
+    ));
+    // Due or not, another body never runs under the first one's claim.
+    for wait in [0, 3600] {
+        clock.advance(Duration::from_secs(wait));
+        assert_eq!(
+            store.process_batch(&g, &[usage("k", 99)]).unwrap(),
+            [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
+        );
+    }
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    let claim = store.claim(&key("k")).unwrap().expect("claim");
+    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
+    // The original is still retried and applied once.
+    assert_eq!(store.process_batch(&g, &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    assert_eq!(fx.connect().effects_of("k").unwrap(), 1);
+}
+
+fn key_repeated_in_one_batch<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let batch = [usage("k", 1), usage("other", 1), usage("k", 1), usage("k", 7)];
+    let decisions = store.process_batch(&g, &batch).unwrap();
+    assert_eq!(
+        decisions,
+        [
+            Decision::Processed,
+            Decision::Processed,
+            Decision::Duplicate,
+            Decision::DeadLettered(DeadLetterReason::KeyCollision),
+        ]
+    );
+    assert_eq!(calls.lock().unwrap().len(), 2, "claimed and handled once");
+    assert_eq!(fx.connect().effects_of("k").unwrap(), 1);
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].payload, usage("k", 7).payload);
+}
+
+fn batch_of_100_with_3_failures<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP).behaviour(|key, _| {
+        if ["m-013", "m-050", "m-087"].contains(&key) {
+            Outcome::ApplyThenFail
+        } else {
+            Outcome::Apply
+        }
+    });
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let batch: Vec<Envelope> = (0..100).map(|i| usage(&format!("m-{i:03}"), 1)).collect();
+    let decisions = store.process_batch(&g, &batch).unwrap();
+    assert_eq!(decisions.len(), 100);
+    let retried: Vec<usize> = decisions
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| matches!(d, Decision::RetryAfter(_)))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(retried, [13, 50, 87]);
+    assert_eq!(decisions.iter().filter(|d| **d == Decision::Processed).count(), 97);
+    assert_eq!(fx.connect().effect_count().unwrap(), 97);
+    for k in ["m-013", "m-050", "m-087"] {
+        assert_eq!(store.claim(&key(k)).unwrap().unwrap().attempts, 1);
+    }
+    // The optimistic run stops at the first failure (m-013, the 14th key in key
+    // order); the isolated run then calls every handler once with a savepoint each.
+    assert_eq!(calls.lock().unwrap().len(), 14 + 100);
+}
+
+fn undecodable_payload_is_dead_lettered<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let bad = Envelope::new(MessageKey::new("garbled").unwrap(), "usage.recorded", b"{not json".to_vec());
+    let decisions = store.process_batch(&g, &[usage("fine", 1), bad.clone()]).unwrap();
+    assert_eq!(
+        decisions,
+        [Decision::Processed, Decision::DeadLettered(DeadLetterReason::DecodeError)]
+    );
+    assert_eq!(calls.lock().unwrap().len(), 1, "the handler never sees the bad body");
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, "decode_error");
+    assert_eq!(dead[0].payload, bad.payload, "nothing is lost");
+    assert!(dead[0].last_error.as_deref().unwrap().contains("does not decode"));
+}
+
+fn type_without_handler_is_dead_lettered<F: Fixture>(fx: &F) {
+    let store = fx.builder().handler(Recorder::new(GROUP)).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    let mut env = usage("x", 1);
+    env.message_type = "usage.unknown".into();
+    assert_eq!(
+        store.process_batch(&g, &[env.clone()]).unwrap(),
+        [Decision::DeadLettered(DeadLetterReason::NoHandler)]
+    );
+    assert_eq!(store.process_batch(&g, &[env]).unwrap(), [Decision::AlreadyDeadLettered]);
+    assert_eq!(store.dead_letters(&g).unwrap().len(), 1);
+}
+
+fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
+    struct Later(inbox_core::ConsumerGroup);
+    impl<C: TestConn + Send + 'static> inbox_core::Handler<C> for Later {
+        type Message = inbox_test_support::Usage;
+        fn group(&self) -> &inbox_core::ConsumerGroup {
+            &self.0
+        }
+        fn message_type(&self) -> &str {
+            "usage.recorded"
+        }
+        fn handle(
+            &self,
+            _: &mut C,
+            _: Self::Message,
+            _: &inbox_core::MessageContext<'_>,
+        ) -> Result<(), inbox_core::HandlerError> {
+            Err(inbox_core::HandlerError::retry_after(Duration::from_secs(42), "rate limited"))
+        }
+    }
+    let clock = ManualClock::new(start());
+    let store = fx
+        .builder()
+        .clock(Arc::new(clock.clone()))
+        .handler(Later(group(GROUP)))
+        .build()
+        .expect("store");
+    assert_eq!(
+        store.process_batch(&group(GROUP), &[usage("k", 1)]).unwrap(),
+        [Decision::RetryAfter(Duration::from_secs(42))]
+    );
+    let claim = store.claim(&key("k")).unwrap().unwrap();
+    assert_eq!(claim.next_attempt_at, Some(start() + chrono::Duration::seconds(42)));
+}
+
+#[test]
+fn thirty_two_threads_deliver_the_same_envelope() {
+    let Some(fx) = PgFixture::new() else { return };
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store: Store<diesel::PgConnection> = fx
+        .builder()
+        .pool_size(32)
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().expect("effects");
+    let barrier = Arc::new(Barrier::new(32));
+    let threads: Vec<_> = (0..32)
+        .map(|_| {
+            let store = store.clone();
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                store.process_batch(&group(GROUP), &[usage("same", 40)]).unwrap()
+            })
+        })
+        .collect();
+    let decisions: Vec<Decision> = threads
+        .into_iter()
+        .flat_map(|t| t.join().expect("thread"))
+        .collect();
+    assert_eq!(decisions.iter().filter(|d| **d == Decision::Processed).count(), 1);
+    assert_eq!(decisions.iter().filter(|d| **d == Decision::Duplicate).count(), 31);
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    assert_eq!(fx.connect().effects_of("same").unwrap(), 1);
+}
+
+#[test]
+fn sqlite_threads_deliver_the_same_envelope() {
+    let fx = SqliteFixture::new();
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().pool_size(8).handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let barrier = Arc::new(Barrier::new(8));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                store.process_batch(&group(GROUP), &[usage("same", 40)]).unwrap()
+            })
+        })
+        .collect();
+    let processed = threads
+        .into_iter()
+        .flat_map(|t| t.join().expect("thread"))
+        .filter(|d| *d == Decision::Processed)
+        .count();
+    assert_eq!(processed, 1);
+    assert_eq!(calls.lock().unwrap().len(), 1);
+}
