@@ -1,0 +1,295 @@
+//! The claim key and the unique index must agree, checked against the live catalog;
+//! a conflict the lookup cannot explain stops the group instead of being acked.
+
+use inbox_core::{Decision, InProcessTransport, InboxStore};
+use inbox_diesel::{ClaimStatus, Error, Store};
+use inbox_test_support::{group, usage, Fixture, PgFixture, Recorder, SqliteFixture, TestConn};
+
+const GROUP: &str = "billing.daily-usage";
+
+/// A sabotage of the claim table and the fragment the error must name.
+struct Sabotage {
+    name: &'static str,
+    postgres: &'static str,
+    sqlite: &'static str,
+    found: &'static str,
+}
+
+/// SQLite cannot drop a primary key: its sabotages rebuild the table.
+const SQLITE_TABLE: &str = "DROP TABLE inbox_claims; CREATE TABLE inbox_claims (
+    consumer_group TEXT NOT NULL, message_key TEXT NOT NULL, message_type TEXT NOT NULL,
+    tenant TEXT, payload_digest BLOB NOT NULL, status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, starts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at TEXT, last_error TEXT, payload BLOB,
+    first_seen_at TEXT NOT NULL, updated_at TEXT NOT NULL);";
+
+const SABOTAGES: &[Sabotage] = &[
+    Sabotage {
+        name: "unique (tenant, message_key)",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX by_tenant ON inbox_claims (tenant, message_key);",
+        sqlite: "CREATE UNIQUE INDEX by_tenant ON inbox_claims (tenant, message_key);",
+        found: "found unique (tenant, message_key) [by_tenant]",
+    },
+    Sabotage {
+        name: "unique (message_key) alone",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);",
+        sqlite: "CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);",
+        found: "found unique (message_key) [by_key]",
+    },
+    Sabotage {
+        name: "partial unique (consumer_group, message_key)",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX live ON inbox_claims (consumer_group, message_key)
+                   WHERE status <> 'dead';",
+        sqlite: "CREATE UNIQUE INDEX live ON inbox_claims (consumer_group, message_key)
+                 WHERE status <> 'dead';",
+        found: "found partial unique (consumer_group, message_key) [live]",
+    },
+    Sabotage {
+        name: "nullable key column",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   ALTER TABLE inbox_claims ALTER COLUMN consumer_group DROP NOT NULL;
+                   CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
+        sqlite: "DROP TABLE inbox_claims; CREATE TABLE inbox_claims (
+                   consumer_group TEXT, message_key TEXT NOT NULL, message_type TEXT NOT NULL,
+                   tenant TEXT, payload_digest BLOB NOT NULL, status TEXT NOT NULL,
+                   attempts INTEGER NOT NULL DEFAULT 0, starts INTEGER NOT NULL DEFAULT 0,
+                   next_attempt_at TEXT, last_error TEXT, payload BLOB,
+                   first_seen_at TEXT NOT NULL, updated_at TEXT NOT NULL);
+                 CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
+        found: "expected NOT NULL column consumer_group, found nullable column consumer_group",
+    },
+    Sabotage {
+        name: "no unique index",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;",
+        sqlite: "",
+        found: "found no unique index",
+    },
+    Sabotage {
+        name: "primary key plus unique (message_key)",
+        postgres: "CREATE UNIQUE INDEX also_key ON inbox_claims (message_key);",
+        sqlite: "CREATE UNIQUE INDEX also_key ON inbox_claims (message_key);",
+        found: "found unique (message_key) [also_key]",
+    },
+    Sabotage {
+        name: "expression index",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX lowered ON inbox_claims (consumer_group, lower(message_key));",
+        sqlite: "CREATE UNIQUE INDEX lowered ON inbox_claims (consumer_group, lower(message_key));",
+        found: "found unique (consumer_group, <expression>) [lowered]",
+    },
+];
+
+fn refuses_each_sabotage<F: Fixture>(new: impl Fn() -> F, sql: impl Fn(&Sabotage) -> String) {
+    for sabotage in SABOTAGES {
+        let fx = new();
+        // Migrate, then break the table behind the store's back.
+        let store = fx.builder().build().expect("shipped schema is accepted");
+        fx.execute(&sql(sabotage));
+        let err = store.verify_schema().expect_err(sabotage.name);
+        let msg = err.to_string();
+        assert!(matches!(err, Error::SchemaMismatch { .. }), "{}: {msg}", sabotage.name);
+        assert!(msg.contains(sabotage.found), "{}: {msg}", sabotage.name);
+        if !sabotage.found.starts_with("expected") {
+            assert!(
+                msg.contains("expected unique (consumer_group, message_key)")
+                    || msg.contains("expected no unique index other than on (consumer_group, message_key)"),
+                "{}: {msg}",
+                sabotage.name
+            );
+        }
+        // A store built the normal way refuses to start on it.
+        assert!(fx.builder().build().is_err(), "{}", sabotage.name);
+    }
+}
+
+#[test]
+fn postgres_refuses_sabotaged_claim_indexes() {
+    if inbox_test_support::postgres_url().is_none() {
+        return;
+    }
+    refuses_each_sabotage(
+        || PgFixture::new().expect("postgres"),
+        |s| s.postgres.to_owned(),
+    );
+}
+
+#[test]
+fn sqlite_refuses_sabotaged_claim_indexes() {
+    refuses_each_sabotage(SqliteFixture::new, |s| match s.name {
+        // The shipped table's primary key is the claim key: rebuild it first.
+        "unique (tenant, message_key)"
+        | "unique (message_key) alone"
+        | "partial unique (consumer_group, message_key)"
+        | "no unique index"
+        | "expression index" => format!("{SQLITE_TABLE}{}", s.sqlite),
+        _ => s.sqlite.to_owned(),
+    });
+}
+
+#[test]
+fn postgres_schema_check_is_scoped_to_the_store_schema() {
+    let (Some(broken), Some(fine)) = (PgFixture::new(), PgFixture::new()) else {
+        return;
+    };
+    let broken_store = broken.builder().build().expect("store");
+    let fine_store = fine.builder().build().expect("store");
+    broken.execute("ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;");
+    assert!(broken_store.verify_schema().is_err());
+    fine_store.verify_schema().expect("another schema's sabotage does not leak");
+    assert!(fine.builder().build().is_ok());
+}
+
+#[test]
+fn shipped_schema_is_accepted_on_both_backends() {
+    let sqlite = SqliteFixture::new();
+    sqlite.builder().build().expect("sqlite").verify_schema().expect("sqlite schema");
+    if let Some(pg) = PgFixture::new() {
+        pg.builder().build().expect("postgres").verify_schema().expect("postgres schema");
+    }
+}
+
+/// A trigger swallows the claim insert: the index "rejected" it, yet the lookup by the
+/// same claim key finds nothing. That must stop the group, never be acked.
+fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    fx.execute(swallow_inserts);
+
+    let g = group(GROUP);
+    let decisions = store.process_batch(&g, &[usage("ghost", 1)]).unwrap();
+    let [Decision::Stop(violation)] = &decisions[..] else {
+        panic!("expected a stop, got {decisions:?}");
+    };
+    assert_eq!(violation.key.as_str(), "ghost");
+    assert!(violation.detail.contains("no row exists"), "{}", violation.detail);
+    assert!(calls.lock().unwrap().is_empty(), "the handler must not run");
+
+    // Through a transport: the group halts with the error, nothing counts as a duplicate.
+    let mut transport = InProcessTransport::new(store.clone());
+    transport.publish(usage("ghost-2", 1)).unwrap();
+    let err = transport.run_until_idle().expect_err("the group stops");
+    assert!(matches!(err, inbox_core::Error::ClaimInvariantViolated(_)), "{err}");
+    assert_eq!(transport.stats().duplicates, 0);
+    assert_eq!(transport.stats().processed, 0);
+    assert_eq!(transport.pending(), 1, "the delivery stays queued");
+    assert!(calls.lock().unwrap().is_empty());
+}
+
+/// A trigger swallows the failure update: the failure must not vanish as "terminal".
+fn phantom_failure_update_stops_the_group<F: Fixture>(fx: &F, swallow_updates: &str) {
+    let handler = Recorder::new(GROUP).behaviour(|_, _| inbox_test_support::Outcome::ApplyThenFail);
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    fx.execute(swallow_updates);
+    let decisions = store.process_batch(&group(GROUP), &[usage("lost", 1)]).unwrap();
+    let [Decision::Stop(violation)] = &decisions[..] else {
+        panic!("expected a stop, got {decisions:?}");
+    };
+    assert!(violation.detail.contains("failure update"), "{}", violation.detail);
+    assert_eq!(fx.connect().effects_of("lost").unwrap(), 0);
+    assert!(store.dead_letters(&group(GROUP)).unwrap().is_empty());
+}
+
+const PG_SWALLOW: &str = "CREATE FUNCTION swallow() RETURNS trigger LANGUAGE plpgsql AS
+    $$ BEGIN RETURN NULL; END $$;";
+
+#[test]
+fn postgres_phantom_insert_stops_the_group() {
+    let Some(fx) = PgFixture::new() else { return };
+    phantom_insert_stops_the_group(
+        &fx,
+        &format!("{PG_SWALLOW} CREATE TRIGGER swallow BEFORE INSERT ON inbox_claims FOR EACH ROW EXECUTE FUNCTION swallow();"),
+    );
+}
+
+#[test]
+fn sqlite_phantom_insert_stops_the_group() {
+    phantom_insert_stops_the_group(
+        &SqliteFixture::new(),
+        "CREATE TRIGGER swallow BEFORE INSERT ON inbox_claims BEGIN SELECT RAISE(IGNORE); END;",
+    );
+}
+
+#[test]
+fn postgres_phantom_failure_update_stops_the_group() {
+    let Some(fx) = PgFixture::new() else { return };
+    phantom_failure_update_stops_the_group(
+        &fx,
+        &format!("{PG_SWALLOW} CREATE TRIGGER swallow BEFORE UPDATE ON inbox_claims FOR EACH ROW WHEN (NEW.status <> 'done') EXECUTE FUNCTION swallow();"),
+    );
+}
+
+#[test]
+fn sqlite_phantom_failure_update_stops_the_group() {
+    phantom_failure_update_stops_the_group(
+        &SqliteFixture::new(),
+        "CREATE TRIGGER swallow BEFORE UPDATE ON inbox_claims WHEN NEW.status <> 'done'
+         BEGIN SELECT RAISE(IGNORE); END;",
+    );
+}
+
+#[test]
+fn an_unchecked_store_still_stops_on_a_sabotaged_index() {
+    // With the PK replaced by a unique index on message_key alone, and verification
+    // bypassed by the explicitly named unchecked constructor, a second group's claim
+    // cannot be inserted: the store must fail loudly, never ack it as a duplicate.
+    let Some(fx) = PgFixture::new() else { return };
+    fx.builder().build().expect("migrate");
+    fx.execute(
+        "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+         CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);
+         CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
+    );
+    let first = fx.builder().handler(Recorder::new("group.one")).build_unchecked().unwrap();
+    let second_handler = Recorder::new("group.two");
+    let second_calls = second_handler.calls();
+    let second = fx.builder().handler(second_handler).build_unchecked().unwrap();
+    fx.connect().create_effects().unwrap();
+    assert_eq!(first.process_batch(&group("group.one"), &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    let outcome = second.process_batch(&group("group.two"), &[usage("k", 1)]);
+    assert!(
+        !matches!(outcome.as_deref(), Ok([Decision::Duplicate])),
+        "a claim the index rejected was acked as a duplicate: {outcome:?}"
+    );
+    assert!(outcome.is_err(), "{outcome:?}");
+    assert!(second_calls.lock().unwrap().is_empty());
+    assert!(fx.builder().build().is_err(), "the checked constructor refuses this schema");
+}
+
+#[test]
+fn connect_errors_keep_the_driver_error_and_hide_the_password() {
+    let err = Store::<diesel::PgConnection>::builder("postgres://app:s3cret@127.0.0.1:1/billing")
+        .build()
+        .expect_err("nothing listens on port 1");
+    let msg = err.to_string();
+    assert!(msg.starts_with("could not connect to postgres://app:***@127.0.0.1:1/billing: "), "{msg}");
+    assert!(msg.to_lowercase().contains("connection refused"), "{msg}");
+    assert!(!msg.contains("s3cret"), "{msg}");
+    assert!(!format!("{err:?}").contains("s3cret"));
+
+    let err = Store::<diesel::PgConnection>::builder("postgres://127.0.0.1/test")
+        .schema("Bad-Name")
+        .build()
+        .expect_err("schema name");
+    assert!(err.to_string().contains("invalid schema name"), "{err}");
+}
+
+#[test]
+fn claim_status_round_trips() {
+    let fx = SqliteFixture::new();
+    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
+    fx.connect().create_effects().unwrap();
+    store.process_batch(&group(GROUP), &[usage("k", 1)]).unwrap();
+    let routes = store.routes();
+    assert_eq!(routes, [(group(GROUP), "usage.recorded".to_owned())]);
+    let claim = store
+        .claim(&inbox_core::ClaimKey::new(group(GROUP), inbox_core::MessageKey::new("k").unwrap()))
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.status, ClaimStatus::Done);
+}
