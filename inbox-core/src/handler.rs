@@ -317,11 +317,7 @@ pub trait DynHandler<C>: Send + Sync + 'static {
     /// See [`Handler::lock`].
     fn lock(&self) -> Option<ProjectionLock>;
     /// Decodes and handles one message.
-    fn handle_payload(
-        &self,
-        conn: &mut C,
-        ctx: &MessageContext<'_>,
-    ) -> Result<(), HandlerFailure>;
+    fn handle_payload(&self, conn: &mut C, ctx: &MessageContext<'_>) -> Result<(), HandlerFailure>;
     /// Decodes every message and applies them all: one fold if the handler folds,
     /// else one `handle` each, with no isolation between them. The first failure wins.
     fn handle_all(&self, conn: &mut C, ctxs: &[MessageContext<'_>]) -> Result<(), HandlerFailure>;
@@ -347,11 +343,7 @@ where
         Handler::lock(self)
     }
 
-    fn handle_payload(
-        &self,
-        conn: &mut C,
-        ctx: &MessageContext<'_>,
-    ) -> Result<(), HandlerFailure> {
+    fn handle_payload(&self, conn: &mut C, ctx: &MessageContext<'_>) -> Result<(), HandlerFailure> {
         let msg = self
             .decode(&ctx.envelope().payload)
             .map_err(HandlerFailure::Decode)?;
@@ -370,7 +362,8 @@ where
             return folded.map_err(HandlerFailure::Handler);
         }
         for (msg, ctx) in batch {
-            self.handle(conn, msg, &ctx).map_err(HandlerFailure::Handler)?;
+            self.handle(conn, msg, &ctx)
+                .map_err(HandlerFailure::Handler)?;
         }
         Ok(())
     }

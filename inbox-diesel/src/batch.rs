@@ -1,11 +1,13 @@
 //! The inbox state machine: one consumer group's batch in one transaction.
 //!
-//! 1. De-duplicate inside the batch. 2. Claim in key order, digest and due time in
-//! the conflict condition. 3. Look up keys not returned by the same claim key:
-//! collision, duplicate, dead, not yet due, or (no row at all) a phantom conflict.
+//! 1. De-duplicate inside the batch.
+//! 2. Claim in key order, digest and due time in the conflict condition.
+//! 3. Look up keys not returned by the same claim key: collision, duplicate, dead,
+//!    not yet due, or (no row at all) a phantom conflict.
 //! 4. Run the owned messages' handlers after the claims: optimistically all at once,
-//! and if anything fails, again from the start with a savepoint per message, the
-//! failure recorded by the same claim key. 5. Commit once; the transport acts.
+//!    and if anything fails, again from the start with a savepoint per message, the
+//!    failure recorded by the same claim key.
+//! 5. Commit once; the transport acts on the decisions.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -17,9 +19,8 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use inbox_core::{
-    delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterReason, Decision,
-    DynHandler, Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey,
-    RetryPolicy,
+    delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterReason, Decision, DynHandler,
+    Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey, RetryPolicy,
 };
 
 use crate::backend::{is_retryable, StoreConnection};
@@ -86,6 +87,9 @@ impl From<Error> for TxError {
     }
 }
 
+/// One handler's share of an optimistic run: (delivery index, context) each.
+type HandlerRun<'h, 'e, C> = (&'h Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'e>)>);
+
 /// The outcome of one handler call inside its savepoint.
 enum SavepointError {
     Failed(HandlerFailure),
@@ -115,7 +119,10 @@ fn depth<C: StoreConnection>(conn: &mut C) -> std::result::Result<u32, TxError> 
 /// Puts the connection back at `target` depth: a handler that panicked inside its own
 /// nested transaction leaves diesel's manager one level deeper, and diesel does not
 /// unwind that for us.
-fn restore_depth<C: StoreConnection>(conn: &mut C, target: u32) -> std::result::Result<(), TxError> {
+fn restore_depth<C: StoreConnection>(
+    conn: &mut C,
+    target: u32,
+) -> std::result::Result<(), TxError> {
     loop {
         let found = depth(conn)?;
         if found <= target {
@@ -173,11 +180,15 @@ fn copy_decision(first: &Decision) -> Decision {
 fn record_metrics(group: &ConsumerGroup, decision: &Decision) {
     let group = group.to_string();
     match decision {
-        Decision::Processed => metrics::counter!("inbox_processed_total", "group" => group).increment(1),
+        Decision::Processed => {
+            metrics::counter!("inbox_processed_total", "group" => group).increment(1)
+        }
         Decision::Duplicate | Decision::AlreadyDeadLettered => {
             metrics::counter!("inbox_duplicates_total", "group" => group).increment(1)
         }
-        Decision::RetryAfter(_) => metrics::counter!("inbox_retried_total", "group" => group).increment(1),
+        Decision::RetryAfter(_) => {
+            metrics::counter!("inbox_retried_total", "group" => group).increment(1)
+        }
         Decision::DeadLettered(reason) => metrics::counter!(
             "inbox_dead_lettered_total", "group" => group, "reason" => reason.as_str()
         )
@@ -188,7 +199,11 @@ fn record_metrics(group: &ConsumerGroup, decision: &Decision) {
 }
 
 impl<C: StoreConnection> Inner<C> {
-    pub(crate) fn process(&self, group: &ConsumerGroup, batch: &[Envelope]) -> Result<Vec<Decision>> {
+    pub(crate) fn process(
+        &self,
+        group: &ConsumerGroup,
+        batch: &[Envelope],
+    ) -> Result<Vec<Decision>> {
         let span = tracing::debug_span!("inbox.batch", group = %group, size = batch.len());
         let _entered = span.enter();
 
@@ -201,7 +216,9 @@ impl<C: StoreConnection> Inner<C> {
                 idx,
                 env,
                 digest: env.payload_digest(),
-                handler: self.handlers.get(&(group.clone(), env.message_type.clone())),
+                handler: self
+                    .handlers
+                    .get(&(group.clone(), env.message_type.clone())),
             };
             match first_copy.entry(&env.message_key) {
                 // A multi-row upsert cannot touch a row twice: claim each key once.
@@ -241,7 +258,13 @@ impl<C: StoreConnection> Inner<C> {
             let mut conn = self.pool.get()?;
             C::write_transaction(&mut conn, |conn| {
                 for copy in &collisions {
-                    self.dead_letter_collision(conn, group, copy, now, "an earlier copy in the same batch")?;
+                    self.dead_letter_collision(
+                        conn,
+                        group,
+                        copy,
+                        now,
+                        "an earlier copy in the same batch",
+                    )?;
                 }
                 Ok::<_, Error>(())
             })?;
@@ -252,7 +275,9 @@ impl<C: StoreConnection> Inner<C> {
 
         let decisions: Vec<Decision> = decisions
             .into_iter()
-            .map(|d| d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned())))
+            .map(|d| {
+                d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
+            })
             .collect::<Result<_>>()?;
         for decision in &decisions {
             record_metrics(group, decision);
@@ -279,7 +304,8 @@ impl<C: StoreConnection> Inner<C> {
             };
             drop(conn);
             tries += 1;
-            metrics::counter!("inbox_batch_conflicts_total", "group" => group.to_string()).increment(1);
+            metrics::counter!("inbox_batch_conflicts_total", "group" => group.to_string())
+                .increment(1);
             tracing::warn!(group = %group, tries, error = %err, "batch transaction conflicted");
             if tries <= self.settings.transaction_retries {
                 std::thread::sleep(Duration::from_millis(5 * u64::from(tries)));
@@ -348,7 +374,8 @@ impl<C: StoreConnection> Inner<C> {
             let mut sorted: Vec<&Delivery<'_, C>> = items.iter().collect();
             sorted.sort_by(|a, b| a.key().cmp(b.key()));
             let rows: Vec<ClaimRow<'_>> = sorted.iter().map(|d| d.row()).collect();
-            let owned: HashMap<String, i32> = C::claim(conn, group, &rows, now)?.into_iter().collect();
+            let owned: HashMap<String, i32> =
+                C::claim(conn, group, &rows, now)?.into_iter().collect();
 
             let missing: Vec<&str> = sorted
                 .iter()
@@ -426,14 +453,17 @@ impl<C: StoreConnection> Inner<C> {
         now: DateTime<Utc>,
         decisions: &mut Vec<(usize, Decision)>,
     ) -> std::result::Result<(), TxError> {
-        let mut per_handler: Vec<(&Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'_>)>)> = Vec::new();
+        let mut per_handler: Vec<HandlerRun<'_, '_, C>> = Vec::new();
         for (d, attempts) in mine {
             let Some(handler) = d.handler else {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
             };
             let ctx = MessageContext::new(d.env, group, attempt_number(*attempts), now);
-            match per_handler.iter_mut().find(|(h, _)| Arc::ptr_eq(h, handler)) {
+            match per_handler
+                .iter_mut()
+                .find(|(h, _)| Arc::ptr_eq(h, handler))
+            {
                 Some((_, ctxs)) => ctxs.push((d.idx, ctx)),
                 None => per_handler.push((handler, vec![(d.idx, ctx)])),
             }
@@ -443,7 +473,9 @@ impl<C: StoreConnection> Inner<C> {
             let before = depth(conn)?;
             let outcome = catch_unwind(AssertUnwindSafe(|| handler.handle_all(conn, &ctxs)));
             match outcome {
-                Ok(Ok(())) => decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed))),
+                Ok(Ok(())) => {
+                    decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)))
+                }
                 Ok(Err(failure)) => {
                     restore_depth(conn, before)?;
                     if failure_is_retryable(&failure) {
@@ -478,7 +510,9 @@ impl<C: StoreConnection> Inner<C> {
             let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
                 let before = depth(conn).map_err(|e| match e {
                     TxError::Retryable(db) => SavepointError::Db(db),
-                    _ => SavepointError::Failed(HandlerFailure::Panic("broken transaction state".into())),
+                    _ => SavepointError::Failed(HandlerFailure::Panic(
+                        "broken transaction state".into(),
+                    )),
                 })?;
                 let result = catch_unwind(AssertUnwindSafe(|| handler.handle_payload(conn, &ctx)));
                 let failure = match result {
@@ -487,7 +521,9 @@ impl<C: StoreConnection> Inner<C> {
                     Err(payload) => HandlerFailure::Panic(panic_message(&*payload)),
                 };
                 if restore_depth(conn, before).is_err() {
-                    return Err(SavepointError::Db(diesel::result::Error::BrokenTransactionManager));
+                    return Err(SavepointError::Db(
+                        diesel::result::Error::BrokenTransactionManager,
+                    ));
                 }
                 Err(SavepointError::Failed(failure))
             });
@@ -518,15 +554,22 @@ impl<C: StoreConnection> Inner<C> {
         failure: Option<HandlerFailure>,
         now: DateTime<Utc>,
     ) -> std::result::Result<Decision, TxError> {
-        let policy = d.handler.map_or_else(RetryPolicy::default, |h| h.retry_policy());
+        let policy = d
+            .handler
+            .map_or_else(RetryPolicy::default, |h| h.retry_policy());
         let attempts = attempts_before.saturating_add(1);
         let exhausted = policy.is_exhausted(u32::try_from(attempts).unwrap_or(u32::MAX));
         let (outcome, last_error) = match &failure {
             None => (
                 Err(DeadLetterReason::NoHandler),
-                format!("no handler in group {group} takes message type {:?}", d.env.message_type),
+                format!(
+                    "no handler in group {group} takes message type {:?}",
+                    d.env.message_type
+                ),
             ),
-            Some(f @ HandlerFailure::Decode(_)) => (Err(DeadLetterReason::DecodeError), f.to_string()),
+            Some(f @ HandlerFailure::Decode(_)) => {
+                (Err(DeadLetterReason::DecodeError), f.to_string())
+            }
             Some(f @ HandlerFailure::Handler(e)) => {
                 let outcome = match e.kind() {
                     HandlerErrorKind::Permanent => Err(DeadLetterReason::Permanent),
@@ -547,7 +590,11 @@ impl<C: StoreConnection> Inner<C> {
         };
         let last_error = truncate(last_error);
         let update = FailureUpdate {
-            status: if outcome.is_ok() { ClaimStatus::Failed } else { ClaimStatus::Dead },
+            status: if outcome.is_ok() {
+                ClaimStatus::Failed
+            } else {
+                ClaimStatus::Dead
+            },
             next_attempt_at: outcome.as_ref().ok().map(|delay| now + delta(*delay)),
             last_error: &last_error,
             // Kept only while a retry is pending, so the message can be redriven.
@@ -643,9 +690,8 @@ impl<C: StoreConnection> Inner<C> {
                     return Ok(None);
                 }
                 let unfinished = starts - 1;
-                let last_error = format!(
-                    "crash loop: {unfinished} starts without an outcome (limit {limit})"
-                );
+                let last_error =
+                    format!("crash loop: {unfinished} starts without an outcome (limit {limit})");
                 let update = FailureUpdate {
                     status: ClaimStatus::Dead,
                     next_attempt_at: None,
@@ -659,7 +705,10 @@ impl<C: StoreConnection> Inner<C> {
                     return Ok(Some(phantom(
                         group,
                         &d.env.message_key,
-                        &format!("the crash-loop update by claim key touched {} rows", touched.len()),
+                        &format!(
+                            "the crash-loop update by claim key touched {} rows",
+                            touched.len()
+                        ),
                     )));
                 };
                 C::insert_dead_letter(
@@ -688,7 +737,11 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 Err(TxError::Retryable(_)) => return Ok(Decision::RetryAfter(CONTENDED_RETRY)),
                 Err(TxError::Fatal(err)) => return Err(err),
-                Err(TxError::Isolate) => return Err(Error::Config("isolation requested by a start mark".to_owned())),
+                Err(TxError::Isolate) => {
+                    return Err(Error::Config(
+                        "isolation requested by a start mark".to_owned(),
+                    ))
+                }
             }
         };
         match crashed {
@@ -698,7 +751,9 @@ impl<C: StoreConnection> Inner<C> {
                 decisions
                     .pop()
                     .map(|(_, decision)| decision)
-                    .ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
+                    .ok_or_else(|| {
+                        Error::Config("a delivery was left without a decision".to_owned())
+                    })
             }
         }
     }

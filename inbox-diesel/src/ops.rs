@@ -9,7 +9,6 @@ use inbox_core::{ClaimKey, ConsumerGroup};
 
 use crate::{ClaimRecord, ClaimStatus, DeadLetter};
 
-
 /// A claim to insert.
 pub struct ClaimRow<'a> {
     pub key: &'a str,

@@ -67,7 +67,9 @@ impl Sealed for PgConnection {
     fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
         if let Some(schema) = schema {
             let q = quoted(schema);
-            conn.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"))?;
+            conn.batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
+            ))?;
         }
         diesel::sql_query("SELECT pg_advisory_lock($1)")
             .bind::<BigInt, _>(MIGRATION_LOCK)

@@ -86,11 +86,10 @@ impl Sealed for SqliteConnection {
         for row in rows {
             // Key columns only (pragma_index_info leaves out a WITHOUT ROWID table's
             // appended primary key columns); an expression has no name.
-            let cols: Vec<IndexColumnRow> = diesel::sql_query(
-                "SELECT name FROM pragma_index_info(?) ORDER BY seqno",
-            )
-            .bind::<Text, _>(&row.name)
-            .load(conn)?;
+            let cols: Vec<IndexColumnRow> =
+                diesel::sql_query("SELECT name FROM pragma_index_info(?) ORDER BY seqno")
+                    .bind::<Text, _>(&row.name)
+                    .load(conn)?;
             indexes.push(IndexInfo {
                 name: row.name,
                 unique: row.is_unique != 0,

@@ -183,6 +183,11 @@ impl<C: StoreConnection> Store<C> {
         }
     }
 
+    /// The backend the store runs on.
+    pub fn backend(&self) -> Backend {
+        C::BACKEND
+    }
+
     /// The connection pool (for the application's own queries and tests).
     pub fn pool(&self) -> &Pool<ConnectionManager<C>> {
         &self.inner.pool
@@ -207,7 +212,11 @@ impl<C: StoreConnection> Store<C> {
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
-    pub fn process_batch(&self, group: &ConsumerGroup, batch: &[Envelope]) -> Result<Vec<Decision>> {
+    pub fn process_batch(
+        &self,
+        group: &ConsumerGroup,
+        batch: &[Envelope],
+    ) -> Result<Vec<Decision>> {
         self.inner.process(group, batch)
     }
 
@@ -332,7 +341,9 @@ impl<C: StoreConnection> StoreBuilder<C> {
             ));
         }
         if self.pool_size == 0 {
-            return Err(Error::Config("pool_size must be at least 1, found 0".to_owned()));
+            return Err(Error::Config(
+                "pool_size must be at least 1, found 0".to_owned(),
+            ));
         }
         let mut handlers = HashMap::new();
         for handler in self.handlers {

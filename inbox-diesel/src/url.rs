@@ -25,7 +25,9 @@ impl Backend {
         let lower = url.to_ascii_lowercase();
         if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
             Ok(Self::Postgres)
-        } else if lower.starts_with("sqlite:") || lower.starts_with("file:") || !lower.contains("://")
+        } else if lower.starts_with("sqlite:")
+            || lower.starts_with("file:")
+            || !lower.contains("://")
         {
             Ok(Self::Sqlite)
         } else {
@@ -80,7 +82,10 @@ mod tests {
             redact("postgresql://u:p%40ss@h/db?sslmode=disable"),
             "postgresql://u:***@h/db?sslmode=disable"
         );
-        assert_eq!(redact("amqp://guest:guest@127.0.0.1:5672/%2f"), "amqp://guest:***@127.0.0.1:5672/%2f");
+        assert_eq!(
+            redact("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
         assert_eq!(redact("/tmp/a.db"), "/tmp/a.db");
         // An '@' in the path is not user info.
         assert_eq!(redact("postgres://h/db@x"), "postgres://h/db@x");
@@ -90,7 +95,9 @@ mod tests {
 
     #[test]
     fn unsupported_url_error_hides_the_password() {
-        let err = Backend::from_url("mysql://root:hunter2@db/x").unwrap_err().to_string();
+        let err = Backend::from_url("mysql://root:hunter2@db/x")
+            .unwrap_err()
+            .to_string();
         assert!(!err.contains("hunter2"), "{err}");
         assert!(err.contains("mysql://root:***@db/x"), "{err}");
     }

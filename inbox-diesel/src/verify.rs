@@ -95,7 +95,11 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
         if unique.is_empty() {
             "no unique index".to_owned()
         } else {
-            unique.iter().map(|i| describe(i)).collect::<Vec<_>>().join(", ")
+            unique
+                .iter()
+                .map(|i| describe(i))
+                .collect::<Vec<_>>()
+                .join(", ")
         }
     };
     if !unique.iter().any(|i| is_claim_key(i)) {
@@ -159,9 +163,13 @@ mod tests {
 
     #[test]
     fn names_what_it_expected_and_found() {
-        let err = check(&catalog(vec![index("t", &["tenant", "message_key"], false)]))
-            .unwrap_err()
-            .to_string();
+        let err = check(&catalog(vec![index(
+            "t",
+            &["tenant", "message_key"],
+            false,
+        )]))
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             err,
             "claim index mismatch: expected unique (consumer_group, message_key) without \

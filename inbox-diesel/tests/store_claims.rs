@@ -1,6 +1,8 @@
 //! The inbox state machine against real PostgreSQL and SQLite: one schema or file per
 //! test, time driven by a manual clock, assertions on stored values.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
@@ -69,23 +71,36 @@ fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
     fx.connect().create_effects().expect("effects");
 
     let g = group(GROUP);
-    assert_eq!(store.process_batch(&g, &[usage("a", 40)]).unwrap(), [Decision::Processed]);
-    assert_eq!(store.process_batch(&g, &[usage("a", 40)]).unwrap(), [Decision::Duplicate]);
     assert_eq!(
-        store.process_batch(&g, &[usage("a", 40).redelivered()]).unwrap(),
+        store.process_batch(&g, &[usage("a", 40)]).unwrap(),
+        [Decision::Processed]
+    );
+    assert_eq!(
+        store.process_batch(&g, &[usage("a", 40)]).unwrap(),
+        [Decision::Duplicate]
+    );
+    assert_eq!(
+        store
+            .process_batch(&g, &[usage("a", 40).redelivered()])
+            .unwrap(),
         [Decision::Duplicate]
     );
     assert_eq!(calls.lock().unwrap().len(), 1);
     assert_eq!(fx.connect().effects_of("a").unwrap(), 1);
     let claim = store.claim(&key("a")).unwrap().expect("claim");
-    assert_eq!((claim.status, claim.attempts, claim.starts), (ClaimStatus::Done, 0, 0));
+    assert_eq!(
+        (claim.status, claim.attempts, claim.starts),
+        (ClaimStatus::Done, 0, 0)
+    );
     assert!(!claim.has_payload, "a done claim keeps no payload");
 
     // Another group's claim of the same key is independent.
     let other = Recorder::new("billing.other");
     let other_store = fx.builder().handler(other).build().expect("store");
     assert_eq!(
-        other_store.process_batch(&group("billing.other"), &[usage("a", 40)]).unwrap(),
+        other_store
+            .process_batch(&group("billing.other"), &[usage("a", 40)])
+            .unwrap(),
         [Decision::Processed]
     );
 }
@@ -110,29 +125,41 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
     let expected_delays = [10, 20, 25];
     for attempt in 1..=3 {
         let now = clock.now();
-        let decision = store.process_batch(&g, &[msg.clone()]).unwrap();
+        let decision = store.process_batch(&g, std::slice::from_ref(&msg)).unwrap();
         let delay = Duration::from_secs(expected_delays[attempt - 1]);
         assert_eq!(decision, [Decision::RetryAfter(delay)], "attempt {attempt}");
         let claim = store.claim(&key("poison")).unwrap().expect("claim");
         assert_eq!(claim.attempts, attempt as i32);
         assert_eq!(claim.status, ClaimStatus::Failed);
-        assert_eq!(claim.next_attempt_at, Some(now + chrono::Duration::from_std(delay).unwrap()));
-        assert!(claim.has_payload, "a failed claim keeps its payload for redrive");
+        assert_eq!(
+            claim.next_attempt_at,
+            Some(now + chrono::Duration::from_std(delay).unwrap())
+        );
+        assert!(
+            claim.has_payload,
+            "a failed claim keeps its payload for redrive"
+        );
         assert_eq!(claim.tenant.as_deref(), Some("acme"));
-        assert!(claim.last_error.unwrap().contains("poison failed after writing"));
+        assert!(claim
+            .last_error
+            .unwrap()
+            .contains("poison failed after writing"));
 
         // Before next_attempt_at: the handler does not run.
         clock.advance(delay - Duration::from_secs(1));
         assert_eq!(
-            store.process_batch(&g, &[msg.clone()]).unwrap(),
+            store.process_batch(&g, std::slice::from_ref(&msg)).unwrap(),
             [Decision::RetryAfter(Duration::from_secs(1))]
         );
         assert_eq!(calls.lock().unwrap().len(), attempt);
         clock.advance(Duration::from_secs(1));
     }
 
-    let decision = store.process_batch(&g, &[msg.clone()]).unwrap();
-    assert_eq!(decision, [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]);
+    let decision = store.process_batch(&g, std::slice::from_ref(&msg)).unwrap();
+    assert_eq!(
+        decision,
+        [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]
+    );
     let claim = store.claim(&key("poison")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 4));
     assert_eq!(calls.lock().unwrap().len(), 4);
@@ -140,7 +167,10 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
     // Later deliveries, redelivered or not, do not run the handler or dead-letter again.
     clock.advance(Duration::from_secs(3600));
     for again in [msg.clone(), msg.clone().redelivered()] {
-        assert_eq!(store.process_batch(&g, &[again]).unwrap(), [Decision::AlreadyDeadLettered]);
+        assert_eq!(
+            store.process_batch(&g, &[again]).unwrap(),
+            [Decision::AlreadyDeadLettered]
+        );
     }
     assert_eq!(calls.lock().unwrap().len(), 4);
 
@@ -150,7 +180,11 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
     assert_eq!(dead[0].attempts, 4);
     assert_eq!(dead[0].payload, msg.payload);
     assert_eq!(dead[0].tenant.as_deref(), Some("acme"));
-    assert!(dead[0].last_error.as_deref().unwrap().contains("poison failed after writing"));
+    assert!(dead[0]
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("poison failed after writing"));
     // Every failed attempt's write was rolled back with its savepoint.
     assert_eq!(fx.connect().effects_of("poison").unwrap(), 0);
 }
@@ -159,11 +193,16 @@ fn first_failure_of_a_new_message_is_recorded<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::ApplyThenFail);
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
-    let decision = store.process_batch(&group(GROUP), &[usage("new", 1)]).unwrap();
+    let decision = store
+        .process_batch(&group(GROUP), &[usage("new", 1)])
+        .unwrap();
     assert!(matches!(decision[..], [Decision::RetryAfter(_)]));
     // The claim was inserted in the same transaction as the handler's savepoint; it
     // survives the savepoint's rollback.
-    let claim = store.claim(&key("new")).unwrap().expect("the claim survives");
+    let claim = store
+        .claim(&key("new"))
+        .unwrap()
+        .expect("the claim survives");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
     assert_eq!(fx.connect().effects_of("new").unwrap(), 0);
 }
@@ -194,7 +233,12 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
     let g = group(GROUP);
-    let batch = [usage("a", 1), usage("boom", 1), usage("nested", 1), usage("z", 1)];
+    let batch = [
+        usage("a", 1),
+        usage("boom", 1),
+        usage("nested", 1),
+        usage("z", 1),
+    ];
     let decisions = store.process_batch(&g, &batch).unwrap();
     assert_eq!(decisions[0], Decision::Processed);
     assert!(matches!(decisions[1], Decision::RetryAfter(_)));
@@ -209,13 +253,20 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
     assert_eq!(other.effects_of("nested").unwrap(), 0);
     for k in ["boom", "nested"] {
         let claim = store.claim(&key(k)).unwrap().expect("claim");
-        assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1), "{k}");
+        assert_eq!(
+            (claim.status, claim.attempts),
+            (ClaimStatus::Failed, 1),
+            "{k}"
+        );
         assert!(claim.last_error.unwrap().contains("panicked"));
     }
     // The pooled connections are usable afterwards: the process keeps going.
     for i in 0..8 {
         let k = format!("after-{i}");
-        assert_eq!(store.process_batch(&g, &[usage(&k, 1)]).unwrap(), [Decision::Processed]);
+        assert_eq!(
+            store.process_batch(&g, &[usage(&k, 1)]).unwrap(),
+            [Decision::Processed]
+        );
     }
     assert_eq!(other.effect_count().unwrap(), 10);
 }
@@ -226,7 +277,10 @@ fn key_collision_after_success<F: Fixture>(fx: &F) {
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
     let g = group(GROUP);
-    assert_eq!(store.process_batch(&g, &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    assert_eq!(
+        store.process_batch(&g, &[usage("k", 1)]).unwrap(),
+        [Decision::Processed]
+    );
     for delivery in [usage("k", 2), usage("k", 2).redelivered()] {
         assert_eq!(
             store.process_batch(&g, &[delivery]).unwrap(),
@@ -235,7 +289,11 @@ fn key_collision_after_success<F: Fixture>(fx: &F) {
     }
     assert_eq!(calls.lock().unwrap().len(), 1);
     let claim = store.claim(&key("k")).unwrap().expect("claim");
-    assert_eq!(claim.status, ClaimStatus::Done, "the stored claim is untouched");
+    assert_eq!(
+        claim.status,
+        ClaimStatus::Done,
+        "the stored claim is untouched"
+    );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 2);
     assert!(dead.iter().all(|d| d.reason == "key_collision"));
@@ -276,7 +334,10 @@ fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
     let claim = store.claim(&key("k")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
     // The original is still retried and applied once.
-    assert_eq!(store.process_batch(&g, &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    assert_eq!(
+        store.process_batch(&g, &[usage("k", 1)]).unwrap(),
+        [Decision::Processed]
+    );
     assert_eq!(fx.connect().effects_of("k").unwrap(), 1);
 }
 
@@ -286,7 +347,12 @@ fn key_repeated_in_one_batch<F: Fixture>(fx: &F) {
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
     let g = group(GROUP);
-    let batch = [usage("k", 1), usage("other", 1), usage("k", 1), usage("k", 7)];
+    let batch = [
+        usage("k", 1),
+        usage("other", 1),
+        usage("k", 1),
+        usage("k", 7),
+    ];
     let decisions = store.process_batch(&g, &batch).unwrap();
     assert_eq!(
         decisions,
@@ -326,7 +392,13 @@ fn batch_of_100_with_3_failures<F: Fixture>(fx: &F) {
         .map(|(i, _)| i)
         .collect();
     assert_eq!(retried, [13, 50, 87]);
-    assert_eq!(decisions.iter().filter(|d| **d == Decision::Processed).count(), 97);
+    assert_eq!(
+        decisions
+            .iter()
+            .filter(|d| **d == Decision::Processed)
+            .count(),
+        97
+    );
     assert_eq!(fx.connect().effect_count().unwrap(), 97);
     for k in ["m-013", "m-050", "m-087"] {
         assert_eq!(store.claim(&key(k)).unwrap().unwrap().attempts, 1);
@@ -342,22 +414,43 @@ fn undecodable_payload_is_dead_lettered<F: Fixture>(fx: &F) {
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
     let g = group(GROUP);
-    let bad = Envelope::new(MessageKey::new("garbled").unwrap(), "usage.recorded", b"{not json".to_vec());
-    let decisions = store.process_batch(&g, &[usage("fine", 1), bad.clone()]).unwrap();
+    let bad = Envelope::new(
+        MessageKey::new("garbled").unwrap(),
+        "usage.recorded",
+        b"{not json".to_vec(),
+    );
+    let decisions = store
+        .process_batch(&g, &[usage("fine", 1), bad.clone()])
+        .unwrap();
     assert_eq!(
         decisions,
-        [Decision::Processed, Decision::DeadLettered(DeadLetterReason::DecodeError)]
+        [
+            Decision::Processed,
+            Decision::DeadLettered(DeadLetterReason::DecodeError)
+        ]
     );
-    assert_eq!(calls.lock().unwrap().len(), 1, "the handler never sees the bad body");
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        1,
+        "the handler never sees the bad body"
+    );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason, "decode_error");
     assert_eq!(dead[0].payload, bad.payload, "nothing is lost");
-    assert!(dead[0].last_error.as_deref().unwrap().contains("does not decode"));
+    assert!(dead[0]
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("does not decode"));
 }
 
 fn type_without_handler_is_dead_lettered<F: Fixture>(fx: &F) {
-    let store = fx.builder().handler(Recorder::new(GROUP)).build().expect("store");
+    let store = fx
+        .builder()
+        .handler(Recorder::new(GROUP))
+        .build()
+        .expect("store");
     fx.connect().create_effects().expect("effects");
     let g = group(GROUP);
     let mut env = usage("x", 1);
@@ -366,7 +459,10 @@ fn type_without_handler_is_dead_lettered<F: Fixture>(fx: &F) {
         store.process_batch(&g, &[env.clone()]).unwrap(),
         [Decision::DeadLettered(DeadLetterReason::NoHandler)]
     );
-    assert_eq!(store.process_batch(&g, &[env]).unwrap(), [Decision::AlreadyDeadLettered]);
+    assert_eq!(
+        store.process_batch(&g, &[env]).unwrap(),
+        [Decision::AlreadyDeadLettered]
+    );
     assert_eq!(store.dead_letters(&g).unwrap().len(), 1);
 }
 
@@ -386,7 +482,10 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
             _: Self::Message,
             _: &inbox_core::MessageContext<'_>,
         ) -> Result<(), inbox_core::HandlerError> {
-            Err(inbox_core::HandlerError::retry_after(Duration::from_secs(42), "rate limited"))
+            Err(inbox_core::HandlerError::retry_after(
+                Duration::from_secs(42),
+                "rate limited",
+            ))
         }
     }
     let clock = ManualClock::new(start());
@@ -397,11 +496,16 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
         .build()
         .expect("store");
     assert_eq!(
-        store.process_batch(&group(GROUP), &[usage("k", 1)]).unwrap(),
+        store
+            .process_batch(&group(GROUP), &[usage("k", 1)])
+            .unwrap(),
         [Decision::RetryAfter(Duration::from_secs(42))]
     );
     let claim = store.claim(&key("k")).unwrap().unwrap();
-    assert_eq!(claim.next_attempt_at, Some(start() + chrono::Duration::seconds(42)));
+    assert_eq!(
+        claim.next_attempt_at,
+        Some(start() + chrono::Duration::seconds(42))
+    );
 }
 
 #[test]
@@ -423,7 +527,9 @@ fn thirty_two_threads_deliver_the_same_envelope() {
             let barrier = Arc::clone(&barrier);
             std::thread::spawn(move || {
                 barrier.wait();
-                store.process_batch(&group(GROUP), &[usage("same", 40)]).unwrap()
+                store
+                    .process_batch(&group(GROUP), &[usage("same", 40)])
+                    .unwrap()
             })
         })
         .collect();
@@ -431,8 +537,20 @@ fn thirty_two_threads_deliver_the_same_envelope() {
         .into_iter()
         .flat_map(|t| t.join().expect("thread"))
         .collect();
-    assert_eq!(decisions.iter().filter(|d| **d == Decision::Processed).count(), 1);
-    assert_eq!(decisions.iter().filter(|d| **d == Decision::Duplicate).count(), 31);
+    assert_eq!(
+        decisions
+            .iter()
+            .filter(|d| **d == Decision::Processed)
+            .count(),
+        1
+    );
+    assert_eq!(
+        decisions
+            .iter()
+            .filter(|d| **d == Decision::Duplicate)
+            .count(),
+        31
+    );
     assert_eq!(calls.lock().unwrap().len(), 1);
     assert_eq!(fx.connect().effects_of("same").unwrap(), 1);
 }
@@ -442,7 +560,12 @@ fn sqlite_threads_deliver_the_same_envelope() {
     let fx = SqliteFixture::new();
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().pool_size(8).handler(handler).build().expect("store");
+    let store = fx
+        .builder()
+        .pool_size(8)
+        .handler(handler)
+        .build()
+        .expect("store");
     fx.connect().create_effects().expect("effects");
     let barrier = Arc::new(Barrier::new(8));
     let threads: Vec<_> = (0..8)
@@ -451,7 +574,9 @@ fn sqlite_threads_deliver_the_same_envelope() {
             let barrier = Arc::clone(&barrier);
             std::thread::spawn(move || {
                 barrier.wait();
-                store.process_batch(&group(GROUP), &[usage("same", 40)]).unwrap()
+                store
+                    .process_batch(&group(GROUP), &[usage("same", 40)])
+                    .unwrap()
             })
         })
         .collect();

@@ -1,6 +1,8 @@
 //! Failures that are not the message's fault: a deadlock inside a handler, and a
 //! process that dies mid-message (crash loops), the latter with real child processes.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
@@ -45,10 +47,17 @@ impl Handler<PgConnection> for Deadlocker {
         "usage.recorded"
     }
 
-    fn handle(&self, conn: &mut PgConnection, msg: Usage, ctx: &MessageContext<'_>) -> Result<(), HandlerError> {
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: Usage,
+        ctx: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
         *self.calls.lock().unwrap() += 1;
         if self.first.swap(false, Ordering::SeqCst) {
-            conn.batch_execute("SET LOCAL deadlock_timeout = '50ms'; UPDATE locks SET v = v + 1 WHERE id = 1")?;
+            conn.batch_execute(
+                "SET LOCAL deadlock_timeout = '50ms'; UPDATE locks SET v = v + 1 WHERE id = 1",
+            )?;
             self.holds_row_1.wait();
             // Give the other transaction time to block on row 1.
             std::thread::sleep(Duration::from_millis(300));
@@ -84,17 +93,29 @@ fn deadlock_inside_a_handler_retries_the_batch_without_counting() {
             .unwrap();
         barrier.wait();
         // Blocks on row 1 until the handler's transaction is rolled back.
-        other.batch_execute("UPDATE locks SET v = v + 1 WHERE id = 1; COMMIT").unwrap();
+        other
+            .batch_execute("UPDATE locks SET v = v + 1 WHERE id = 1; COMMIT")
+            .unwrap();
     });
 
     // One message: it runs in its savepoint at once, so only the deadlock guard (not
     // the optimistic-then-isolated rerun) can keep the deadlock from counting.
-    let decisions = store.process_batch(&group(GROUP), &[usage("dl", 3)]).unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("dl", 3)])
+        .unwrap();
     other_side.join().unwrap();
     assert_eq!(decisions, [Decision::Processed]);
-    assert_eq!(*handler.calls.lock().unwrap(), 2, "the batch ran again after the deadlock");
+    assert_eq!(
+        *handler.calls.lock().unwrap(),
+        2,
+        "the batch ran again after the deadlock"
+    );
     let claim = store.claim(&key("dl")).unwrap().unwrap();
-    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Done, 0), "no attempt counted");
+    assert_eq!(
+        (claim.status, claim.attempts),
+        (ClaimStatus::Done, 0),
+        "no attempt counted"
+    );
     assert_eq!(claim.last_error, None);
     assert_eq!(fx.connect().effects_of("dl").unwrap(), 1);
 }
@@ -107,7 +128,9 @@ const CHILD_ENV: &str = "INBOX_CRASH_CHILD";
 /// processes one delivery with a handler that aborts the process.
 #[test]
 fn crash_child() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let parts: Vec<&str> = spec.splitn(4, '|').collect();
     let [backend, location, key, redelivered] = parts[..] else {
         panic!("bad child spec {spec}");
@@ -116,12 +139,14 @@ fn crash_child() {
     let mut env = usage(key, 1);
     env.redelivered = redelivered == "true";
     let decisions = match backend {
-        "postgres" => inbox_diesel::Store::<PgConnection>::builder(std::env::var("DATABASE_URL").unwrap())
-            .schema(location)
-            .handler(handler)
-            .build()
-            .unwrap()
-            .process_batch(&group(GROUP), &[env]),
+        "postgres" => {
+            inbox_diesel::Store::<PgConnection>::builder(std::env::var("DATABASE_URL").unwrap())
+                .schema(location)
+                .handler(handler)
+                .build()
+                .unwrap()
+                .process_batch(&group(GROUP), &[env])
+        }
         _ => inbox_diesel::Store::<diesel::SqliteConnection>::builder(location)
             .handler(handler)
             .build()
@@ -136,7 +161,10 @@ fn crash_child() {
 fn crash_in_child(backend: &str, location: &str, key: &str, redelivered: bool) -> bool {
     let status = Command::new(std::env::current_exe().unwrap())
         .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{backend}|{location}|{key}|{redelivered}"))
+        .env(
+            CHILD_ENV,
+            format!("{backend}|{location}|{key}|{redelivered}"),
+        )
         .status()
         .expect("spawn child");
     !status.success()
@@ -162,24 +190,43 @@ fn crash_loop_is_dead_lettered<F: Fixture>(fx: &F, backend: &str, location: &str
 
     // Redeliveries: each commits a start mark, then dies before any outcome.
     for starts in 1..=3 {
-        assert!(crash_in_child(backend, location, "poison", true), "child {starts} crashed");
-        let claim = store.claim(&key("poison")).unwrap().expect("mark committed");
-        assert_eq!((claim.status, claim.starts, claim.attempts), (ClaimStatus::Started, starts, 0));
+        assert!(
+            crash_in_child(backend, location, "poison", true),
+            "child {starts} crashed"
+        );
+        let claim = store
+            .claim(&key("poison"))
+            .unwrap()
+            .expect("mark committed");
+        assert_eq!(
+            (claim.status, claim.starts, claim.attempts),
+            (ClaimStatus::Started, starts, 0)
+        );
         assert!(claim.has_payload, "a started claim keeps its payload");
     }
 
     // The next redelivery is dead-lettered without its handler running.
-    let decision = store.process_batch(&g, &[usage("poison", 1).redelivered()]).unwrap();
-    assert_eq!(decision, [Decision::DeadLettered(DeadLetterReason::CrashLoop)]);
+    let decision = store
+        .process_batch(&g, &[usage("poison", 1).redelivered()])
+        .unwrap();
+    assert_eq!(
+        decision,
+        [Decision::DeadLettered(DeadLetterReason::CrashLoop)]
+    );
     assert!(calls.lock().unwrap().is_empty());
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason, "crash_loop");
     assert_eq!(dead[0].payload, usage("poison", 1).payload);
-    assert_eq!(store.claim(&key("poison")).unwrap().unwrap().status, ClaimStatus::Dead);
+    assert_eq!(
+        store.claim(&key("poison")).unwrap().unwrap().status,
+        ClaimStatus::Dead
+    );
 
     // A message in flight during a crash, redelivered once, is processed normally.
-    let decision = store.process_batch(&g, &[usage("bystander", 1).redelivered()]).unwrap();
+    let decision = store
+        .process_batch(&g, &[usage("bystander", 1).redelivered()])
+        .unwrap();
     assert_eq!(decision, [Decision::Processed]);
     assert_eq!(fx.connect().effects_of("bystander").unwrap(), 1);
 }
@@ -203,11 +250,13 @@ fn sqlite_crash_loop_is_dead_lettered() {
 fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
     let clock = ManualClock::new("2026-11-30T12:00:00Z".parse::<DateTime<Utc>>().unwrap());
     let policy = RetryPolicy::new(5, Duration::from_secs(60), Duration::from_secs(60)).unwrap();
-    let handler = Recorder::new(GROUP).policy(policy).behaviour(|key, _| match key {
-        "fails" => Outcome::ApplyThenFail,
-        "bad" => Outcome::Permanent,
-        _ => Outcome::Apply,
-    });
+    let handler = Recorder::new(GROUP)
+        .policy(policy)
+        .behaviour(|key, _| match key {
+            "fails" => Outcome::ApplyThenFail,
+            "bad" => Outcome::Permanent,
+            _ => Outcome::Apply,
+        });
     let calls = handler.calls();
     let store = fx
         .builder()
@@ -221,17 +270,28 @@ fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
         .process_batch(&g, &[usage("ok", 1), usage("bad", 1), usage("fails", 1)])
         .unwrap();
     assert_eq!(first[0], Decision::Processed);
-    assert_eq!(first[1], Decision::DeadLettered(DeadLetterReason::Permanent));
+    assert_eq!(
+        first[1],
+        Decision::DeadLettered(DeadLetterReason::Permanent)
+    );
     assert!(matches!(first[2], Decision::RetryAfter(_)));
     for k in ["ok", "bad", "fails"] {
-        assert_eq!(store.claim(&key(k)).unwrap().unwrap().starts, 0, "first delivery of {k} left a mark");
+        assert_eq!(
+            store.claim(&key(k)).unwrap().unwrap().starts,
+            0,
+            "first delivery of {k} left a mark"
+        );
     }
     let calls_before = calls.lock().unwrap().len();
 
     let again = store
         .process_batch(
             &g,
-            &[usage("ok", 1).redelivered(), usage("bad", 1).redelivered(), usage("fails", 1).redelivered()],
+            &[
+                usage("ok", 1).redelivered(),
+                usage("bad", 1).redelivered(),
+                usage("fails", 1).redelivered(),
+            ],
         )
         .unwrap();
     assert_eq!(again[0], Decision::Duplicate);
@@ -239,9 +299,16 @@ fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
     assert_eq!(again[2], Decision::RetryAfter(Duration::from_secs(60)));
     assert_eq!(calls.lock().unwrap().len(), calls_before, "no handler ran");
     for k in ["ok", "bad", "fails"] {
-        assert_eq!(store.claim(&key(k)).unwrap().unwrap().starts, 0, "redelivery of {k} left a mark");
+        assert_eq!(
+            store.claim(&key(k)).unwrap().unwrap().starts,
+            0,
+            "redelivery of {k} left a mark"
+        );
     }
-    assert_eq!(store.claim(&key("fails")).unwrap().unwrap().status, ClaimStatus::Failed);
+    assert_eq!(
+        store.claim(&key("fails")).unwrap().unwrap().status,
+        ClaimStatus::Failed
+    );
 }
 
 #[test]
@@ -271,14 +338,22 @@ fn sqlite_busy_is_retried_not_counted() {
         .expect("store");
     fx.connect().create_effects().unwrap();
     let mut blocker = fx.connect();
-    blocker.batch_execute("PRAGMA busy_timeout = 0; BEGIN IMMEDIATE;").unwrap();
+    blocker
+        .batch_execute("PRAGMA busy_timeout = 0; BEGIN IMMEDIATE;")
+        .unwrap();
     // The pool's only connection gives up at once instead of waiting 5 s.
-    store.connection().unwrap().batch_execute("PRAGMA busy_timeout = 0").unwrap();
+    store
+        .connection()
+        .unwrap()
+        .batch_execute("PRAGMA busy_timeout = 0")
+        .unwrap();
     let release = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(150));
         blocker.batch_execute("COMMIT").unwrap();
     });
-    let decisions = store.process_batch(&group(GROUP), &[usage("busy", 1)]).unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("busy", 1)])
+        .unwrap();
     release.join().unwrap();
     assert_eq!(decisions, [Decision::Processed]);
     let claim = store.claim(&key("busy")).unwrap().unwrap();

@@ -1,6 +1,8 @@
 //! The claim key and the unique index must agree, checked against the live catalog;
 //! a conflict the lookup cannot explain stops the group instead of being acked.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use inbox_core::{Decision, InProcessTransport, InboxStore};
 use inbox_diesel::{ClaimStatus, Error, Store};
 use inbox_test_support::{group, usage, Fixture, PgFixture, Recorder, SqliteFixture, TestConn};
@@ -90,12 +92,18 @@ fn refuses_each_sabotage<F: Fixture>(new: impl Fn() -> F, sql: impl Fn(&Sabotage
         fx.execute(&sql(sabotage));
         let err = store.verify_schema().expect_err(sabotage.name);
         let msg = err.to_string();
-        assert!(matches!(err, Error::SchemaMismatch { .. }), "{}: {msg}", sabotage.name);
+        assert!(
+            matches!(err, Error::SchemaMismatch { .. }),
+            "{}: {msg}",
+            sabotage.name
+        );
         assert!(msg.contains(sabotage.found), "{}: {msg}", sabotage.name);
         if !sabotage.found.starts_with("expected") {
             assert!(
                 msg.contains("expected unique (consumer_group, message_key)")
-                    || msg.contains("expected no unique index other than on (consumer_group, message_key)"),
+                    || msg.contains(
+                        "expected no unique index other than on (consumer_group, message_key)"
+                    ),
                 "{}: {msg}",
                 sabotage.name
             );
@@ -138,16 +146,27 @@ fn postgres_schema_check_is_scoped_to_the_store_schema() {
     let fine_store = fine.builder().build().expect("store");
     broken.execute("ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;");
     assert!(broken_store.verify_schema().is_err());
-    fine_store.verify_schema().expect("another schema's sabotage does not leak");
+    fine_store
+        .verify_schema()
+        .expect("another schema's sabotage does not leak");
     assert!(fine.builder().build().is_ok());
 }
 
 #[test]
 fn shipped_schema_is_accepted_on_both_backends() {
     let sqlite = SqliteFixture::new();
-    sqlite.builder().build().expect("sqlite").verify_schema().expect("sqlite schema");
+    sqlite
+        .builder()
+        .build()
+        .expect("sqlite")
+        .verify_schema()
+        .expect("sqlite schema");
     if let Some(pg) = PgFixture::new() {
-        pg.builder().build().expect("postgres").verify_schema().expect("postgres schema");
+        pg.builder()
+            .build()
+            .expect("postgres")
+            .verify_schema()
+            .expect("postgres schema");
     }
 }
 
@@ -166,14 +185,21 @@ fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
         panic!("expected a stop, got {decisions:?}");
     };
     assert_eq!(violation.key.as_str(), "ghost");
-    assert!(violation.detail.contains("no row exists"), "{}", violation.detail);
+    assert!(
+        violation.detail.contains("no row exists"),
+        "{}",
+        violation.detail
+    );
     assert!(calls.lock().unwrap().is_empty(), "the handler must not run");
 
     // Through a transport: the group halts with the error, nothing counts as a duplicate.
     let mut transport = InProcessTransport::new(store.clone());
     transport.publish(usage("ghost-2", 1)).unwrap();
     let err = transport.run_until_idle().expect_err("the group stops");
-    assert!(matches!(err, inbox_core::Error::ClaimInvariantViolated(_)), "{err}");
+    assert!(
+        matches!(err, inbox_core::Error::ClaimInvariantViolated(_)),
+        "{err}"
+    );
     assert_eq!(transport.stats().duplicates, 0);
     assert_eq!(transport.stats().processed, 0);
     assert_eq!(transport.pending(), 1, "the delivery stays queued");
@@ -186,11 +212,17 @@ fn phantom_failure_update_stops_the_group<F: Fixture>(fx: &F, swallow_updates: &
     let store = fx.builder().handler(handler).build().expect("store");
     fx.connect().create_effects().expect("effects");
     fx.execute(swallow_updates);
-    let decisions = store.process_batch(&group(GROUP), &[usage("lost", 1)]).unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("lost", 1)])
+        .unwrap();
     let [Decision::Stop(violation)] = &decisions[..] else {
         panic!("expected a stop, got {decisions:?}");
     };
-    assert!(violation.detail.contains("failure update"), "{}", violation.detail);
+    assert!(
+        violation.detail.contains("failure update"),
+        "{}",
+        violation.detail
+    );
     assert_eq!(fx.connect().effects_of("lost").unwrap(), 0);
     assert!(store.dead_letters(&group(GROUP)).unwrap().is_empty());
 }
@@ -245,12 +277,25 @@ fn an_unchecked_store_still_stops_on_a_sabotaged_index() {
          CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);
          CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
     );
-    let first = fx.builder().handler(Recorder::new("group.one")).build_unchecked().unwrap();
+    let first = fx
+        .builder()
+        .handler(Recorder::new("group.one"))
+        .build_unchecked()
+        .unwrap();
     let second_handler = Recorder::new("group.two");
     let second_calls = second_handler.calls();
-    let second = fx.builder().handler(second_handler).build_unchecked().unwrap();
+    let second = fx
+        .builder()
+        .handler(second_handler)
+        .build_unchecked()
+        .unwrap();
     fx.connect().create_effects().unwrap();
-    assert_eq!(first.process_batch(&group("group.one"), &[usage("k", 1)]).unwrap(), [Decision::Processed]);
+    assert_eq!(
+        first
+            .process_batch(&group("group.one"), &[usage("k", 1)])
+            .unwrap(),
+        [Decision::Processed]
+    );
     let outcome = second.process_batch(&group("group.two"), &[usage("k", 1)]);
     assert!(
         !matches!(outcome.as_deref(), Ok([Decision::Duplicate])),
@@ -258,7 +303,10 @@ fn an_unchecked_store_still_stops_on_a_sabotaged_index() {
     );
     assert!(outcome.is_err(), "{outcome:?}");
     assert!(second_calls.lock().unwrap().is_empty());
-    assert!(fx.builder().build().is_err(), "the checked constructor refuses this schema");
+    assert!(
+        fx.builder().build().is_err(),
+        "the checked constructor refuses this schema"
+    );
 }
 
 #[test]
@@ -267,7 +315,10 @@ fn connect_errors_keep_the_driver_error_and_hide_the_password() {
         .build()
         .expect_err("nothing listens on port 1");
     let msg = err.to_string();
-    assert!(msg.starts_with("could not connect to postgres://app:***@127.0.0.1:1/billing: "), "{msg}");
+    assert!(
+        msg.starts_with("could not connect to postgres://app:***@127.0.0.1:1/billing: "),
+        "{msg}"
+    );
     assert!(msg.to_lowercase().contains("connection refused"), "{msg}");
     assert!(!msg.contains("s3cret"), "{msg}");
     assert!(!format!("{err:?}").contains("s3cret"));
@@ -284,11 +335,16 @@ fn claim_status_round_trips() {
     let fx = SqliteFixture::new();
     let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
     fx.connect().create_effects().unwrap();
-    store.process_batch(&group(GROUP), &[usage("k", 1)]).unwrap();
+    store
+        .process_batch(&group(GROUP), &[usage("k", 1)])
+        .unwrap();
     let routes = store.routes();
     assert_eq!(routes, [(group(GROUP), "usage.recorded".to_owned())]);
     let claim = store
-        .claim(&inbox_core::ClaimKey::new(group(GROUP), inbox_core::MessageKey::new("k").unwrap()))
+        .claim(&inbox_core::ClaimKey::new(
+            group(GROUP),
+            inbox_core::MessageKey::new("k").unwrap(),
+        ))
         .unwrap()
         .unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);

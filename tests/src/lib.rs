@@ -100,7 +100,10 @@ impl PgFixture {
 impl Drop for PgFixture {
     fn drop(&mut self) {
         if let Ok(mut conn) = PgConnection::establish(&self.url) {
-            let _ = conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.schema));
+            let _ = conn.batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+                self.schema
+            ));
         }
     }
 }
@@ -151,7 +154,8 @@ impl Fixture for SqliteFixture {
 
     fn connect(&self) -> SqliteConnection {
         let mut conn = SqliteConnection::establish(&self.path).expect("open sqlite file");
-        conn.batch_execute("PRAGMA busy_timeout = 5000").expect("busy_timeout");
+        conn.batch_execute("PRAGMA busy_timeout = 5000")
+            .expect("busy_timeout");
         conn
     }
 }
@@ -294,14 +298,21 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
         self.policy
     }
 
-    fn handle(&self, conn: &mut C, msg: Usage, ctx: &MessageContext<'_>) -> Result<(), HandlerError> {
+    fn handle(
+        &self,
+        conn: &mut C,
+        msg: Usage,
+        ctx: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
         let key = ctx.message_key().as_str();
         self.calls.lock().expect("calls").push(key.to_owned());
         match (self.behaviour)(key, ctx) {
             Outcome::Apply => conn.record_effect(key, msg.amount)?,
             Outcome::ApplyThenFail => {
                 conn.record_effect(key, msg.amount)?;
-                return Err(HandlerError::transient(format!("{key} failed after writing")));
+                return Err(HandlerError::transient(format!(
+                    "{key} failed after writing"
+                )));
             }
             Outcome::Permanent => return Err(HandlerError::permanent(format!("{key} is invalid"))),
             Outcome::Panic => panic!("handler panicked on {key}"),
@@ -319,7 +330,11 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
 /// A `usage.recorded` envelope with key `key` and amount `amount`.
 pub fn usage(key: &str, amount: i64) -> Envelope {
     let payload = serde_json::to_vec(&Usage { amount }).expect("serialize");
-    Envelope::new(MessageKey::new(key).expect("valid key"), "usage.recorded", payload)
+    Envelope::new(
+        MessageKey::new(key).expect("valid key"),
+        "usage.recorded",
+        payload,
+    )
 }
 
 /// A consumer group from a literal.

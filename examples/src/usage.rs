@@ -1,0 +1,276 @@
+//! `usage.recorded` → `daily_usage(user_id, day, total)`.
+//!
+//! The message contract: AMQP `type` and routing key `usage.recorded`, `message_id` =
+//! message key, JSON body `{"user_id": 42, "day": "2026-11-30", "amount": 40}` with an
+//! integer user id, an ISO date and a positive integer amount.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::NaiveDate;
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Date};
+use diesel::{PgConnection, SqliteConnection};
+use inbox_core::{
+    ConsumerGroup, Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock,
+    RetryPolicy,
+};
+use serde::{Deserialize, Serialize};
+
+/// The consumer group of the projection.
+pub const GROUP: &str = "billing.daily-usage";
+
+/// The message type.
+pub const MESSAGE_TYPE: &str = "usage.recorded";
+
+/// One metered usage event.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageRecorded {
+    /// The user charged.
+    pub user_id: i64,
+    /// The billing day.
+    pub day: NaiveDate,
+    /// Units used, positive.
+    pub amount: i64,
+}
+
+/// The projection's table, on the two backends the example runs on.
+pub trait UsageDb: Connection + Send + 'static {
+    /// Creates `daily_usage` if missing.
+    fn create_daily_usage(&mut self) -> QueryResult<()>;
+
+    /// Adds `amount` to the row of (`user_id`, `day`).
+    fn add_usage(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<()>;
+
+    /// Every row.
+    fn daily_totals(&mut self) -> QueryResult<BTreeMap<(i64, NaiveDate), i64>>;
+}
+
+#[derive(QueryableByName)]
+struct TotalRow {
+    #[diesel(sql_type = BigInt)]
+    user_id: i64,
+    #[diesel(sql_type = Date)]
+    day: NaiveDate,
+    #[diesel(sql_type = BigInt)]
+    total: i64,
+}
+
+/// The same statements on both backends; only the table's column types differ.
+macro_rules! usage_db {
+    ($conn:ty, $create:literal) => {
+        impl UsageDb for $conn {
+            fn create_daily_usage(&mut self) -> QueryResult<()> {
+                self.batch_execute($create)
+            }
+
+            fn add_usage(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<()> {
+                diesel::sql_query(
+                    "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3) \
+                     ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
+                )
+                .bind::<BigInt, _>(user_id)
+                .bind::<Date, _>(day)
+                .bind::<BigInt, _>(amount)
+                .execute(self)
+                .map(|_| ())
+            }
+
+            fn daily_totals(&mut self) -> QueryResult<BTreeMap<(i64, NaiveDate), i64>> {
+                let rows: Vec<TotalRow> =
+                    diesel::sql_query("SELECT user_id, day, total FROM daily_usage").load(self)?;
+                Ok(rows.into_iter().map(|r| ((r.user_id, r.day), r.total)).collect())
+            }
+        }
+    };
+}
+
+usage_db!(
+    PgConnection,
+    "CREATE TABLE IF NOT EXISTS daily_usage (user_id BIGINT NOT NULL, day DATE NOT NULL, \
+     total BIGINT NOT NULL, PRIMARY KEY (user_id, day))"
+);
+usage_db!(
+    SqliteConnection,
+    "CREATE TABLE IF NOT EXISTS daily_usage (user_id INTEGER NOT NULL, day TEXT NOT NULL, \
+     total INTEGER NOT NULL, PRIMARY KEY (user_id, day))"
+);
+
+/// The projection handler: adds each event's amount to its day's total.
+///
+/// It folds: a batch's events are summed per (user, day) and written once per row.
+/// User 0 does not exist: its events fail, are retried and end dead-lettered (the
+/// quickstart's poison).
+pub struct DailyUsage {
+    group: ConsumerGroup,
+    policy: RetryPolicy,
+}
+
+impl DailyUsage {
+    /// The handler with a retry policy.
+    pub fn new(policy: RetryPolicy) -> Self {
+        Self {
+            group: ConsumerGroup::new(GROUP).unwrap_or_else(|_| unreachable!("valid literal")),
+            policy,
+        }
+    }
+}
+
+fn check(msg: &UsageRecorded) -> Result<(), HandlerError> {
+    if msg.amount <= 0 {
+        return Err(HandlerError::permanent(format!(
+            "amount must be positive, found {}",
+            msg.amount
+        )));
+    }
+    if msg.user_id == 0 {
+        return Err(HandlerError::transient("user 0 does not exist"));
+    }
+    Ok(())
+}
+
+impl<C: UsageDb> Handler<C> for DailyUsage {
+    type Message = UsageRecorded;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        MESSAGE_TYPE
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.policy
+    }
+
+    fn handle(
+        &self,
+        conn: &mut C,
+        msg: UsageRecorded,
+        _ctx: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        check(&msg)?;
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+
+    fn fold(
+        &self,
+        conn: &mut C,
+        batch: &[(UsageRecorded, MessageContext<'_>)],
+    ) -> Option<Result<(), HandlerError>> {
+        let mut sums: BTreeMap<(i64, NaiveDate), i64> = BTreeMap::new();
+        for (msg, _) in batch {
+            if let Err(err) = check(msg) {
+                return Some(Err(err));
+            }
+            *sums.entry((msg.user_id, msg.day)).or_default() += msg.amount;
+        }
+        for ((user_id, day), amount) in sums {
+            if let Err(err) = conn.add_usage(user_id, day, amount) {
+                return Some(Err(err.into()));
+            }
+        }
+        Some(Ok(()))
+    }
+
+    fn lock(&self) -> Option<ProjectionLock> {
+        Some(ProjectionLock::named("daily_usage"))
+    }
+}
+
+/// A deterministic generator (xorshift), so runs are reproducible without a `rand`.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
+    /// The next number below `n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+/// A workload: events, with `poison` of them for user 0.
+pub struct Workload {
+    /// (key, event) of every distinct event.
+    pub events: Vec<(MessageKey, UsageRecorded)>,
+}
+
+impl Workload {
+    /// `count` events over 20 users and 3 days; the first `poison` belong to user 0.
+    pub fn generate(count: usize, poison: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        let first_day = NaiveDate::from_ymd_opt(2026, 11, 28).unwrap_or_default();
+        let events = (0..count)
+            .map(|i| {
+                let key =
+                    MessageKey::derive("billing", &format!("usage-event-{seed}-{i}"), MESSAGE_TYPE);
+                let event = UsageRecorded {
+                    user_id: if i < poison {
+                        0
+                    } else {
+                        1 + rng.below(20) as i64
+                    },
+                    day: first_day + chrono::Days::new(rng.below(3)),
+                    amount: 1 + rng.below(100) as i64,
+                };
+                (key, event)
+            })
+            .collect();
+        Self { events }
+    }
+
+    /// The envelope of event `i`.
+    pub fn envelope(&self, i: usize) -> Envelope {
+        let (key, event) = &self.events[i];
+        let payload = serde_json::to_vec(event).unwrap_or_default();
+        Envelope::new(key.clone(), MESSAGE_TYPE, payload)
+    }
+
+    /// The totals the projection must hold: every distinct event applied once, poison
+    /// (user 0) never.
+    pub fn expected_totals(&self) -> BTreeMap<(i64, NaiveDate), i64> {
+        let mut totals = BTreeMap::new();
+        for (_, e) in self.events.iter().filter(|(_, e)| e.user_id != 0) {
+            *totals.entry((e.user_id, e.day)).or_default() += e.amount;
+        }
+        totals
+    }
+}
+
+/// The retry policy of the quickstart: 4 attempts, a few milliseconds apart.
+pub fn quick_policy() -> RetryPolicy {
+    RetryPolicy::new(4, Duration::from_millis(2), Duration::from_millis(10))
+        .unwrap_or_else(|_| unreachable!("valid literal policy"))
+}
+
+/// Compares the projection with the expected totals; lists every difference.
+pub fn diff_totals(
+    expected: &BTreeMap<(i64, NaiveDate), i64>,
+    found: &BTreeMap<(i64, NaiveDate), i64>,
+) -> Vec<String> {
+    let mut diffs = Vec::new();
+    for (key, want) in expected {
+        match found.get(key) {
+            Some(got) if got == want => {}
+            got => diffs.push(format!(
+                "user {} on {}: expected {want}, found {got:?}",
+                key.0, key.1
+            )),
+        }
+    }
+    for key in found.keys().filter(|k| !expected.contains_key(*k)) {
+        diffs.push(format!("user {} on {}: unexpected row", key.0, key.1));
+    }
+    diffs
+}
