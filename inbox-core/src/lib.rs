@@ -40,6 +40,6 @@ pub use handler::{
     MessageContext, ProjectionLock,
 };
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
-pub use retry::RetryPolicy;
-pub use store::InboxStore;
+pub use retry::{RetryLadder, RetryPolicy};
+pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};

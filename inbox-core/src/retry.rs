@@ -122,3 +122,107 @@ mod tests {
         assert!(p.is_exhausted(10));
     }
 }
+
+/// The fixed delays a transport can wait out (a broker's retry-tier queues).
+///
+/// A retry waits in the smallest tier not shorter than the delay it asks for; a
+/// delay longer than every tier waits in the longest. A store given the ladder records
+/// the delay actually used in `next_attempt_at`.
+///
+/// ```
+/// use std::time::Duration;
+/// use inbox_core::RetryLadder;
+/// let ladder = RetryLadder::new([Duration::from_secs(1), Duration::from_secs(30)])?;
+/// assert_eq!(ladder.tier_for(Duration::from_millis(1500)), Duration::from_secs(30));
+/// assert_eq!(ladder.tier_for(Duration::from_secs(600)), Duration::from_secs(30));
+/// assert_eq!(RetryLadder::label(Duration::from_millis(50)), "50ms");
+/// # Ok::<(), inbox_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetryLadder(Vec<Duration>);
+
+impl RetryLadder {
+    /// A ladder of these delays (sorted, duplicates removed); at least one, none zero,
+    /// each a whole number of milliseconds.
+    pub fn new(tiers: impl IntoIterator<Item = Duration>) -> Result<Self, Error> {
+        let mut tiers: Vec<Duration> = tiers.into_iter().collect();
+        tiers.sort_unstable();
+        tiers.dedup();
+        if tiers.is_empty() {
+            return Err(Error::InvalidRetryPolicy(
+                "a retry ladder needs at least one tier".to_owned(),
+            ));
+        }
+        if let Some(bad) = tiers
+            .iter()
+            .find(|d| d.is_zero() || d.subsec_nanos() % 1_000_000 != 0)
+        {
+            return Err(Error::InvalidRetryPolicy(format!(
+                "retry tiers must be whole, non-zero milliseconds, found {bad:?}"
+            )));
+        }
+        Ok(Self(tiers))
+    }
+
+    /// The tiers, shortest first.
+    pub fn tiers(&self) -> &[Duration] {
+        &self.0
+    }
+
+    /// The tier a retry after `delay` waits in.
+    pub fn tier_for(&self, delay: Duration) -> Duration {
+        self.0
+            .iter()
+            .copied()
+            .find(|tier| *tier >= delay)
+            .or_else(|| self.0.last().copied())
+            .unwrap_or(delay)
+    }
+
+    /// A short name for a tier: `50ms`, `1s`, `2m`, `1h`.
+    pub fn label(tier: Duration) -> String {
+        let ms = tier.as_millis();
+        if ms % 3_600_000 == 0 {
+            format!("{}h", ms / 3_600_000)
+        } else if ms % 60_000 == 0 {
+            format!("{}m", ms / 60_000)
+        } else if ms % 1000 == 0 {
+            format!("{}s", ms / 1000)
+        } else {
+            format!("{ms}ms")
+        }
+    }
+}
+
+impl Default for RetryLadder {
+    /// 1 s, 5 s, 30 s, 2 min, 10 min.
+    fn default() -> Self {
+        Self(
+            [1, 5, 30, 120, 600]
+                .into_iter()
+                .map(Duration::from_secs)
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod ladder_tests {
+    use super::*;
+
+    #[test]
+    fn picks_the_smallest_tier_not_shorter() {
+        let ms = Duration::from_millis;
+        let ladder = RetryLadder::new([ms(200), ms(50), ms(100), ms(50)]).unwrap();
+        assert_eq!(ladder.tiers(), [ms(50), ms(100), ms(200)]);
+        assert_eq!(ladder.tier_for(ms(1)), ms(50));
+        assert_eq!(ladder.tier_for(ms(50)), ms(50));
+        assert_eq!(ladder.tier_for(ms(51)), ms(100));
+        assert_eq!(ladder.tier_for(ms(5000)), ms(200));
+        assert!(RetryLadder::new([]).is_err());
+        assert!(RetryLadder::new([Duration::ZERO]).is_err());
+        assert!(RetryLadder::new([Duration::from_micros(1500)]).is_err());
+        assert_eq!(RetryLadder::label(Duration::from_secs(120)), "2m");
+        assert_eq!(RetryLadder::label(Duration::from_millis(1500)), "1500ms");
+    }
+}

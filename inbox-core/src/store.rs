@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use crate::{ConsumerGroup, Decision, Envelope, Result};
+use crate::{ConsumerGroup, DeadLetterReason, Decision, Envelope, Result};
 
 /// A store that decides, per delivery, what a transport must do.
 ///
@@ -19,6 +19,30 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Every (group, message type) a registered handler takes.
     fn routes(&self) -> Vec<(ConsumerGroup, String)>;
+
+    /// Records a dead letter for a delivery that never reached a handler: one the
+    /// transport could not read (`Malformed`, under a key the transport made up; no
+    /// claim is touched) or one the broker gave up on (`DeliveryLimit`: the claim is
+    /// marked `dead` in the same transaction, unless its effect already happened).
+    fn dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        envelope: &Envelope,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Result<DeadLetterOutcome>;
+}
+
+/// What [`InboxStore::dead_letter`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterOutcome {
+    /// A dead-letter row was written (and the claim marked dead, if it has one).
+    Recorded,
+    /// The message's effect already committed: nothing to dead-letter.
+    AlreadyDone,
+    /// The message was dead-lettered before.
+    AlreadyDead,
 }
 
 impl<S: InboxStore + ?Sized> InboxStore for Arc<S> {
@@ -28,5 +52,15 @@ impl<S: InboxStore + ?Sized> InboxStore for Arc<S> {
 
     fn routes(&self) -> Vec<(ConsumerGroup, String)> {
         (**self).routes()
+    }
+
+    fn dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        envelope: &Envelope,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Result<DeadLetterOutcome> {
+        (**self).dead_letter(group, envelope, reason, detail)
     }
 }

@@ -25,6 +25,8 @@ use crate::{
 /// #     fn routes(&self) -> Vec<(ConsumerGroup, String)> {
 /// #         vec![(ConsumerGroup::new("billing.daily-usage").unwrap(), "usage.recorded".into())]
 /// #     }
+/// #     fn dead_letter(&self, _: &ConsumerGroup, _: &Envelope, _: DeadLetterReason, _: &str)
+/// #         -> Result<DeadLetterOutcome> { Ok(DeadLetterOutcome::Recorded) }
 /// # }
 /// let mut transport = InProcessTransport::new(Store).batch_size(100);
 /// let key = MessageKey::derive("billing", "event-1", "usage.recorded");
@@ -299,6 +301,16 @@ mod tests {
 
         fn routes(&self) -> Vec<(ConsumerGroup, String)> {
             vec![(ConsumerGroup::new("g").unwrap(), "t".into())]
+        }
+
+        fn dead_letter(
+            &self,
+            _: &ConsumerGroup,
+            _: &Envelope,
+            _: crate::DeadLetterReason,
+            _: &str,
+        ) -> Result<crate::DeadLetterOutcome> {
+            Ok(crate::DeadLetterOutcome::Recorded)
         }
     }
 

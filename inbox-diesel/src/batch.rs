@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use inbox_core::{
-    delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterReason, Decision, DynHandler,
-    Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey, RetryPolicy,
+    delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterOutcome, DeadLetterReason,
+    Decision, DynHandler, Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey,
+    RetryPolicy,
 };
 
 use crate::backend::{is_retryable, StoreConnection};
@@ -589,6 +590,11 @@ impl<C: StoreConnection> Inner<C> {
             ),
         };
         let last_error = truncate(last_error);
+        // Record the delay the transport will really wait: its tier, not the policy's.
+        let outcome = outcome.map(|delay| match &self.settings.ladder {
+            Some(ladder) => ladder.tier_for(delay),
+            None => delay,
+        });
         let update = FailureUpdate {
             status: if outcome.is_ok() {
                 ClaimStatus::Failed
@@ -669,6 +675,69 @@ impl<C: StoreConnection> Inner<C> {
                 now,
             },
         )
+    }
+
+    /// A dead letter for a delivery that never reached a handler (see
+    /// [`inbox_core::InboxStore::dead_letter`]).
+    pub(crate) fn dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        env: &Envelope,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Result<DeadLetterOutcome> {
+        let now = self.clock.now();
+        let digest = env.payload_digest();
+        let row = ClaimRow {
+            key: env.message_key.as_str(),
+            message_type: &env.message_type,
+            tenant: env.tenant.as_deref(),
+            digest: &digest,
+            payload: &env.payload,
+        };
+        let detail = truncate(detail.to_owned());
+        let mut conn = self.pool.get()?;
+        let outcome = C::write_transaction(&mut conn, |conn| {
+            // A malformed delivery's key was made up by the transport: it has no claim.
+            if reason != DeadLetterReason::Malformed {
+                let stored = C::lookup(conn, group, &[row.key])?;
+                match stored.first() {
+                    Some(s) if s.digest == digest && s.status == ClaimStatus::Done.as_str() => {
+                        return Ok(DeadLetterOutcome::AlreadyDone)
+                    }
+                    Some(s) if s.digest == digest && s.status == ClaimStatus::Dead.as_str() => {
+                        return Ok(DeadLetterOutcome::AlreadyDead)
+                    }
+                    // Marked dead in the same transaction as the dead letter, so a later
+                    // copy is acked as already dead-lettered.
+                    _ => {
+                        C::mark_dead(conn, group, &row, &detail, now)?;
+                    }
+                }
+            }
+            C::insert_dead_letter(
+                conn,
+                &NewDeadLetter {
+                    group: group.as_str(),
+                    key: row.key,
+                    message_type: &env.message_type,
+                    tenant: env.tenant.as_deref(),
+                    payload: &env.payload,
+                    headers: headers_json(env),
+                    attempts: 0,
+                    reason: reason.as_str(),
+                    last_error: Some(&detail),
+                    now,
+                },
+            )?;
+            Ok::<_, Error>(DeadLetterOutcome::Recorded)
+        })?;
+        if outcome == DeadLetterOutcome::Recorded {
+            tracing::error!(group = %group, key = %env.message_key, %reason, detail, "delivery dead-lettered");
+            metrics::counter!("inbox_dead_lettered_total", "group" => group.to_string(), "reason" => reason.as_str())
+                .increment(1);
+        }
+        Ok(outcome)
     }
 
     /// A redelivered message: one at a time per group in this process, first a

@@ -153,6 +153,16 @@ pub trait ClaimOps: Sized {
     /// Inserts a dead letter.
     fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()>;
 
+    /// Marks a claim dead, inserting it if missing, under the claim's own conflict
+    /// condition (a done, dead or colliding row is left alone); returns whether it did.
+    fn mark_dead(
+        conn: &mut Self,
+        group: &ConsumerGroup,
+        row: &ClaimRow<'_>,
+        last_error: &str,
+        now: DateTime<Utc>,
+    ) -> QueryResult<bool>;
+
     /// Reads one claim.
     fn read_claim(conn: &mut Self, key: &ClaimKey) -> QueryResult<Option<ClaimRecord>>;
 
@@ -319,6 +329,49 @@ macro_rules! claim_ops {
                     ))
                     .returning(attempts)
                     .get_results(conn)
+            }
+
+            fn mark_dead(
+                conn: &mut Self,
+                group: &ConsumerGroup,
+                row: &ClaimRow<'_>,
+                error: &str,
+                now: DateTime<Utc>,
+            ) -> QueryResult<bool> {
+                use diesel::query_dsl::methods::FilterDsl;
+                use diesel::upsert::excluded;
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                diesel::insert_into(inbox_claims)
+                    .values((
+                        consumer_group.eq(group.as_str()),
+                        message_key.eq(row.key),
+                        message_type.eq(row.message_type),
+                        tenant.eq(row.tenant),
+                        payload_digest.eq(row.digest),
+                        status.eq(ClaimStatus::Dead.as_str()),
+                        attempts.eq(0),
+                        starts.eq(0),
+                        last_error.eq(error),
+                        first_seen_at.eq(now),
+                        updated_at.eq(now),
+                    ))
+                    .on_conflict((consumer_group, message_key))
+                    .do_update()
+                    .set((
+                        status.eq(ClaimStatus::Dead.as_str()),
+                        payload.eq(None::<Vec<u8>>),
+                        last_error.eq(error),
+                        updated_at.eq(now),
+                    ))
+                    .filter(
+                        status
+                            .eq_any([ClaimStatus::Failed.as_str(), ClaimStatus::Started.as_str()])
+                            .and(payload_digest.eq(excluded(payload_digest))),
+                    )
+                    .returning(attempts)
+                    .get_result::<i32>(conn)
+                    .optional()
+                    .map(|row| row.is_some())
             }
 
             fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()> {

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use chrono::{DateTime, Utc};
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, PooledConnection};
 use inbox_core::{
-    ClaimKey, Clock, ConsumerGroup, Decision, DynHandler, Envelope, Handler, InboxStore,
-    SystemClock,
+    ClaimKey, Clock, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, DynHandler,
+    Envelope, Handler, InboxStore, RetryLadder, SystemClock,
 };
 
 use crate::backend::{valid_schema_name, StoreConnection};
@@ -111,6 +111,7 @@ pub struct DeadLetter {
 pub(crate) struct Settings {
     pub crash_limit: u32,
     pub transaction_retries: u32,
+    pub ladder: Option<RetryLadder>,
 }
 
 pub(crate) struct Inner<C: StoreConnection> {
@@ -179,6 +180,7 @@ impl<C: StoreConnection> Store<C> {
             handlers: Vec::new(),
             crash_limit: 3,
             transaction_retries: 3,
+            ladder: None,
             migrate: true,
         }
     }
@@ -247,6 +249,16 @@ impl<C: StoreConnection> InboxStore for Store<C> {
         routes.sort();
         routes
     }
+
+    fn dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        envelope: &Envelope,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> inbox_core::Result<DeadLetterOutcome> {
+        Ok(self.inner.dead_letter(group, envelope, reason, detail)?)
+    }
 }
 
 /// Builds a [`Store`].
@@ -259,6 +271,7 @@ pub struct StoreBuilder<C: StoreConnection> {
     handlers: Vec<Arc<dyn DynHandler<C>>>,
     crash_limit: u32,
     transaction_retries: u32,
+    ladder: Option<RetryLadder>,
     migrate: bool,
 }
 
@@ -305,6 +318,14 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// SQLITE_BUSY before it is split (default 3).
     pub fn transaction_retries(mut self, retries: u32) -> Self {
         self.transaction_retries = retries;
+        self
+    }
+
+    /// The delays the transport can wait out (its retry tiers): a retry's delay is
+    /// rounded up to a tier, and `next_attempt_at` records the delay actually used.
+    /// Without a ladder (the in-process transport) the policy's delay is used as is.
+    pub fn retry_ladder(mut self, ladder: RetryLadder) -> Self {
+        self.ladder = Some(ladder);
         self
     }
 
@@ -384,6 +405,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 settings: Settings {
                     crash_limit: self.crash_limit,
                     transaction_retries: self.transaction_retries,
+                    ladder: self.ladder,
                 },
                 slots: Mutex::new(HashMap::new()),
             }),

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use inbox_core::{
-    ClaimKey, Clock, DeadLetterReason, Decision, Envelope, ManualClock, MessageKey, RetryPolicy,
+    ClaimKey, Clock, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore,
+    ManualClock, MessageKey, RetryLadder, RetryPolicy,
 };
 use inbox_diesel::{ClaimStatus, Store};
 use inbox_test_support::{
@@ -62,6 +63,8 @@ on_both_backends!(
     undecodable_payload_is_dead_lettered,
     type_without_handler_is_dead_lettered,
     retry_after_overrides_the_policy,
+    retry_ladder_records_the_delay_actually_used,
+    broker_dead_letters_mark_the_claim_dead,
 );
 
 fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
@@ -587,4 +590,120 @@ fn sqlite_threads_deliver_the_same_envelope() {
         .count();
     assert_eq!(processed, 1);
     assert_eq!(calls.lock().unwrap().len(), 1);
+}
+
+fn retry_ladder_records_the_delay_actually_used<F: Fixture>(fx: &F) {
+    let ms = Duration::from_millis;
+    let clock = ManualClock::new(start());
+    let policy = RetryPolicy::new(5, ms(60), ms(1000)).unwrap();
+    let handler = Recorder::new(GROUP)
+        .policy(policy)
+        .behaviour(|_, _| Outcome::ApplyThenFail);
+    let store = fx
+        .builder()
+        .clock(Arc::new(clock.clone()))
+        .retry_ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    // Policy delays 60, 120, 240 ms wait in the 100, 200 and (longest) 200 ms tiers.
+    for tier in [100, 200, 200] {
+        let now = clock.now();
+        let decision = store.process_batch(&g, &[usage("k", 1)]).unwrap();
+        assert_eq!(decision, [Decision::RetryAfter(ms(tier))]);
+        let claim = store.claim(&key("k")).unwrap().unwrap();
+        assert_eq!(
+            claim.next_attempt_at,
+            Some(now + chrono::Duration::milliseconds(tier as i64))
+        );
+        clock.advance(ms(tier));
+    }
+}
+
+fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
+    let handler = Recorder::new(GROUP).behaviour(|key, _| {
+        if key == "failing" {
+            Outcome::ApplyThenFail
+        } else {
+            Outcome::Apply
+        }
+    });
+    let calls = handler.calls();
+    let store = fx.builder().handler(handler).build().expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+    store
+        .process_batch(&g, &[usage("done", 1), usage("failing", 1)])
+        .unwrap();
+    let limit = |env: &Envelope| {
+        store.dead_letter(
+            &g,
+            env,
+            DeadLetterReason::DeliveryLimit,
+            "x-delivery-limit reached",
+        )
+    };
+
+    // A message still awaiting a retry: dead letter and dead claim, together.
+    assert_eq!(
+        limit(&usage("failing", 1)).unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        store.claim(&key("failing")).unwrap().unwrap().status,
+        ClaimStatus::Dead
+    );
+    assert_eq!(
+        limit(&usage("failing", 1)).unwrap(),
+        DeadLetterOutcome::AlreadyDead
+    );
+    // A message whose effect happened is not dead-lettered.
+    assert_eq!(
+        limit(&usage("done", 1)).unwrap(),
+        DeadLetterOutcome::AlreadyDone
+    );
+    // A message never claimed gets a dead claim, so later copies are not run.
+    assert_eq!(
+        limit(&usage("unseen", 1)).unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        store.process_batch(&g, &[usage("unseen", 1)]).unwrap(),
+        [Decision::AlreadyDeadLettered]
+    );
+    // A malformed delivery's made-up key gets a dead letter and no claim.
+    let malformed = usage("made-up", 1);
+    assert_eq!(
+        store
+            .dead_letter(&g, &malformed, DeadLetterReason::Malformed, "no message_id")
+            .unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(store.claim(&key("made-up")).unwrap(), None);
+
+    let reasons: Vec<(String, String)> = store
+        .dead_letters(&g)
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.key, d.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("failing".into(), "delivery_limit".into()),
+            ("unseen".into(), "delivery_limit".into()),
+            ("made-up".into(), "malformed".into()),
+        ]
+    );
+    assert_eq!(
+        calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|k| *k == "unseen")
+            .count(),
+        0
+    );
 }
