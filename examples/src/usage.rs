@@ -13,8 +13,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Date};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
-    ConsumerGroup, Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock,
-    RetryPolicy,
+    Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock, RetryPolicy,
 };
 use serde::{Deserialize, Serialize};
 
@@ -101,19 +100,64 @@ usage_db!(
 ///
 /// It folds: a batch's events are summed per (user, day) and written once per row.
 /// User 0 does not exist: its events fail, are retried and end dead-lettered (the
-/// quickstart's poison).
+/// quickstart's poison). The same handler serves PostgreSQL and SQLite: the derive
+/// implements `Handler<C>` for every connection `C: UsageDb`.
+#[derive(Handler)]
+#[inbox(
+    group = "billing.daily-usage",
+    message = UsageRecorded,
+    message_type = "usage.recorded",
+    connection = impl UsageDb,
+    retry_policy = Self::policy,
+    fold = Self::add_batch,
+    lock = Self::projection_lock,
+)]
 pub struct DailyUsage {
-    group: ConsumerGroup,
     policy: RetryPolicy,
 }
 
 impl DailyUsage {
     /// The handler with a retry policy.
     pub fn new(policy: RetryPolicy) -> Self {
-        Self {
-            group: ConsumerGroup::new(GROUP).unwrap_or_else(|_| unreachable!("valid literal")),
-            policy,
+        Self { policy }
+    }
+
+    fn policy(&self) -> RetryPolicy {
+        self.policy
+    }
+
+    /// One event, when a batch did not fold (it isolates the poison).
+    fn handle<C: UsageDb>(
+        &self,
+        conn: &mut C,
+        msg: UsageRecorded,
+        _ctx: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        check(&msg)?;
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+
+    /// A whole batch: one write per (user, day).
+    fn add_batch<C: UsageDb>(
+        &self,
+        conn: &mut C,
+        batch: &[(UsageRecorded, MessageContext<'_>)],
+    ) -> Result<(), HandlerError> {
+        let mut sums: BTreeMap<(i64, NaiveDate), i64> = BTreeMap::new();
+        for (msg, _) in batch {
+            check(msg)?;
+            *sums.entry((msg.user_id, msg.day)).or_default() += msg.amount;
         }
+        for ((user_id, day), amount) in sums {
+            conn.add_usage(user_id, day, amount)?;
+        }
+        Ok(())
+    }
+
+    /// Live handlers take it shared before they claim; a rebuild takes it exclusive.
+    fn projection_lock(&self) -> ProjectionLock {
+        ProjectionLock::named("daily_usage")
     }
 }
 
@@ -128,57 +172,6 @@ fn check(msg: &UsageRecorded) -> Result<(), HandlerError> {
         return Err(HandlerError::transient("user 0 does not exist"));
     }
     Ok(())
-}
-
-impl<C: UsageDb> Handler<C> for DailyUsage {
-    type Message = UsageRecorded;
-
-    fn group(&self) -> &ConsumerGroup {
-        &self.group
-    }
-
-    fn message_type(&self) -> &str {
-        MESSAGE_TYPE
-    }
-
-    fn retry_policy(&self) -> RetryPolicy {
-        self.policy
-    }
-
-    fn handle(
-        &self,
-        conn: &mut C,
-        msg: UsageRecorded,
-        _ctx: &MessageContext<'_>,
-    ) -> Result<(), HandlerError> {
-        check(&msg)?;
-        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
-        Ok(())
-    }
-
-    fn fold(
-        &self,
-        conn: &mut C,
-        batch: &[(UsageRecorded, MessageContext<'_>)],
-    ) -> Option<Result<(), HandlerError>> {
-        let mut sums: BTreeMap<(i64, NaiveDate), i64> = BTreeMap::new();
-        for (msg, _) in batch {
-            if let Err(err) = check(msg) {
-                return Some(Err(err));
-            }
-            *sums.entry((msg.user_id, msg.day)).or_default() += msg.amount;
-        }
-        for ((user_id, day), amount) in sums {
-            if let Err(err) = conn.add_usage(user_id, day, amount) {
-                return Some(Err(err.into()));
-            }
-        }
-        Some(Ok(()))
-    }
-
-    fn lock(&self) -> Option<ProjectionLock> {
-        Some(ProjectionLock::named("daily_usage"))
-    }
 }
 
 /// A deterministic generator (xorshift), so runs are reproducible without a `rand`.

@@ -7,6 +7,10 @@
 //! returns, the injectable [`Clock`], the [`InboxStore`] trait transports are generic
 //! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store.
 //!
+//! With the `derive` feature, `#[derive(Handler)]` (from `inbox-macros`) writes the
+//! `Handler` impl of a handler struct from an `#[inbox(...)]` attribute, checked at
+//! compile time; `use inbox_core::Handler;` brings the trait and the derive.
+//!
 //! ```
 //! use inbox_core::{ConsumerGroup, MessageKey, RetryPolicy};
 //! use std::time::Duration;
@@ -30,6 +34,7 @@ pub mod names;
 mod retry;
 mod store;
 mod transport;
+mod url;
 
 pub use clock::{delta, Clock, ManualClock, SystemClock};
 pub use decision::{ClaimInvariantViolated, DeadLetterReason, Decision};
@@ -39,7 +44,12 @@ pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,
 };
+/// `#[derive(Handler)]`: implements the [`Handler`](trait@Handler) trait for a
+/// handler struct from its `#[inbox(...)]` attribute.
+#[cfg(feature = "derive")]
+pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use retry::{RetryLadder, RetryPolicy};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};
+pub use url::redact_url;
