@@ -280,8 +280,9 @@ impl<C: StoreConnection> Inner<C> {
                 d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
             })
             .collect::<Result<_>>()?;
-        for decision in &decisions {
+        for (env, decision) in batch.iter().zip(&decisions) {
             record_metrics(group, decision);
+            tracing::debug!(group = %group, key = %env.message_key, outcome = ?decision, "delivery decided");
         }
         Ok(decisions)
     }
@@ -507,7 +508,10 @@ impl<C: StoreConnection> Inner<C> {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
             };
-            let ctx = MessageContext::new(d.env, group, attempt_number(*attempts), now);
+            let attempt = attempt_number(*attempts);
+            let ctx = MessageContext::new(d.env, group, attempt, now);
+            let _span = tracing::debug_span!("inbox.delivery", group = %group, key = %d.env.message_key, attempt)
+                .entered();
             let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
                 let before = depth(conn).map_err(|e| match e {
                     TxError::Retryable(db) => SavepointError::Db(db),

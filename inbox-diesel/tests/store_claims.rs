@@ -65,6 +65,7 @@ on_both_backends!(
     retry_after_overrides_the_policy,
     retry_ladder_records_the_delay_actually_used,
     broker_dead_letters_mark_the_claim_dead,
+    fold_is_used_and_falls_back_per_event_on_failure,
 );
 
 fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
@@ -706,4 +707,111 @@ fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
             .count(),
         0
     );
+}
+
+/// Sums a batch into one write per key; fails the whole fold on a negative amount.
+struct Folding {
+    group: inbox_core::ConsumerGroup,
+    folds: Arc<std::sync::Mutex<Vec<usize>>>,
+    handled: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl<C: TestConn + Send + 'static> inbox_core::Handler<C> for Folding {
+    type Message = inbox_test_support::Usage;
+
+    fn group(&self) -> &inbox_core::ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        "usage.recorded"
+    }
+
+    fn handle(
+        &self,
+        conn: &mut C,
+        msg: Self::Message,
+        ctx: &inbox_core::MessageContext<'_>,
+    ) -> Result<(), inbox_core::HandlerError> {
+        self.handled
+            .lock()
+            .unwrap()
+            .push(ctx.message_key().to_string());
+        if msg.amount < 0 {
+            return Err(inbox_core::HandlerError::transient("negative amount"));
+        }
+        conn.record_effect(ctx.message_key().as_str(), msg.amount)?;
+        Ok(())
+    }
+
+    fn fold(
+        &self,
+        conn: &mut C,
+        batch: &[(Self::Message, inbox_core::MessageContext<'_>)],
+    ) -> Option<Result<(), inbox_core::HandlerError>> {
+        self.folds.lock().unwrap().push(batch.len());
+        if batch.iter().any(|(m, _)| m.amount < 0) {
+            return Some(Err(inbox_core::HandlerError::transient(
+                "negative amount in batch",
+            )));
+        }
+        // One write for the whole batch (keys joined), to prove the fold ran.
+        let keys: Vec<&str> = batch
+            .iter()
+            .map(|(_, c)| c.message_key().as_str())
+            .collect();
+        let total = batch.iter().map(|(m, _)| m.amount).sum();
+        Some(
+            conn.record_effect(&keys.join(","), total)
+                .map_err(Into::into),
+        )
+    }
+}
+
+fn fold_is_used_and_falls_back_per_event_on_failure<F: Fixture>(fx: &F) {
+    let folds = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handled = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let store = fx
+        .builder()
+        .handler(Folding {
+            group: group(GROUP),
+            folds: Arc::clone(&folds),
+            handled: Arc::clone(&handled),
+        })
+        .build()
+        .expect("store");
+    fx.connect().create_effects().expect("effects");
+    let g = group(GROUP);
+
+    let clean: Vec<Envelope> = (0..10).map(|i| usage(&format!("a{i}"), 2)).collect();
+    let decisions = store.process_batch(&g, &clean).unwrap();
+    assert!(decisions.iter().all(|d| *d == Decision::Processed));
+    assert_eq!(*folds.lock().unwrap(), [10], "one fold for the batch");
+    assert!(handled.lock().unwrap().is_empty(), "no per-event calls");
+    assert_eq!(fx.connect().effect_count().unwrap(), 1, "one write");
+
+    let mut poisoned: Vec<Envelope> = (0..10).map(|i| usage(&format!("b{i}"), 2)).collect();
+    poisoned[4] = usage("b4", -1);
+    let decisions = store.process_batch(&g, &poisoned).unwrap();
+    assert_eq!(*folds.lock().unwrap(), [10, 10], "the fold ran and failed");
+    assert_eq!(
+        handled.lock().unwrap().len(),
+        10,
+        "then one handle per event"
+    );
+    assert!(matches!(decisions[4], Decision::RetryAfter(_)));
+    assert_eq!(
+        decisions
+            .iter()
+            .filter(|d| **d == Decision::Processed)
+            .count(),
+        9
+    );
+    let mut conn = fx.connect();
+    assert_eq!(
+        conn.effect_count().unwrap(),
+        1 + 9,
+        "the failed fold's write was rolled back"
+    );
+    assert_eq!(conn.effects_of("b4").unwrap(), 0);
 }

@@ -5,6 +5,8 @@
 //! PostgreSQL test prints one line and returns, unless `INBOX_REQUIRE_SERVICES=1`
 //! (CI sets it), in which case it fails.
 
+pub mod amqp;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -1,0 +1,478 @@
+//! `cargo run --release --example bench_consume`: consumer throughput, in one run.
+//!
+//! 20,000 usage events with 10% duplicates, pre-filled into a quorum queue, consumed
+//! into PostgreSQL (fsync as the server has it) by 4 workers, six ways:
+//!
+//! - the runtime, batch size 1, one handler call per event;
+//! - the runtime, batches of 100, one handler call per event;
+//! - the runtime, batches of 100, the folding projection;
+//! - a hand-written lapin + diesel loop: claim, upsert, commit, ack, per message;
+//! - a hand-written batched loop: one upsert per event, one commit, one multiple ack;
+//! - no database at all (the broker ceiling): one multiple ack per batch.
+//!
+//! Prints deliveries/s for each, the ratios the project aims at, and the process's
+//! peak RSS. `DATABASE_URL` and `AMQP_URL` as for the tests; `BENCH_EVENTS` changes
+//! the event count. Every run uses fresh schemas and queue names and removes them.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::NaiveDate;
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Date, Text};
+use diesel::{Connection as _, PgConnection};
+use futures_lite::StreamExt;
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryPolicy};
+use inbox_diesel::Store;
+use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+const WORKERS: usize = 4;
+const BATCH: usize = 100;
+
+type Totals = BTreeMap<(i64, NaiveDate), i64>;
+
+/// The projection without a fold: one upsert per event (what the hand-written loops do).
+struct PerEvent(ConsumerGroup);
+
+impl Handler<PgConnection> for PerEvent {
+    type Message = UsageRecorded;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.0
+    }
+
+    fn message_type(&self) -> &str {
+        MESSAGE_TYPE
+    }
+
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: UsageRecorded,
+        _: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+}
+
+struct Bench {
+    db_url: String,
+    amqp_url: String,
+    run: String,
+    workload: Workload,
+    order: Vec<usize>,
+}
+
+impl Bench {
+    fn schema(&self, name: &str) -> String {
+        format!("{}_{name}", self.run)
+    }
+
+    fn fresh_schema(&self, name: &str) -> (String, PgConnection) {
+        let schema = self.schema(name);
+        let mut conn = PgConnection::establish(&self.db_url).expect("connect");
+        conn.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; SET search_path TO {schema};"
+        ))
+        .expect("schema");
+        (schema, conn)
+    }
+
+    fn drop_schema(&self, name: &str) {
+        if let Ok(mut conn) = PgConnection::establish(&self.db_url) {
+            let _ = conn.batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS {} CASCADE",
+                self.schema(name)
+            ));
+        }
+    }
+
+    /// Publishes the workload (with its duplicates) to `exchange` / `routing_key`.
+    async fn fill(&self, conn: &Connection, exchange: &str, routing_key: &str) {
+        let channel = conn.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        for &i in &self.order {
+            let (key, event) = &self.workload.events[i];
+            let body = serde_json::to_vec(event).expect("json");
+            channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default()
+                        .with_message_id(key.as_str().into())
+                        .with_type(MESSAGE_TYPE.into())
+                        .with_delivery_mode(2),
+                )
+                .await
+                .expect("publish");
+        }
+        let returned = channel.wait_for_confirms().await.expect("confirms");
+        assert!(returned.is_empty(), "unroutable during fill");
+        let _ = channel.close(200, "filled".into()).await;
+    }
+
+    async fn runtime(&self, name: &str, batch: usize, fold: bool) -> f64 {
+        let (schema, _) = self.fresh_schema(name);
+        let mut builder = Store::<PgConnection>::builder(self.db_url.clone())
+            .schema(schema)
+            .pool_size(WORKERS as u32 + 1);
+        builder = if fold {
+            builder.handler(DailyUsage::new(RetryPolicy::default()))
+        } else {
+            builder.handler(PerEvent(ConsumerGroup::new(GROUP).expect("group")))
+        };
+        let store = builder.build().expect("store");
+        store
+            .connection()
+            .expect("conn")
+            .create_daily_usage()
+            .expect("table");
+        let store = Arc::new(store);
+        let topology = Topology::new("bench")
+            .expect("topology")
+            .prefix(format!("{}.{name}.", self.run))
+            .expect("prefix");
+        let consumer = Consumer::new(self.amqp_url.clone(), Arc::clone(&store), topology)
+            .with_settings(
+                ConsumerSettings::default()
+                    .workers(WORKERS)
+                    .prefetch(200)
+                    .batch(batch, Duration::from_millis(5)),
+            );
+        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .expect("amqp");
+        consumer.topology().declare(&conn).await.expect("declare");
+        self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
+            .await;
+        let group = ConsumerGroup::new(GROUP).expect("group");
+        let mut queues = vec![
+            consumer.topology().queue(&group),
+            consumer.topology().dlq(&group),
+        ];
+        queues.extend(
+            consumer
+                .topology()
+                .retry_ladder()
+                .tiers()
+                .iter()
+                .map(|t| consumer.topology().retry_queue(&group, *t)),
+        );
+
+        let stats = consumer.stats();
+        let total = self.order.len() as u64;
+        let shutdown = CancellationToken::new();
+        let started = Instant::now();
+        let running = tokio::spawn(consumer.run(shutdown.clone()));
+        loop {
+            let s = stats.snapshot();
+            if s.processed + s.duplicates >= total {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let elapsed = started.elapsed();
+        shutdown.cancel();
+        running.await.expect("join").expect("consumer");
+        let s = stats.snapshot();
+        assert_eq!(
+            s.processed as usize,
+            self.workload.events.len(),
+            "{name}: {s:?}"
+        );
+        let found = store
+            .connection()
+            .expect("conn")
+            .daily_totals()
+            .expect("totals");
+        assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
+        delete(&conn, &queues).await;
+        self.drop_schema(name);
+        total as f64 / elapsed.as_secs_f64()
+    }
+
+    /// A hand-written loop: `per_batch` deliveries per transaction and ack (1 = per message).
+    async fn handwritten(&self, name: &str, per_batch: usize, database: bool) -> f64 {
+        let (schema, mut setup) = self.fresh_schema(name);
+        setup
+            .batch_execute(
+                "CREATE TABLE claims (consumer_group TEXT NOT NULL, message_key TEXT NOT NULL,
+                 PRIMARY KEY (consumer_group, message_key));",
+            )
+            .expect("claims");
+        setup.create_daily_usage().expect("table");
+        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .expect("amqp");
+        let queue = format!("{}.{name}", self.run);
+        let channel = conn.create_channel().await.expect("channel");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(LongString::from("quorum")),
+        );
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await
+            .expect("queue");
+        self.fill(&conn, "", &queue).await;
+
+        let total = self.order.len();
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..WORKERS {
+            let db = if database {
+                let mut c = PgConnection::establish(&self.db_url).expect("connect");
+                c.batch_execute(&format!("SET search_path TO {schema}"))
+                    .expect("path");
+                Some(Arc::new(Mutex::new(c)))
+            } else {
+                None
+            };
+            let channel = conn.create_channel().await.expect("channel");
+            channel
+                .basic_qos(200, BasicQosOptions::default())
+                .await
+                .expect("qos");
+            let mut consumer = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .expect("consume");
+            let done = Arc::clone(&done);
+            tasks.push(tokio::spawn(async move {
+                while done.load(std::sync::atomic::Ordering::Relaxed) < total {
+                    let next = tokio::time::timeout(Duration::from_millis(50), consumer.next()).await;
+                    let Ok(Some(Ok(first))) = next else { continue };
+                    let mut batch = vec![first];
+                    let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
+                    while batch.len() < per_batch {
+                        match tokio::time::timeout_at(deadline, consumer.next()).await {
+                            Ok(Some(Ok(d))) => batch.push(d),
+                            _ => break,
+                        }
+                    }
+                    if let Some(db) = &db {
+                        let db = Arc::clone(db);
+                        let mut bodies: Vec<(String, Vec<u8>)> = batch
+                            .iter()
+                            .map(|d| {
+                                let id = d.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
+                                (id.unwrap_or_default(), d.data.clone())
+                            })
+                            .collect();
+                        // Rows in one order across workers, so transactions do not deadlock.
+                        bodies.sort_by_key(|(_, body)| {
+                            let e: UsageRecorded = serde_json::from_slice(body).expect("body");
+                            (e.user_id, e.day)
+                        });
+                        tokio::task::spawn_blocking(move || {
+                            let mut conn = db.lock().expect("db");
+                            // Workers upsert the same rows in different orders: a careful
+                            // hand-written loop retries its transaction after a deadlock.
+                            let mut tries = 0;
+                            while let Err(err) = conn.transaction::<_, diesel::result::Error, _>(|conn| {
+                                for (key, body) in &bodies {
+                                    let claimed = diesel::sql_query(
+                                        "INSERT INTO claims (consumer_group, message_key) VALUES ($1, $2)
+                                         ON CONFLICT DO NOTHING",
+                                    )
+                                    .bind::<Text, _>(GROUP)
+                                    .bind::<Text, _>(key)
+                                    .execute(conn)?;
+                                    if claimed == 1 {
+                                        let e: UsageRecorded = serde_json::from_slice(body).expect("body");
+                                        diesel::sql_query(
+                                            "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3)
+                                             ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
+                                        )
+                                        .bind::<BigInt, _>(e.user_id)
+                                        .bind::<Date, _>(e.day)
+                                        .bind::<BigInt, _>(e.amount)
+                                        .execute(conn)?;
+                                    }
+                                }
+                                Ok(())
+                            }) {
+                                tries += 1;
+                                assert!(tries < 10, "transaction: {err}");
+                            }
+                        })
+                        .await
+                        .expect("blocking");
+                    }
+                    let last = batch.last().map(|d| d.delivery_tag).unwrap_or_default();
+                    channel
+                        .basic_ack(last, BasicAckOptions { multiple: true })
+                        .await
+                        .expect("ack");
+                    done.fetch_add(batch.len(), std::sync::atomic::Ordering::Relaxed);
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.expect("worker");
+        }
+        let elapsed = started.elapsed();
+        if database {
+            let totals: Totals = setup.daily_totals().expect("totals");
+            assert_eq!(totals, self.workload.expected_totals(), "{name}: totals");
+        }
+        delete(&conn, &[queue]).await;
+        self.drop_schema(name);
+        total as f64 / elapsed.as_secs_f64()
+    }
+}
+
+async fn delete(conn: &Connection, queues: &[String]) {
+    for queue in queues {
+        if let Ok(channel) = conn.create_channel().await {
+            let _ = channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let db_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let events: usize = std::env::var("BENCH_EVENTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
+    let unique = events * 10 / 11;
+    let workload = Workload::generate(unique, 0, 2026);
+    // Duplicates spread through the stream: every 10th unique event comes again later.
+    let mut order: Vec<usize> = Vec::with_capacity(events);
+    for i in 0..unique {
+        order.push(i);
+        if i % 10 == 5 && order.len() < events {
+            order.push(i.saturating_sub(3));
+        }
+    }
+    while order.len() < events {
+        order.push(order.len() % unique);
+    }
+    let run = format!("bench_{}", std::process::id());
+    let bench = Bench {
+        db_url,
+        amqp_url,
+        run,
+        workload,
+        order,
+    };
+    {
+        let mut conn = PgConnection::establish(&bench.db_url).expect("connect");
+        #[derive(QueryableByName)]
+        struct Setting {
+            #[diesel(sql_type = Text)]
+            value: String,
+        }
+        let fsync: Setting = diesel::sql_query("SELECT current_setting('fsync') AS value")
+            .get_result(&mut conn)
+            .expect("fsync");
+        let ssl: Setting = diesel::sql_query(
+            "SELECT CASE WHEN ssl THEN 'on' ELSE 'off' END AS value FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+        )
+        .get_result(&mut conn)
+        .expect("ssl");
+        println!(
+            "{events} deliveries ({} unique), {WORKERS} workers, batch {BATCH}; PostgreSQL fsync={}, TLS={} (libpq default sslmode)",
+            bench.workload.events.len(),
+            fsync.value,
+            ssl.value
+        );
+    }
+
+    let progress = |name: &str, rate: f64| eprintln!("  {name}: {rate:.0} deliveries/s");
+    let ceiling = bench.handwritten("ceiling", BATCH, false).await;
+    progress("ceiling", ceiling);
+    let hand_single = bench.handwritten("hand_single", 1, true).await;
+    progress("hand_single", hand_single);
+    let hand_batched = bench.handwritten("hand_batched", BATCH, true).await;
+    progress("hand_batched", hand_batched);
+    let rt_single = bench.runtime("rt_single", 1, false).await;
+    progress("rt_single", rt_single);
+    let rt_batched = bench.runtime("rt_batched", BATCH, false).await;
+    progress("rt_batched", rt_batched);
+    let rt_fold = bench.runtime("rt_fold", BATCH, true).await;
+    progress("rt_fold", rt_fold);
+
+    println!();
+    println!("{:<58} {:>12}", "scenario", "deliveries/s");
+    for (name, rate) in [
+        (
+            "no database, one multiple ack per batch (broker ceiling)",
+            ceiling,
+        ),
+        (
+            "hand-written: claim + upsert + commit + ack per message",
+            hand_single,
+        ),
+        (
+            "hand-written: batches, one upsert per event, one commit",
+            hand_batched,
+        ),
+        ("runtime: batch size 1", rt_single),
+        ("runtime: batches, one handler call per event", rt_batched),
+        ("runtime: batches, folding projection", rt_fold),
+    ] {
+        println!("{name:<58} {rate:>12.0}");
+    }
+    println!();
+    println!(
+        "runtime batch 1 / hand-written per message:  {:.2} (aim >= 0.9)",
+        rt_single / hand_single
+    );
+    println!(
+        "runtime batched / hand-written batched:      {:.2} (aim >= 0.7)",
+        rt_batched / hand_batched
+    );
+    println!(
+        "runtime folding / broker ceiling:            {:.2} (aim >= 0.6)",
+        rt_fold / ceiling
+    );
+    if let Some(kib) = peak_rss_kib() {
+        println!(
+            "peak RSS of the whole bench process: {:.1} MiB (aim for the consumer < 64)",
+            kib as f64 / 1024.0
+        );
+    }
+}

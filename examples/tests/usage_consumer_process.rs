@@ -1,0 +1,217 @@
+//! The RabbitMQ example as a process: it stops gracefully on SIGTERM with exit 0, and
+//! a startup failure exits non-zero with the error printed.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use diesel::connection::SimpleConnection;
+use diesel::{Connection, PgConnection};
+
+fn database_url() -> Option<String> {
+    let url = std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"));
+    let amqp = std::env::var("AMQP_URL").ok();
+    let required = std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1");
+    if url.is_none() || amqp.is_none() {
+        assert!(
+            !required,
+            "INBOX_REQUIRE_SERVICES=1 but DATABASE_URL or AMQP_URL is missing"
+        );
+        eprintln!("skipping: set DATABASE_URL and AMQP_URL to run the example's process tests");
+        return None;
+    }
+    url
+}
+
+/// `cargo test` builds the package's examples next to its test binaries.
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let path = dir.join("examples").join("usage_consumer");
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --example usage_consumer`",
+        path.display()
+    );
+    path
+}
+
+/// A schema of this test's own, named in the URL so the example's connections use it.
+fn schema_url(base: &str, schema: &str) -> String {
+    let mut conn = PgConnection::establish(base).unwrap();
+    conn.batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
+        .unwrap();
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}options=-csearch_path%3D{schema}")
+}
+
+fn drop_schema(base: &str, schema: &str) {
+    if let Ok(mut conn) = PgConnection::establish(base) {
+        let _ = conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"));
+    }
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{prefix}_{}_{nanos}", std::process::id())
+}
+
+#[test]
+fn sigterm_stops_it_gracefully_with_exit_zero() {
+    let Some(base) = database_url() else { return };
+    let schema = unique("ex");
+    let url = schema_url(&base, &schema);
+    let child = Command::new(example_binary())
+        .env("DATABASE_URL", &url)
+        .env("INBOX_PREFIX", format!("{schema}."))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until it has declared its topology and created its table.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut ready = false;
+    while Instant::now() < deadline && !ready {
+        std::thread::sleep(Duration::from_millis(100));
+        let mut conn = PgConnection::establish(&url).unwrap();
+        ready = conn
+            .batch_execute("SELECT 1 FROM daily_usage LIMIT 1")
+            .is_ok();
+    }
+    assert!(ready, "the example did not start");
+    // Feed it as any AMQP client would: the documented message contract.
+    let exchange = format!("{schema}.billing");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let amqp = std::env::var("AMQP_URL").unwrap();
+        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let events = [("evt-1", 40), ("evt-2", 2), ("evt-1", 40)]; // evt-1 twice
+        for (id, amount) in events {
+            let body = format!(r#"{{"user_id": 42, "day": "2026-11-30", "amount": {amount}}}"#);
+            let mut headers = lapin::types::FieldTable::default();
+            headers.insert(
+                "tenant".into(),
+                lapin::types::AMQPValue::LongString("acme".into()),
+            );
+            // Mandatory: until the example has bound its queue, the event comes back.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let confirm = match channel
+                    .basic_publish(
+                        exchange.as_str().into(),
+                        "usage.recorded".into(),
+                        lapin::options::BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        body.as_bytes(),
+                        lapin::BasicProperties::default()
+                            .with_message_id(id.into())
+                            .with_type("usage.recorded".into())
+                            .with_headers(headers.clone()),
+                    )
+                    .await
+                {
+                    Ok(pending) => pending.await.ok(),
+                    Err(_) => None,
+                };
+                if confirm.is_some_and(|c| c.is_ack() && c.take_message().is_none()) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the example never bound its queue"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut total = 0;
+    while Instant::now() < deadline && total != 42 {
+        std::thread::sleep(Duration::from_millis(50));
+        #[derive(diesel::QueryableByName)]
+        struct Total {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            total: i64,
+        }
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&url).unwrap();
+        total =
+            diesel::sql_query("SELECT COALESCE(SUM(total), 0)::bigint AS total FROM daily_usage")
+                .get_result::<Total>(&mut conn)
+                .map(|t| t.total)
+                .unwrap_or(0);
+    }
+    assert_eq!(total, 42, "40 + 2, the duplicate applied once");
+    std::thread::sleep(Duration::from_millis(200));
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}: {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("stopped after 3 deliveries: 2 processed, 1 duplicates"),
+        "{stdout}"
+    );
+    drop_schema(&base, &schema);
+}
+
+#[test]
+fn a_schema_that_fails_verification_exits_non_zero_with_the_error() {
+    let Some(base) = database_url() else { return };
+    let schema = unique("ex");
+    let url = schema_url(&base, &schema);
+    // Let the store migrate once, then break the claim index behind its back.
+    let first = Command::new(example_binary())
+        .env("DATABASE_URL", &url)
+        .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+        .output()
+        .unwrap();
+    assert!(!first.status.success(), "nothing listens on port 1");
+    assert!(String::from_utf8_lossy(&first.stderr)
+        .contains("could not connect to amqp://guest:***@127.0.0.1:1"));
+    let mut conn = PgConnection::establish(&url).unwrap();
+    conn.batch_execute(
+        "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+         CREATE UNIQUE INDEX by_tenant ON inbox_claims (tenant, message_key);",
+    )
+    .unwrap();
+    let out = Command::new(example_binary())
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("startup failed: claim index mismatch"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("found unique (tenant, message_key)"),
+        "{stderr}"
+    );
+    drop_schema(&base, &schema);
+}

@@ -1,0 +1,659 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_lite::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::{FieldTable, LongString};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use inbox_core::{
+    redact_url, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore,
+};
+
+use crate::delivery::{self, Malformed};
+use crate::stats::{ConsumerStats, Counter};
+use crate::{Error, Result, Topology};
+
+/// How a [`Consumer`] runs.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ConsumerSettings {
+    /// Workers per consumer group, each with a channel of its own (default 2).
+    pub workers: usize,
+    /// Unacked deliveries the broker sends each worker (default 200; at least
+    /// `batch_size`).
+    pub prefetch: u16,
+    /// Most deliveries handed to the store at once (default 100).
+    pub batch_size: usize,
+    /// Longest wait for a batch to fill once its first delivery arrived (default 10 ms).
+    pub batch_wait: Duration,
+    /// Largest body accepted; a larger one is dead-lettered as malformed (default 1 MiB).
+    pub max_body_bytes: usize,
+    /// First wait before reconnecting or after a store failure (default 100 ms).
+    pub backoff_min: Duration,
+    /// Longest such wait (default 5 s).
+    pub backoff_max: Duration,
+    /// The connection's name, shown by `rabbitmqctl list_connections`.
+    pub connection_name: Option<String>,
+}
+
+impl Default for ConsumerSettings {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            prefetch: 200,
+            batch_size: 100,
+            batch_wait: Duration::from_millis(10),
+            max_body_bytes: 1 << 20,
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connection_name: None,
+        }
+    }
+}
+
+impl ConsumerSettings {
+    /// Sets the workers per group.
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n;
+        self
+    }
+
+    /// Sets the prefetch per worker.
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n;
+        self
+    }
+
+    /// Sets the batch size and the longest wait for a batch to fill.
+    pub fn batch(mut self, size: usize, wait: Duration) -> Self {
+        self.batch_size = size;
+        self.batch_wait = wait;
+        self
+    }
+
+    /// Sets the largest body accepted.
+    pub fn max_body_bytes(mut self, n: usize) -> Self {
+        self.max_body_bytes = n;
+        self
+    }
+
+    /// Sets the reconnect and store-failure backoff.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff_min = min;
+        self.backoff_max = max;
+        self
+    }
+
+    /// Names the connection.
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.workers == 0 || self.batch_size == 0 {
+            return Err(Error::Config(
+                "workers and batch_size must be at least 1".to_owned(),
+            ));
+        }
+        if usize::from(self.prefetch) < self.batch_size {
+            return Err(Error::Config(format!(
+                "prefetch ({}) must be at least batch_size ({})",
+                self.prefetch, self.batch_size
+            )));
+        }
+        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
+            return Err(Error::Config(format!(
+                "backoff must satisfy 0 < min <= max, found {:?}..{:?}",
+                self.backoff_min, self.backoff_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Consumes every consumer group of a store from RabbitMQ and carries out the store's
+/// decisions.
+///
+/// Per group, `workers` tasks each own a channel: they batch deliveries, hand each
+/// batch to the store on a blocking thread, and only then act: ack after commit (one
+/// `multiple` ack when the whole batch may be acked, else one ack each), a retry
+/// published with a confirm to its tier before the original is acked, nothing acked
+/// after a store failure, a `Stop` left unacked while the consumer stops. A task per
+/// group reads the broker's dead-letter queue into the store. A lost connection is
+/// re-established with backoff and the topology declared again.
+pub struct Consumer<S> {
+    url: String,
+    shared: Arc<Shared<S>>,
+}
+
+struct Shared<S> {
+    store: Arc<S>,
+    topology: Topology,
+    settings: ConsumerSettings,
+    stats: Arc<ConsumerStats>,
+}
+
+/// Why a session with the broker ended.
+enum SessionEnd {
+    /// The connection or a channel was lost: reconnect.
+    Lost(String),
+    /// Stop for good.
+    Fatal(Error),
+}
+
+impl From<lapin::Error> for SessionEnd {
+    fn from(err: lapin::Error) -> Self {
+        Self::Lost(err.to_string())
+    }
+}
+
+/// What to do with one delivery once the store has decided.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Ack,
+    /// Put back (requeue): comes back flagged redelivered.
+    Requeue,
+    /// Leave unacked: the consumer is stopping because of it.
+    Hold,
+}
+
+impl<S: InboxStore> Consumer<S> {
+    /// A consumer of every route of `store`, through `topology` (whose groups are
+    /// completed from the store's routes).
+    pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
+        let topology = topology.routes(store.routes());
+        Self {
+            url: url.into(),
+            shared: Arc::new(Shared {
+                store,
+                topology,
+                settings: ConsumerSettings::default(),
+                stats: Arc::default(),
+            }),
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_settings(mut self, settings: ConsumerSettings) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.settings = settings;
+        }
+        self
+    }
+
+    /// The live counters.
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        Arc::clone(&self.shared.stats)
+    }
+
+    /// The topology it consumes.
+    pub fn topology(&self) -> &Topology {
+        &self.shared.topology
+    }
+
+    /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
+    /// are acked, channels and the connection close) or the store reports a claim
+    /// invariant violation ([`Error::Stopped`]).
+    ///
+    /// The first connection and the topology must succeed, so a misconfigured
+    /// consumer fails at startup; later losses reconnect with backoff.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let shared = self.shared;
+        shared.settings.check()?;
+        let settings = &shared.settings;
+        let mut backoff = settings.backoff_min;
+        let mut connected_before = false;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let connected = tokio::select! {
+                c = connect(&self.url, settings.connection_name.as_deref()) => c,
+                () = shutdown.cancelled() => return Ok(()),
+            };
+            let conn = match connected {
+                Ok(conn) => conn,
+                Err(err) if !connected_before => return Err(err),
+                Err(err) => {
+                    tracing::warn!(error = %err, ?backoff, "reconnect failed");
+                    pause(&shutdown, &mut backoff, settings.backoff_max).await;
+                    continue;
+                }
+            };
+            if let Err(err) = shared.topology.declare(&conn).await {
+                if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
+                    return Err(err);
+                }
+                tracing::warn!(error = %err, "declaring the topology failed; reconnecting");
+                pause(&shutdown, &mut backoff, settings.backoff_max).await;
+                continue;
+            }
+            if connected_before {
+                shared.stats.add(Counter::Reconnects, 1);
+                metrics::counter!("inbox_amqp_reconnects_total").increment(1);
+                tracing::info!("reconnected");
+            }
+            connected_before = true;
+            backoff = settings.backoff_min;
+
+            let end = shared.session(&conn, &shutdown).await;
+            let _ = conn.close(200, "inbox consumer stopping".into()).await;
+            match end {
+                Ok(()) => return Ok(()),
+                Err(SessionEnd::Fatal(err)) => return Err(err),
+                Err(SessionEnd::Lost(reason)) => {
+                    tracing::warn!(%reason, "connection lost; reconnecting");
+                    pause(&shutdown, &mut backoff, settings.backoff_max).await;
+                }
+            }
+        }
+    }
+}
+
+async fn connect(url: &str, name: Option<&str>) -> Result<Connection> {
+    let mut props = ConnectionProperties::default();
+    if let Some(name) = name {
+        props = props.with_connection_name(LongString::from(name));
+    }
+    Connection::connect(url, props)
+        .await
+        .map_err(|source| Error::Connect {
+            url: redact_url(url),
+            source,
+        })
+}
+
+/// Waits out the backoff (or the shutdown), then doubles it up to `max`.
+async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) {
+    tokio::select! {
+        () = tokio::time::sleep(*backoff) => {}
+        () = shutdown.cancelled() => {}
+    }
+    *backoff = (*backoff * 2).min(max);
+}
+
+impl<S: InboxStore> Shared<S> {
+    async fn session(
+        self: &Arc<Self>,
+        conn: &Connection,
+        shutdown: &CancellationToken,
+    ) -> std::result::Result<(), SessionEnd> {
+        let stop = shutdown.child_token();
+        let mut tasks = JoinSet::new();
+        for group in self.topology.groups() {
+            for worker in 0..self.settings.workers {
+                let channel = conn.create_channel().await?;
+                let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
+                tasks.spawn(
+                    Arc::clone(self)
+                        .worker(channel, group.clone(), stop.clone())
+                        .instrument(span),
+                );
+            }
+            let channel = conn.create_channel().await?;
+            tasks.spawn(Arc::clone(self).dead_letter_reader(channel, group.clone(), stop.clone()));
+        }
+        let mut outcome = Ok(());
+        while let Some(joined) = tasks.join_next().await {
+            let ended = joined.unwrap_or_else(|err| {
+                Err(SessionEnd::Fatal(Error::Config(format!(
+                    "a consumer task failed: {err}"
+                ))))
+            });
+            if let Err(end) = ended {
+                // One task's end ends the session: the others finish their batch.
+                stop.cancel();
+                if outcome.is_ok() || matches!(end, SessionEnd::Fatal(_)) {
+                    outcome = Err(end);
+                }
+            }
+        }
+        outcome
+    }
+
+    async fn worker(
+        self: Arc<Self>,
+        channel: Channel,
+        group: ConsumerGroup,
+        stop: CancellationToken,
+    ) -> std::result::Result<(), SessionEnd> {
+        let settings = &self.settings;
+        channel
+            .basic_qos(settings.prefetch, BasicQosOptions::default())
+            .await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let queue = self.topology.queue(&group);
+        let tag = format!("inbox-{}-{}", group, channel.id());
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        loop {
+            let first = tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                next = consumer.next() => next,
+            };
+            let mut batch = match first {
+                Some(Ok(delivery)) => vec![delivery],
+                Some(Err(err)) => return Err(err.into()),
+                None => {
+                    return Err(SessionEnd::Lost(format!(
+                        "consumer of {queue} was cancelled"
+                    )))
+                }
+            };
+            let deadline = Instant::now() + settings.batch_wait;
+            while batch.len() < settings.batch_size {
+                tokio::select! {
+                    biased;
+                    next = consumer.next() => match next {
+                        Some(Ok(delivery)) => batch.push(delivery),
+                        Some(Err(err)) => return Err(err.into()),
+                        None => break,
+                    },
+                    () = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+            self.handle_batch(&channel, &group, batch).await?;
+        }
+        // Graceful stop: no new deliveries; what was prefetched and not handled goes
+        // back to the queue when the channel closes.
+        let _ = channel
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+        let _ = channel.close(200, "inbox worker stopping".into()).await;
+        Ok(())
+    }
+
+    async fn handle_batch(
+        self: &Arc<Self>,
+        channel: &Channel,
+        group: &ConsumerGroup,
+        deliveries: Vec<Delivery>,
+    ) -> std::result::Result<(), SessionEnd> {
+        let stats = &self.stats;
+        stats.add(Counter::Received, deliveries.len() as u64);
+        stats.add(Counter::Batches, 1);
+        let span =
+            tracing::debug_span!("inbox.amqp.batch", group = %group, size = deliveries.len());
+
+        let mut envelopes = Vec::with_capacity(deliveries.len());
+        let mut positions = Vec::with_capacity(deliveries.len());
+        let mut malformed: Vec<(usize, Box<Malformed>)> = Vec::new();
+        for (i, d) in deliveries.iter().enumerate() {
+            match delivery::read(d, self.settings.max_body_bytes) {
+                Ok(envelope) => {
+                    envelopes.push(envelope);
+                    positions.push(i);
+                }
+                Err(m) => malformed.push((i, m)),
+            }
+        }
+
+        // Database work on a blocking thread: the store is synchronous.
+        let store = Arc::clone(&self.store);
+        let g = group.clone();
+        let (malformed_done, decided) = tokio::task::spawn_blocking(move || {
+            let malformed_done: Vec<(usize, bool)> = malformed
+                .into_iter()
+                .map(|(i, m)| {
+                    let recorded =
+                        store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason);
+                    if let Err(err) = &recorded {
+                        tracing::error!(error = %err, "recording a malformed delivery failed");
+                    }
+                    (i, recorded.is_ok())
+                })
+                .collect();
+            let decided = if envelopes.is_empty() {
+                Ok(Vec::new())
+            } else {
+                store.process_batch(&g, &envelopes)
+            };
+            (malformed_done, decided)
+        })
+        .instrument(span.clone())
+        .await
+        .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
+
+        let mut actions = vec![Action::Requeue; deliveries.len()];
+        for (i, recorded) in malformed_done {
+            if recorded {
+                stats.add(Counter::Malformed, 1);
+                actions[i] = Action::Ack;
+            }
+        }
+        let decisions = match decided {
+            Ok(decisions) if decisions.len() == positions.len() => decisions,
+            other => {
+                // Nothing of the batch committed: everything comes back.
+                let err = match other {
+                    Err(err) => err.to_string(),
+                    Ok(d) => format!("{} decisions for {} deliveries", d.len(), positions.len()),
+                };
+                tracing::error!(parent: &span, error = %err, "store failed; requeueing the batch");
+                let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
+                stats.add(Counter::Requeued, requeued as u64);
+                self.settle(channel, &deliveries, &actions).await?;
+                tokio::time::sleep(self.settings.backoff_min).await;
+                return Ok(());
+            }
+        };
+
+        let mut stop = None;
+        let mut retries = Vec::new();
+        for (decision, &i) in decisions.into_iter().zip(&positions) {
+            actions[i] = match decision {
+                Decision::Processed => {
+                    stats.add(Counter::Processed, 1);
+                    Action::Ack
+                }
+                Decision::Duplicate | Decision::AlreadyDeadLettered => {
+                    stats.add(Counter::Duplicates, 1);
+                    Action::Ack
+                }
+                Decision::DeadLettered(_) => {
+                    stats.add(Counter::DeadLettered, 1);
+                    Action::Ack
+                }
+                Decision::RetryAfter(delay) => {
+                    retries.push((i, delay));
+                    Action::Hold
+                }
+                Decision::Stop(violation) => {
+                    stop = Some(violation);
+                    Action::Hold
+                }
+                _ => Action::Requeue,
+            };
+        }
+
+        // A retry copy must be confirmed in its tier before the original is acked.
+        let mut pending = Vec::with_capacity(retries.len());
+        for (i, delay) in retries {
+            let d = &deliveries[i];
+            let tier = self.topology.retry_ladder().tier_for(delay);
+            let queue = self.topology.retry_queue(group, delay);
+            let published = channel
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &d.data,
+                    d.properties.clone(),
+                )
+                .await;
+            pending.push((i, tier, queue, published));
+        }
+        for (i, tier, queue, published) in pending {
+            let confirmed = match published {
+                Ok(confirm) => match confirm.await {
+                    Ok(c) if c.is_ack() => c.take_message().is_none(),
+                    _ => false,
+                },
+                Err(err) => return Err(err.into()),
+            };
+            if confirmed {
+                stats.add(Counter::Retried, 1);
+                stats.retried_to(tier);
+                tracing::debug!(parent: &span, %queue, "retry scheduled");
+                actions[i] = Action::Ack;
+            } else {
+                tracing::warn!(parent: &span, %queue, "retry copy not confirmed; requeueing the original");
+                stats.add(Counter::Requeued, 1);
+                actions[i] = Action::Requeue;
+            }
+        }
+
+        self.settle(channel, &deliveries, &actions).await?;
+        match stop {
+            Some(violation) => Err(SessionEnd::Fatal(Error::Stopped(violation))),
+            None => Ok(()),
+        }
+    }
+
+    /// Acks, requeues or holds each delivery. One `multiple` ack covers the batch only
+    /// when every delivery in it may be acked; earlier batches of this channel are
+    /// settled already, so it reaches no further.
+    async fn settle(
+        &self,
+        channel: &Channel,
+        deliveries: &[Delivery],
+        actions: &[Action],
+    ) -> std::result::Result<(), SessionEnd> {
+        if let (Some(last), true) = (deliveries.last(), actions.iter().all(|a| *a == Action::Ack)) {
+            channel
+                .basic_ack(last.delivery_tag, BasicAckOptions { multiple: true })
+                .await?;
+            return Ok(());
+        }
+        for (d, action) in deliveries.iter().zip(actions) {
+            match action {
+                Action::Ack => {
+                    channel
+                        .basic_ack(d.delivery_tag, BasicAckOptions::default())
+                        .await?
+                }
+                Action::Requeue => {
+                    channel
+                        .basic_nack(
+                            d.delivery_tag,
+                            BasicNackOptions {
+                                multiple: false,
+                                requeue: true,
+                            },
+                        )
+                        .await?
+                }
+                Action::Hold => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the group's broker dead-letter queue (deliveries over the delivery limit)
+    /// into the store: a dead letter, and the claim marked dead in the same transaction.
+    async fn dead_letter_reader(
+        self: Arc<Self>,
+        channel: Channel,
+        group: ConsumerGroup,
+        stop: CancellationToken,
+    ) -> std::result::Result<(), SessionEnd> {
+        channel.basic_qos(20, BasicQosOptions::default()).await?;
+        let queue = self.topology.dlq(&group);
+        let tag = format!("inbox-dlq-{}-{}", group, channel.id());
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                next = consumer.next() => next,
+            };
+            let d = match next {
+                Some(Ok(d)) => d,
+                Some(Err(err)) => return Err(err.into()),
+                None => {
+                    return Err(SessionEnd::Lost(format!(
+                        "consumer of {queue} was cancelled"
+                    )))
+                }
+            };
+            let store = Arc::clone(&self.store);
+            let g = group.clone();
+            let recorded = tokio::task::spawn_blocking(move || {
+                let headers = delivery::headers(d.properties.headers().as_ref());
+                let broker_reason = headers
+                    .get("x-first-death-reason")
+                    .map_or("unknown", String::as_str);
+                let outcome = match delivery::read(&d, usize::MAX) {
+                    Ok(envelope) => store.dead_letter(
+                        &g,
+                        &envelope,
+                        DeadLetterReason::DeliveryLimit,
+                        &format!("the broker dead-lettered the message ({broker_reason})"),
+                    ),
+                    Err(m) => {
+                        store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason)
+                    }
+                };
+                (d, outcome)
+            })
+            .await
+            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
+            match recorded {
+                (d, Ok(outcome)) => {
+                    if outcome == DeadLetterOutcome::Recorded {
+                        self.stats.add(Counter::DeliveryLimit, 1);
+                    }
+                    channel
+                        .basic_ack(d.delivery_tag, BasicAckOptions::default())
+                        .await?;
+                }
+                (d, Err(err)) => {
+                    tracing::error!(error = %err, "recording a broker dead letter failed");
+                    channel
+                        .basic_nack(
+                            d.delivery_tag,
+                            BasicNackOptions {
+                                multiple: false,
+                                requeue: true,
+                            },
+                        )
+                        .await?;
+                    tokio::time::sleep(self.settings.backoff_min).await;
+                }
+            }
+        }
+        let _ = channel
+            .close(200, "inbox dead-letter reader stopping".into())
+            .await;
+        Ok(())
+    }
+}

@@ -1,0 +1,114 @@
+//! Reading an AMQP delivery as an [`Envelope`], and what to do when it cannot be read.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable};
+use sha2::{Digest, Sha256};
+
+use inbox_core::{Envelope, MessageKey};
+
+/// The header carrying the tenant.
+pub const TENANT_HEADER: &str = "tenant";
+
+/// The header carrying when the event happened (RFC 3339).
+pub const OCCURRED_AT_HEADER: &str = "occurred_at";
+
+/// A delivery that could not be read: dead-letter it under a made-up key.
+pub(crate) struct Malformed {
+    pub envelope: Envelope,
+    pub reason: String,
+}
+
+fn value_to_string(value: &AMQPValue) -> Option<String> {
+    Some(match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Float(n) => n.to_string(),
+        AMQPValue::Double(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        _ => return None,
+    })
+}
+
+/// The scalar headers, as strings (nested tables and arrays, like `x-death`, are left
+/// out of the envelope; they stay on the message itself).
+pub(crate) fn headers(table: Option<&FieldTable>) -> BTreeMap<String, String> {
+    table
+        .map(|t| {
+            t.inner()
+                .iter()
+                .filter_map(|(k, v)| value_to_string(v).map(|v| (k.as_str().to_owned(), v)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn delivery_count(table: Option<&FieldTable>) -> Option<u32> {
+    match table?.inner().get("x-delivery-count")? {
+        AMQPValue::LongLongInt(n) => u32::try_from(*n).ok(),
+        AMQPValue::LongInt(n) => u32::try_from(*n).ok(),
+        AMQPValue::LongUInt(n) => Some(*n),
+        AMQPValue::ShortInt(n) => u32::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+/// Reads a delivery. `message_id` is the message key, `type` (else the routing key)
+/// the message type; headers `tenant` and `occurred_at`; `redelivered` and
+/// `x-delivery-count` are hints.
+pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box<Malformed>> {
+    let props = &delivery.properties;
+    let message_type = props
+        .kind()
+        .as_ref()
+        .map(|k| k.as_str().to_owned())
+        .filter(|k| !k.is_empty())
+        .unwrap_or_else(|| delivery.routing_key.as_str().to_owned());
+    let headers = headers(props.headers().as_ref());
+    let tenant = headers.get(TENANT_HEADER).cloned();
+    let occurred_at = headers
+        .get(OCCURRED_AT_HEADER)
+        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| t.with_timezone(&Utc));
+
+    let malformed = |reason: String| {
+        let digest = Sha256::digest(&delivery.data);
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        let key = MessageKey::derive("inbox.malformed", &hex, &message_type);
+        let mut envelope = Envelope::new(key, message_type.clone(), delivery.data.clone());
+        envelope.headers = headers.clone();
+        envelope.tenant = tenant.clone();
+        Box::new(Malformed { envelope, reason })
+    };
+
+    let Some(id) = props.message_id().as_ref().map(|m| m.as_str()) else {
+        return Err(malformed("no message_id property".to_owned()));
+    };
+    let message_key = MessageKey::new(id).map_err(|e| malformed(e.to_string()))?;
+    if delivery.data.len() > max_body {
+        return Err(malformed(format!(
+            "body of {} bytes exceeds the limit of {max_body} bytes",
+            delivery.data.len()
+        )));
+    }
+    Ok(Envelope {
+        message_key,
+        message_type,
+        payload: delivery.data.clone(),
+        delivery_count: delivery_count(props.headers().as_ref()),
+        headers,
+        tenant,
+        occurred_at,
+        redelivered: delivery.redelivered,
+    })
+}

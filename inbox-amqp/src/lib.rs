@@ -1,0 +1,32 @@
+//! The RabbitMQ transport of the inbox, on lapin and tokio.
+//!
+//! [`Topology`] declares a topic exchange and, per consumer group, a quorum queue, a
+//! ladder of retry-tier queues and a dead-letter queue. [`Consumer`] consumes every
+//! group of an [`inbox_core::InboxStore`] and carries out the store's decisions: it
+//! never decides itself, and it never imports a database crate.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, Topology};
+//! # async fn run<S: inbox_core::InboxStore>(store: S) -> Result<(), inbox_amqp::Error> {
+//! let topology = Topology::new("billing")?;
+//! let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", Arc::new(store), topology);
+//! consumer.run(cancel_on_signals(CancellationToken::new())).await
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+mod consumer;
+mod delivery;
+mod error;
+mod shutdown;
+mod stats;
+mod topology;
+
+pub use consumer::{Consumer, ConsumerSettings};
+pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
+pub use error::{Error, Result};
+pub use shutdown::{cancel_on_signals, shutdown_signal};
+pub use stats::{ConsumerStats, StatsSnapshot};
+pub use tokio_util::sync::CancellationToken;
+pub use topology::Topology;

@@ -1,0 +1,110 @@
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+/// Counters of a running consumer, shared with whoever holds it.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    received: AtomicU64,
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    malformed: AtomicU64,
+    delivery_limit: AtomicU64,
+    requeued: AtomicU64,
+    batches: AtomicU64,
+    reconnects: AtomicU64,
+    retries_per_tier: Mutex<BTreeMap<Duration, u64>>,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Deliveries received from group queues.
+    pub received: u64,
+    /// Deliveries whose handler ran and committed.
+    pub processed: u64,
+    /// Deliveries acked as duplicates (including already dead-lettered ones).
+    pub duplicates: u64,
+    /// Deliveries sent to a retry tier.
+    pub retried: u64,
+    /// Deliveries dead-lettered by the store (all reasons but the two below).
+    pub dead_lettered: u64,
+    /// Deliveries that could not be read as an envelope.
+    pub malformed: u64,
+    /// Dead letters read from the broker's dead-letter queues.
+    pub delivery_limit: u64,
+    /// Deliveries put back unacked (store failure, failed retry publish).
+    pub requeued: u64,
+    /// Batches handed to the store.
+    pub batches: u64,
+    /// Connections re-established after a loss.
+    pub reconnects: u64,
+    /// Retries per retry tier.
+    pub retries_per_tier: BTreeMap<Duration, u64>,
+}
+
+pub(crate) enum Counter {
+    Received,
+    Processed,
+    Duplicates,
+    Retried,
+    DeadLettered,
+    Malformed,
+    DeliveryLimit,
+    Requeued,
+    Batches,
+    Reconnects,
+}
+
+impl ConsumerStats {
+    pub(crate) fn add(&self, counter: Counter, n: u64) {
+        let cell = match counter {
+            Counter::Received => &self.received,
+            Counter::Processed => &self.processed,
+            Counter::Duplicates => &self.duplicates,
+            Counter::Retried => &self.retried,
+            Counter::DeadLettered => &self.dead_lettered,
+            Counter::Malformed => &self.malformed,
+            Counter::DeliveryLimit => &self.delivery_limit,
+            Counter::Requeued => &self.requeued,
+            Counter::Batches => &self.batches,
+            Counter::Reconnects => &self.reconnects,
+        };
+        cell.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn retried_to(&self, tier: Duration) {
+        *self
+            .retries_per_tier
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(tier)
+            .or_default() += 1;
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            received: get(&self.received),
+            processed: get(&self.processed),
+            duplicates: get(&self.duplicates),
+            retried: get(&self.retried),
+            dead_lettered: get(&self.dead_lettered),
+            malformed: get(&self.malformed),
+            delivery_limit: get(&self.delivery_limit),
+            requeued: get(&self.requeued),
+            batches: get(&self.batches),
+            reconnects: get(&self.reconnects),
+            retries_per_tier: self
+                .retries_per_tier
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+}

@@ -1,0 +1,309 @@
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{Connection, ExchangeKind};
+
+use inbox_core::{ConsumerGroup, RetryLadder};
+
+use crate::{Error, Result};
+
+/// One consumer group's queues.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GroupTopology {
+    group: ConsumerGroup,
+    message_types: BTreeSet<String>,
+}
+
+/// The broker objects the inbox consumes from, declared idempotently.
+///
+/// A topic exchange; per consumer group a durable quorum queue bound for the group's
+/// message types, dead-lettering to `<group>:dlq` when the broker's delivery limit (a
+/// backstop, well above the store's crash limit) is reached; a ladder of quorum
+/// retry-tier queues `<group>:retry:<delay>` whose TTL dead-letters back to the
+/// group's queue, at-least-once. `:` is outside the group-name alphabet, so no group's
+/// name is another group's tier or dead-letter queue. Every name takes an optional
+/// prefix, so tests and tenants of one broker never collide.
+///
+/// ```
+/// use inbox_amqp::Topology;
+/// use inbox_core::ConsumerGroup;
+/// let group = ConsumerGroup::new("billing.daily-usage")?;
+/// let topology = Topology::new("billing")?.group(group.clone(), ["usage.recorded"]);
+/// assert_eq!(topology.queue(&group), "billing.daily-usage");
+/// assert_eq!(topology.dlq(&group), "billing.daily-usage:dlq");
+/// assert_eq!(
+///     topology.retry_queue(&group, std::time::Duration::from_secs(30)),
+///     "billing.daily-usage:retry:30s"
+/// );
+/// # Ok::<(), inbox_amqp::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Topology {
+    exchange: String,
+    prefix: String,
+    ladder: RetryLadder,
+    delivery_limit: u32,
+    queue_expires: Option<Duration>,
+    groups: Vec<GroupTopology>,
+}
+
+fn check_name(what: &str, name: &str, allow_empty: bool) -> Result<()> {
+    if name.is_empty() && !allow_empty {
+        return Err(Error::Config(format!("{what} must not be empty")));
+    }
+    if name.len() > 200 {
+        return Err(Error::Config(format!(
+            "{what} must be at most 200 bytes, found {}",
+            name.len()
+        )));
+    }
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !matches!(c, 'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' | '-'))
+    {
+        return Err(Error::Config(format!(
+            "{what} may only contain [A-Za-z0-9._-], found {bad:?} in {name:?}"
+        )));
+    }
+    Ok(())
+}
+
+impl Topology {
+    /// A topology publishing through the topic exchange `exchange`, with the default
+    /// retry ladder (1 s, 5 s, 30 s, 2 min, 10 min) and a delivery limit of 20.
+    pub fn new(exchange: impl Into<String>) -> Result<Self> {
+        let exchange = exchange.into();
+        check_name("exchange name", &exchange, false)?;
+        Ok(Self {
+            exchange,
+            prefix: String::new(),
+            ladder: RetryLadder::default(),
+            delivery_limit: 20,
+            queue_expires: None,
+            groups: Vec::new(),
+        })
+    }
+
+    /// Prefixes every queue and the exchange name (e.g. a test's own `t123.`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Result<Self> {
+        let prefix = prefix.into();
+        check_name("prefix", &prefix, true)?;
+        self.prefix = prefix;
+        Ok(self)
+    }
+
+    /// The retry tiers.
+    pub fn ladder(mut self, ladder: RetryLadder) -> Self {
+        self.ladder = ladder;
+        self
+    }
+
+    /// The broker's `x-delivery-limit` on group queues: a backstop for crash loops,
+    /// set well above the store's crash limit (default 20).
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = limit;
+        self
+    }
+
+    /// `x-expires` on the group queues and dead-letter queues (never on retry tiers,
+    /// which have no consumers and would vanish with copies in them). For tests.
+    pub fn queue_expires(mut self, expires: Duration) -> Self {
+        self.queue_expires = Some(expires);
+        self
+    }
+
+    /// Adds a consumer group and the message types its queue is bound for.
+    pub fn group<I, T>(mut self, group: ConsumerGroup, message_types: I) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let types = message_types.into_iter().map(Into::into);
+        match self.groups.iter_mut().find(|g| g.group == group) {
+            Some(existing) => existing.message_types.extend(types),
+            None => self.groups.push(GroupTopology {
+                group,
+                message_types: types.collect(),
+            }),
+        }
+        self
+    }
+
+    /// Adds every (group, message type) a store's handlers take.
+    pub fn routes(mut self, routes: impl IntoIterator<Item = (ConsumerGroup, String)>) -> Self {
+        for (group, message_type) in routes {
+            self = self.group(group, [message_type]);
+        }
+        self
+    }
+
+    /// The consumer groups.
+    pub fn groups(&self) -> impl Iterator<Item = &ConsumerGroup> {
+        self.groups.iter().map(|g| &g.group)
+    }
+
+    /// The retry ladder.
+    pub fn retry_ladder(&self) -> &RetryLadder {
+        &self.ladder
+    }
+
+    /// The exchange's name.
+    pub fn exchange(&self) -> String {
+        format!("{}{}", self.prefix, self.exchange)
+    }
+
+    /// The group's queue.
+    pub fn queue(&self, group: &ConsumerGroup) -> String {
+        format!("{}{}", self.prefix, group)
+    }
+
+    /// The group's retry tier for `delay` (the smallest tier not shorter).
+    pub fn retry_queue(&self, group: &ConsumerGroup, delay: Duration) -> String {
+        let tier = self.ladder.tier_for(delay);
+        format!("{}:retry:{}", self.queue(group), RetryLadder::label(tier))
+    }
+
+    /// The group's dead-letter queue (messages over the delivery limit).
+    pub fn dlq(&self, group: &ConsumerGroup) -> String {
+        format!("{}:dlq", self.queue(group))
+    }
+
+    fn expires(&self, args: &mut FieldTable) {
+        if let Some(expires) = self.queue_expires {
+            let ms = i64::try_from(expires.as_millis()).unwrap_or(i64::MAX);
+            args.insert("x-expires".into(), AMQPValue::LongLongInt(ms));
+        }
+    }
+
+    /// Declares the exchange and every group's queues and bindings. Declaring twice
+    /// is a no-op; declaring over objects with other arguments is
+    /// [`Error::TopologyConflict`], naming the object and the argument.
+    pub async fn declare(&self, connection: &Connection) -> Result<()> {
+        let exchange = self.exchange();
+        let channel = connection.create_channel().await?;
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| conflict(&exchange, e))?;
+        for g in &self.groups {
+            let queue = self.queue(&g.group);
+            let dlq = self.dlq(&g.group);
+
+            let mut dlq_args = quorum();
+            self.expires(&mut dlq_args);
+            declare_queue(connection, &dlq, dlq_args).await?;
+
+            let mut args = quorum();
+            args.insert("x-dead-letter-exchange".into(), long(""));
+            args.insert("x-dead-letter-routing-key".into(), long(&dlq));
+            args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+            args.insert("x-overflow".into(), long("reject-publish"));
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+            );
+            self.expires(&mut args);
+            declare_queue(connection, &queue, args).await?;
+
+            for tier in self.ladder.tiers() {
+                let name = format!("{queue}:retry:{}", RetryLadder::label(*tier));
+                let mut args = quorum();
+                let ttl = i64::try_from(tier.as_millis()).unwrap_or(i64::MAX);
+                args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+                args.insert("x-dead-letter-exchange".into(), long(""));
+                args.insert("x-dead-letter-routing-key".into(), long(&queue));
+                args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+                args.insert("x-overflow".into(), long("reject-publish"));
+                declare_queue(connection, &name, args).await?;
+            }
+
+            for message_type in &g.message_types {
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        message_type.as_str().into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+            }
+        }
+        let _ = channel.close(200, "declared".into()).await;
+        Ok(())
+    }
+}
+
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), long("quorum"));
+    args
+}
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Declares on a channel of its own: a conflicting declaration closes the channel.
+async fn declare_queue(connection: &Connection, name: &str, args: FieldTable) -> Result<()> {
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_declare(
+            ShortString::from(name),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .map_err(|e| conflict(name, e))?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
+}
+
+/// A PRECONDITION_FAILED (406) answer to a declaration is a conflict with what exists.
+fn conflict(name: &str, err: lapin::Error) -> Error {
+    let detail = err.to_string();
+    if detail.contains("PRECONDITION_FAILED") || detail.contains("inequivalent arg") {
+        Error::TopologyConflict {
+            name: name.to_owned(),
+            detail,
+        }
+    } else {
+        Error::Amqp(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_apart() {
+        let g = ConsumerGroup::new("a.b").unwrap();
+        let t = Topology::new("billing").unwrap().prefix("t1.").unwrap();
+        assert_eq!(t.queue(&g), "t1.a.b");
+        assert_eq!(t.exchange(), "t1.billing");
+        assert_eq!(
+            t.retry_queue(&g, Duration::from_millis(1500)),
+            "t1.a.b:retry:5s"
+        );
+        assert_eq!(
+            t.retry_queue(&g, Duration::from_secs(3600)),
+            "t1.a.b:retry:10m"
+        );
+        assert!(Topology::new("bad name").is_err());
+        assert!(t.clone().prefix("x:").is_err());
+    }
+}
