@@ -1,7 +1,7 @@
 //! `cargo run --release --example bench_consume`: consumer throughput, in one run.
 //!
 //! 20,000 usage events with 10% duplicates, pre-filled into a quorum queue, consumed
-//! into PostgreSQL (fsync as the server has it) by 4 workers, six ways:
+//! into PostgreSQL (fsync as the server has it) by 4 workers (`BENCH_WORKERS`), six ways:
 //!
 //! - the runtime, batch size 1, one handler call per event;
 //! - the runtime, batches of 100, one handler call per event;
@@ -25,7 +25,9 @@ use diesel::sql_types::{BigInt, Date, Text};
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
-use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryPolicy};
+use inbox_core::{
+    ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RetryPolicy,
+};
 use inbox_diesel::Store;
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{
@@ -35,19 +37,24 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
-const WORKERS: usize = 4;
 const BATCH: usize = 100;
 
 type Totals = BTreeMap<(i64, NaiveDate), i64>;
 
-/// The projection without a fold: one upsert per event (what the hand-written loops do).
-struct PerEvent(ConsumerGroup);
+/// The projection without a fold: one upsert per event (what the hand-written loops
+/// do). `serialized`: batches take the projection lock exclusively, since events of
+/// concurrent batches hit the same rows in any order (the hand-written batched loop
+/// sorts its rows for the same reason); one event per transaction cannot deadlock.
+struct PerEvent {
+    group: ConsumerGroup,
+    serialized: bool,
+}
 
 impl Handler<PgConnection> for PerEvent {
     type Message = UsageRecorded;
 
     fn group(&self) -> &ConsumerGroup {
-        &self.0
+        &self.group
     }
 
     fn message_type(&self) -> &str {
@@ -63,9 +70,15 @@ impl Handler<PgConnection> for PerEvent {
         conn.add_usage(msg.user_id, msg.day, msg.amount)?;
         Ok(())
     }
+
+    fn lock(&self) -> Option<ProjectionLock> {
+        self.serialized
+            .then(|| ProjectionLock::serialized("daily_usage"))
+    }
 }
 
 struct Bench {
+    workers: usize,
     db_url: String,
     amqp_url: String,
     run: String,
@@ -130,11 +143,14 @@ impl Bench {
         let (schema, _) = self.fresh_schema(name);
         let mut builder = Store::<PgConnection>::builder(self.db_url.clone())
             .schema(schema)
-            .pool_size(WORKERS as u32 + 1);
+            .pool_size(self.workers as u32 + 1);
         builder = if fold {
             builder.handler(DailyUsage::new(RetryPolicy::default()))
         } else {
-            builder.handler(PerEvent(ConsumerGroup::new(GROUP).expect("group")))
+            builder.handler(PerEvent {
+                group: ConsumerGroup::new(GROUP).expect("group"),
+                serialized: batch > 1,
+            })
         };
         let store = builder.build().expect("store");
         store
@@ -150,7 +166,7 @@ impl Bench {
         let consumer = Consumer::new(self.amqp_url.clone(), Arc::clone(&store), topology)
             .with_settings(
                 ConsumerSettings::default()
-                    .workers(WORKERS)
+                    .workers(self.workers)
                     .prefetch(200)
                     .batch(batch, Duration::from_millis(5)),
             );
@@ -160,19 +176,7 @@ impl Bench {
         consumer.topology().declare(&conn).await.expect("declare");
         self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
             .await;
-        let group = ConsumerGroup::new(GROUP).expect("group");
-        let mut queues = vec![
-            consumer.topology().queue(&group),
-            consumer.topology().dlq(&group),
-        ];
-        queues.extend(
-            consumer
-                .topology()
-                .retry_ladder()
-                .tiers()
-                .iter()
-                .map(|t| consumer.topology().retry_queue(&group, *t)),
-        );
+        let topology = consumer.topology().clone();
 
         let stats = consumer.stats();
         let total = self.order.len() as u64;
@@ -201,7 +205,7 @@ impl Bench {
             .daily_totals()
             .expect("totals");
         assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
-        delete(&conn, &queues).await;
+        topology.delete(&conn).await.expect("delete topology");
         self.drop_schema(name);
         total as f64 / elapsed.as_secs_f64()
     }
@@ -243,7 +247,7 @@ impl Bench {
         let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let started = Instant::now();
         let mut tasks = Vec::new();
-        for _ in 0..WORKERS {
+        for _ in 0..self.workers {
             let db = if database {
                 let mut c = PgConnection::establish(&self.db_url).expect("connect");
                 c.batch_execute(&format!("SET search_path TO {schema}"))
@@ -288,17 +292,15 @@ impl Bench {
                                 (id.unwrap_or_default(), d.data.clone())
                             })
                             .collect();
-                        // Rows in one order across workers, so transactions do not deadlock.
-                        bodies.sort_by_key(|(_, body)| {
-                            let e: UsageRecorded = serde_json::from_slice(body).expect("body");
-                            (e.user_id, e.day)
-                        });
+                        // Claims in key order, then upserts in row order: the same order
+                        // in every worker, so transactions do not deadlock.
+                        bodies.sort();
                         tokio::task::spawn_blocking(move || {
                             let mut conn = db.lock().expect("db");
-                            // Workers upsert the same rows in different orders: a careful
-                            // hand-written loop retries its transaction after a deadlock.
+                            // A careful hand-written loop still retries after a deadlock.
                             let mut tries = 0;
                             while let Err(err) = conn.transaction::<_, diesel::result::Error, _>(|conn| {
+                                let mut owned: Vec<UsageRecorded> = Vec::with_capacity(bodies.len());
                                 for (key, body) in &bodies {
                                     let claimed = diesel::sql_query(
                                         "INSERT INTO claims (consumer_group, message_key) VALUES ($1, $2)
@@ -308,16 +310,19 @@ impl Bench {
                                     .bind::<Text, _>(key)
                                     .execute(conn)?;
                                     if claimed == 1 {
-                                        let e: UsageRecorded = serde_json::from_slice(body).expect("body");
-                                        diesel::sql_query(
-                                            "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3)
-                                             ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
-                                        )
-                                        .bind::<BigInt, _>(e.user_id)
-                                        .bind::<Date, _>(e.day)
-                                        .bind::<BigInt, _>(e.amount)
-                                        .execute(conn)?;
+                                        owned.push(serde_json::from_slice(body).expect("body"));
                                     }
+                                }
+                                owned.sort_by_key(|e| (e.user_id, e.day));
+                                for e in &owned {
+                                    diesel::sql_query(
+                                        "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3)
+                                         ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
+                                    )
+                                    .bind::<BigInt, _>(e.user_id)
+                                    .bind::<Date, _>(e.day)
+                                    .bind::<BigInt, _>(e.amount)
+                                    .execute(conn)?;
                                 }
                                 Ok(())
                             }) {
@@ -391,7 +396,12 @@ async fn main() {
         order.push(order.len() % unique);
     }
     let run = format!("bench_{}", std::process::id());
+    let workers: usize = std::env::var("BENCH_WORKERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(4);
     let bench = Bench {
+        workers,
         db_url,
         amqp_url,
         run,
@@ -414,26 +424,47 @@ async fn main() {
         .get_result(&mut conn)
         .expect("ssl");
         println!(
-            "{events} deliveries ({} unique), {WORKERS} workers, batch {BATCH}; PostgreSQL fsync={}, TLS={} (libpq default sslmode)",
+            "{events} deliveries ({} unique), {} workers, batch {BATCH}; PostgreSQL fsync={}, TLS={} (libpq default sslmode)",
             bench.workload.events.len(),
+            bench.workers,
             fsync.value,
             ssl.value
         );
     }
 
-    let progress = |name: &str, rate: f64| eprintln!("  {name}: {rate:.0} deliveries/s");
-    let ceiling = bench.handwritten("ceiling", BATCH, false).await;
-    progress("ceiling", ceiling);
-    let hand_single = bench.handwritten("hand_single", 1, true).await;
-    progress("hand_single", hand_single);
-    let hand_batched = bench.handwritten("hand_batched", BATCH, true).await;
-    progress("hand_batched", hand_batched);
-    let rt_single = bench.runtime("rt_single", 1, false).await;
-    progress("rt_single", rt_single);
-    let rt_batched = bench.runtime("rt_batched", BATCH, false).await;
-    progress("rt_batched", rt_batched);
-    let rt_fold = bench.runtime("rt_fold", BATCH, true).await;
-    progress("rt_fold", rt_fold);
+    // BENCH_ONLY=rt_single,hand_single runs a subset (the others print as 0).
+    let only = std::env::var("BENCH_ONLY").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n == name))
+    };
+    let mut rates = BTreeMap::new();
+    for name in [
+        "ceiling",
+        "hand_single",
+        "hand_batched",
+        "rt_single",
+        "rt_batched",
+        "rt_fold",
+    ] {
+        if !wanted(name) {
+            continue;
+        }
+        let rate = match name {
+            "ceiling" => bench.handwritten(name, BATCH, false).await,
+            "hand_single" => bench.handwritten(name, 1, true).await,
+            "hand_batched" => bench.handwritten(name, BATCH, true).await,
+            "rt_single" => bench.runtime(name, 1, false).await,
+            "rt_batched" => bench.runtime(name, BATCH, false).await,
+            _ => bench.runtime(name, BATCH, true).await,
+        };
+        eprintln!("  {name}: {rate:.0} deliveries/s");
+        rates.insert(name, rate);
+    }
+    let rate = |name: &str| rates.get(name).copied().unwrap_or(0.0);
+    let (ceiling, hand_single, hand_batched) =
+        (rate("ceiling"), rate("hand_single"), rate("hand_batched"));
+    let (rt_single, rt_batched, rt_fold) = (rate("rt_single"), rate("rt_batched"), rate("rt_fold"));
 
     println!();
     println!("{:<58} {:>12}", "scenario", "deliveries/s");

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Date};
+use diesel::sql_types::{Array, BigInt, Date};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
     Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock, RetryPolicy,
@@ -42,6 +42,10 @@ pub trait UsageDb: Connection + Send + 'static {
     /// Adds `amount` to the row of (`user_id`, `day`).
     fn add_usage(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<()>;
 
+    /// Adds many (user, day, amount) sums, in the order given (sort them, so that
+    /// concurrent batches lock rows in one order).
+    fn add_usage_rows(&mut self, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()>;
+
     /// Every row.
     fn daily_totals(&mut self) -> QueryResult<BTreeMap<(i64, NaiveDate), i64>>;
 }
@@ -58,8 +62,12 @@ struct TotalRow {
 
 /// The same statements on both backends; only the table's column types differ.
 macro_rules! usage_db {
-    ($conn:ty, $create:literal) => {
+    ($conn:ty, $create:literal, $add_rows:path) => {
         impl UsageDb for $conn {
+            fn add_usage_rows(&mut self, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()> {
+                $add_rows(self, rows)
+            }
+
             fn create_daily_usage(&mut self) -> QueryResult<()> {
                 self.batch_execute($create)
             }
@@ -88,13 +96,40 @@ macro_rules! usage_db {
 usage_db!(
     PgConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id BIGINT NOT NULL, day DATE NOT NULL, \
-     total BIGINT NOT NULL, PRIMARY KEY (user_id, day))"
+     total BIGINT NOT NULL, PRIMARY KEY (user_id, day))",
+    pg_add_rows
 );
 usage_db!(
     SqliteConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id INTEGER NOT NULL, day TEXT NOT NULL, \
-     total INTEGER NOT NULL, PRIMARY KEY (user_id, day))"
+     total INTEGER NOT NULL, PRIMARY KEY (user_id, day))",
+    sqlite_add_rows
 );
+
+/// One multi-row upsert: a single round trip whatever the batch size.
+fn pg_add_rows(conn: &mut PgConnection, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()> {
+    let users: Vec<i64> = rows.iter().map(|r| r.0).collect();
+    let days: Vec<NaiveDate> = rows.iter().map(|r| r.1).collect();
+    let amounts: Vec<i64> = rows.iter().map(|r| r.2).collect();
+    diesel::sql_query(
+        "INSERT INTO daily_usage (user_id, day, total) \
+         SELECT * FROM unnest($1::bigint[], $2::date[], $3::bigint[]) \
+         ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
+    )
+    .bind::<Array<BigInt>, _>(users)
+    .bind::<Array<Date>, _>(days)
+    .bind::<Array<BigInt>, _>(amounts)
+    .execute(conn)
+    .map(|_| ())
+}
+
+/// SQLite runs in-process: a statement per row costs no round trip.
+fn sqlite_add_rows(conn: &mut SqliteConnection, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()> {
+    for (user_id, day, amount) in rows {
+        conn.add_usage(*user_id, *day, *amount)?;
+    }
+    Ok(())
+}
 
 /// The projection handler: adds each event's amount to its day's total.
 ///
@@ -138,7 +173,7 @@ impl DailyUsage {
         Ok(())
     }
 
-    /// A whole batch: one write per (user, day).
+    /// A whole batch: the sums per (user, day), in one multi-row upsert.
     fn add_batch<C: UsageDb>(
         &self,
         conn: &mut C,
@@ -149,9 +184,12 @@ impl DailyUsage {
             check(msg)?;
             *sums.entry((msg.user_id, msg.day)).or_default() += msg.amount;
         }
-        for ((user_id, day), amount) in sums {
-            conn.add_usage(user_id, day, amount)?;
-        }
+        // Sorted by (user, day): concurrent batches lock the rows in one order.
+        let rows: Vec<(i64, NaiveDate, i64)> = sums
+            .into_iter()
+            .map(|((user_id, day), amount)| (user_id, day, amount))
+            .collect();
+        conn.add_usage_rows(&rows)?;
         Ok(())
     }
 

@@ -55,6 +55,19 @@ fn drop_schema(base: &str, schema: &str) {
     }
 }
 
+/// Kills the child if the test fails before it does (a stray consumer would keep
+/// consuming from the shared broker).
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn unique(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -68,13 +81,15 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     let Some(base) = database_url() else { return };
     let schema = unique("ex");
     let url = schema_url(&base, &schema);
-    let child = Command::new(example_binary())
-        .env("DATABASE_URL", &url)
-        .env("INBOX_PREFIX", format!("{schema}."))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(Some(
+        Command::new(example_binary())
+            .env("DATABASE_URL", &url)
+            .env("INBOX_PREFIX", format!("{schema}."))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
     // Wait until it has declared its topology and created its table.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut ready = false;
@@ -160,11 +175,11 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     assert_eq!(total, 42, "40 + 2, the duplicate applied once");
     std::thread::sleep(Duration::from_millis(200));
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.as_ref().unwrap().id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let out = child.wait_with_output().unwrap();
+    let out = child.0.take().unwrap().wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -177,6 +192,22 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
         "{stdout}"
     );
     drop_schema(&base, &schema);
+    // The example's queues and exchange carry no expiry: remove them.
+    let topology = inbox_amqp::Topology::new("billing")
+        .unwrap()
+        .prefix(format!("{schema}."))
+        .unwrap()
+        .group(
+            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
+            ["usage.recorded"],
+        );
+    runtime.block_on(async {
+        let amqp = std::env::var("AMQP_URL").unwrap();
+        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        topology.delete(&conn).await.unwrap();
+    });
 }
 
 #[test]

@@ -1,7 +1,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Connection, ExchangeKind};
 
@@ -37,7 +40,7 @@ struct GroupTopology {
 ///     topology.retry_queue(&group, std::time::Duration::from_secs(30)),
 ///     "billing.daily-usage:retry:30s"
 /// );
-/// # Ok::<(), inbox_amqp::Error>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug)]
 pub struct Topology {
@@ -240,6 +243,40 @@ impl Topology {
             }
         }
         let _ = channel.close(200, "declared".into()).await;
+        Ok(())
+    }
+}
+
+impl Topology {
+    /// Every queue of the topology: each group's queue, dead-letter queue and tiers.
+    pub fn queues(&self) -> Vec<String> {
+        let mut queues = Vec::new();
+        for g in &self.groups {
+            queues.push(self.queue(&g.group));
+            queues.push(self.dlq(&g.group));
+            for tier in self.ladder.tiers() {
+                queues.push(self.retry_queue(&g.group, *tier));
+            }
+        }
+        queues
+    }
+
+    /// Deletes the exchange and every queue of the topology, messages included (a
+    /// teardown for tests and for retiring a consumer group).
+    pub async fn delete(&self, connection: &Connection) -> Result<()> {
+        let channel = connection.create_channel().await?;
+        for queue in self.queues() {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        channel
+            .exchange_delete(
+                self.exchange().as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await?;
+        let _ = channel.close(200, "deleted".into()).await;
         Ok(())
     }
 }

@@ -90,25 +90,52 @@ pub trait Handler<C>: Send + Sync + 'static {
     }
 }
 
-/// A named lock that serialises a projection's rebuilds against its live handlers.
+/// A named lock a store takes before it claims a batch for a handler.
+///
+/// [`ProjectionLock::named`] is taken shared: live batches run side by side, and a
+/// projection rebuild, taking it exclusively, never races them into a double count.
+/// [`ProjectionLock::serialized`] is taken exclusively by every batch: one batch of
+/// the projection at a time, across processes. Use it for a handler that writes
+/// shared rows one event at a time without a fold, where concurrent batches touching
+/// the same rows in different orders would deadlock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ProjectionLock(i64);
+pub struct ProjectionLock {
+    id: i64,
+    exclusive: bool,
+}
 
 impl ProjectionLock {
     /// A lock identified by a name (hashed to 64 bits with FNV-1a, stable across
-    /// processes and versions).
+    /// processes and versions), taken shared by live batches.
     pub fn named(name: &str) -> Self {
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
         for byte in name.bytes() {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
-        Self(i64::from_ne_bytes(hash.to_ne_bytes()))
+        Self {
+            id: i64::from_ne_bytes(hash.to_ne_bytes()),
+            exclusive: false,
+        }
+    }
+
+    /// The same lock, taken exclusively by every batch: batches of the projection
+    /// run one at a time.
+    pub fn serialized(name: &str) -> Self {
+        Self {
+            exclusive: true,
+            ..Self::named(name)
+        }
     }
 
     /// The lock's 64-bit id (a PostgreSQL advisory lock key).
     pub fn id(&self) -> i64 {
-        self.0
+        self.id
+    }
+
+    /// Whether live batches take it exclusively.
+    pub fn is_exclusive(&self) -> bool {
+        self.exclusive
     }
 }
 
@@ -319,8 +346,13 @@ pub trait DynHandler<C>: Send + Sync + 'static {
     /// Decodes and handles one message.
     fn handle_payload(&self, conn: &mut C, ctx: &MessageContext<'_>) -> Result<(), HandlerFailure>;
     /// Decodes every message and applies them all: one fold if the handler folds,
-    /// else one `handle` each, with no isolation between them. The first failure wins.
-    fn handle_all(&self, conn: &mut C, ctxs: &[MessageContext<'_>]) -> Result<(), HandlerFailure>;
+    /// else one `handle` each, with no isolation between them. The first failure wins,
+    /// with the index of its message when one message is to blame (not for a fold).
+    fn handle_all(
+        &self,
+        conn: &mut C,
+        ctxs: &[MessageContext<'_>],
+    ) -> Result<(), (Option<usize>, HandlerFailure)>;
 }
 
 impl<C, H> DynHandler<C> for H
@@ -350,20 +382,24 @@ where
         self.handle(conn, msg, ctx).map_err(HandlerFailure::Handler)
     }
 
-    fn handle_all(&self, conn: &mut C, ctxs: &[MessageContext<'_>]) -> Result<(), HandlerFailure> {
+    fn handle_all(
+        &self,
+        conn: &mut C,
+        ctxs: &[MessageContext<'_>],
+    ) -> Result<(), (Option<usize>, HandlerFailure)> {
         let mut batch = Vec::with_capacity(ctxs.len());
-        for ctx in ctxs {
+        for (i, ctx) in ctxs.iter().enumerate() {
             let msg = self
                 .decode(&ctx.envelope().payload)
-                .map_err(HandlerFailure::Decode)?;
+                .map_err(|e| (Some(i), HandlerFailure::Decode(e)))?;
             batch.push((msg, *ctx));
         }
         if let Some(folded) = self.fold(conn, &batch) {
-            return folded.map_err(HandlerFailure::Handler);
+            return folded.map_err(|e| (None, HandlerFailure::Handler(e)));
         }
-        for (msg, ctx) in batch {
+        for (i, (msg, ctx)) in batch.into_iter().enumerate() {
             self.handle(conn, msg, &ctx)
-                .map_err(HandlerFailure::Handler)?;
+                .map_err(|e| (Some(i), HandlerFailure::Handler(e)))?;
         }
         Ok(())
     }
@@ -398,6 +434,12 @@ mod tests {
     fn lock_names_are_stable() {
         assert_eq!(ProjectionLock::named("a"), ProjectionLock::named("a"));
         assert_ne!(ProjectionLock::named("a"), ProjectionLock::named("b"));
+        assert_eq!(
+            ProjectionLock::serialized("a").id(),
+            ProjectionLock::named("a").id()
+        );
+        assert!(ProjectionLock::serialized("a").is_exclusive());
+        assert!(!ProjectionLock::named("a").is_exclusive());
         // FNV-1a of "" is the offset basis.
         assert_eq!(
             ProjectionLock::named("").id(),

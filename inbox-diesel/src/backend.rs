@@ -36,11 +36,8 @@ pub(crate) mod private {
             F: FnOnce(&mut Self) -> std::result::Result<T, E>,
             E: From<diesel::result::Error>;
 
-        /// Takes projection locks shared, for the rest of the transaction.
-        fn take_shared_locks(conn: &mut Self, ids: &[i64]) -> QueryResult<()>;
-
-        /// Takes a projection lock exclusively, for the rest of the transaction.
-        fn take_exclusive_lock(conn: &mut Self, id: i64) -> QueryResult<()>;
+        /// Takes projection locks (id, exclusive), for the rest of the transaction.
+        fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()>;
     }
 }
 

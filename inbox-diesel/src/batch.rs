@@ -63,8 +63,10 @@ impl<C> Delivery<'_, C> {
 enum TxError {
     /// Deadlock, serialization failure or SQLITE_BUSY: run the batch again.
     Retryable(diesel::result::Error),
-    /// A handler failed in the optimistic run: run again with a savepoint each.
-    Isolate,
+    /// A handler failed in the optimistic run: run again with a savepoint each. When
+    /// the failing delivery is known (by index), its failure is recorded as is
+    /// instead of calling its handler a second time.
+    Isolate(Option<(usize, HandlerFailure)>),
     /// Anything else: nothing committed, the transport acks nothing.
     Fatal(Error),
 }
@@ -300,7 +302,7 @@ impl<C: StoreConnection> Inner<C> {
                 Ok(decisions) => return Ok(decisions),
                 Err(TxError::Fatal(err)) => return Err(err),
                 Err(TxError::Retryable(err)) => err,
-                Err(TxError::Isolate) => {
+                Err(TxError::Isolate(_)) => {
                     return Err(Error::Config("isolation requested twice".to_owned()))
                 }
             };
@@ -336,8 +338,10 @@ impl<C: StoreConnection> Inner<C> {
     ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
         let started = Instant::now();
         let now = self.clock.now();
-        let decisions = match self.attempt(conn, group, items, now, Mode::Optimistic) {
-            Err(TxError::Isolate) => self.attempt(conn, group, items, now, Mode::Isolated)?,
+        let decisions = match self.attempt(conn, group, items, now, Mode::Optimistic, None) {
+            Err(TxError::Isolate(known)) => {
+                self.attempt(conn, group, items, now, Mode::Isolated, known)?
+            }
             other => other?,
         };
         let left = depth(conn)?;
@@ -359,18 +363,21 @@ impl<C: StoreConnection> Inner<C> {
         items: &[Delivery<'_, C>],
         now: DateTime<Utc>,
         mode: Mode,
+        known: Option<(usize, HandlerFailure)>,
     ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
         C::write_transaction(conn, |conn| {
             // Lock before claim: a projection rebuild holds the lock exclusively, so
             // live batches wait for it instead of double counting beside it.
-            let mut locks: Vec<i64> = items
+            let mut locks: Vec<(i64, bool)> = items
                 .iter()
                 .filter_map(|d| d.handler.and_then(|h| h.lock()))
-                .map(|l| l.id())
+                .map(|l| (l.id(), l.is_exclusive()))
                 .collect();
-            locks.sort_unstable();
-            locks.dedup();
-            C::take_shared_locks(conn, &locks)?;
+            // In id order, each once (exclusive if any handler wants it so), so that
+            // batches never wait for each other's locks in opposite orders.
+            locks.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+            locks.dedup_by_key(|l| l.0);
+            C::take_locks(conn, &locks)?;
 
             // Claims in key order, so concurrent batches lock rows in the same order.
             let mut sorted: Vec<&Delivery<'_, C>> = items.iter().collect();
@@ -384,6 +391,10 @@ impl<C: StoreConnection> Inner<C> {
                 .map(|d| d.key())
                 .filter(|k| !owned.contains_key(*k))
                 .collect();
+            // A statement of its own, not a CTE of the claim: under READ COMMITTED it
+            // takes a new snapshot, so it sees the row of a concurrent claimer that
+            // committed while our insert waited on it. Inside the claim statement that
+            // row would be invisible and look like a phantom conflict.
             let stored: HashMap<String, _> = if missing.is_empty() {
                 HashMap::new()
             } else {
@@ -434,13 +445,11 @@ impl<C: StoreConnection> Inner<C> {
             }
 
             // Handlers run only after every claim of the batch is taken.
-            // A lone message goes straight to its savepoint: a failure then costs one
-            // handler call, not an optimistic run plus an isolated one.
             match mode {
-                Mode::Optimistic if mine.len() > 1 => {
-                    self.run_optimistic(conn, group, &mine, now, &mut decisions)?
+                Mode::Optimistic => self.run_optimistic(conn, group, &mine, now, &mut decisions)?,
+                Mode::Isolated => {
+                    self.run_isolated(conn, group, &mine, now, known, &mut decisions)?
                 }
-                _ => self.run_isolated(conn, group, &mine, now, &mut decisions)?,
             }
             Ok(decisions)
         })
@@ -478,16 +487,19 @@ impl<C: StoreConnection> Inner<C> {
                 Ok(Ok(())) => {
                     decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)))
                 }
-                Ok(Err(failure)) => {
+                Ok(Err((at, failure))) => {
                     restore_depth(conn, before)?;
                     if failure_is_retryable(&failure) {
                         return Err(TxError::Retryable(retryable_cause(failure)));
                     }
-                    return Err(TxError::Isolate);
+                    let known = at
+                        .and_then(|i| entries.get(i))
+                        .map(|(idx, _)| (*idx, failure));
+                    return Err(TxError::Isolate(known));
                 }
                 Err(_) => {
                     restore_depth(conn, before)?;
-                    return Err(TxError::Isolate);
+                    return Err(TxError::Isolate(None));
                 }
             }
         }
@@ -501,6 +513,7 @@ impl<C: StoreConnection> Inner<C> {
         group: &ConsumerGroup,
         mine: &[(&Delivery<'_, C>, i32)],
         now: DateTime<Utc>,
+        mut known: Option<(usize, HandlerFailure)>,
         decisions: &mut Vec<(usize, Decision)>,
     ) -> std::result::Result<(), TxError> {
         for (d, attempts) in mine {
@@ -508,6 +521,14 @@ impl<C: StoreConnection> Inner<C> {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
             };
+            // The optimistic run already saw this message fail: one attempt, one call.
+            if known.as_ref().is_some_and(|(idx, _)| *idx == d.idx) {
+                if let Some((_, failure)) = known.take() {
+                    let decision = self.fail(conn, group, d, *attempts, Some(failure), now)?;
+                    decisions.push((d.idx, decision));
+                    continue;
+                }
+            }
             let attempt = attempt_number(*attempts);
             let ctx = MessageContext::new(d.env, group, attempt, now);
             let _span = tracing::debug_span!("inbox.delivery", group = %group, key = %d.env.message_key, attempt)
@@ -810,7 +831,7 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 Err(TxError::Retryable(_)) => return Ok(Decision::RetryAfter(CONTENDED_RETRY)),
                 Err(TxError::Fatal(err)) => return Err(err),
-                Err(TxError::Isolate) => {
+                Err(TxError::Isolate(_)) => {
                     return Err(Error::Config(
                         "isolation requested by a start mark".to_owned(),
                     ))

@@ -210,13 +210,9 @@ macro_rules! claim_ops {
             updated_at.eq($now),
         )
     }};
-    // One multi-row statement (PostgreSQL).
-    (@claim multi_row, $schema:ident, $conn:ident, $group:ident, $rows:ident, $now:ident) => {{
-        let values: Vec<_> = $rows
-            .iter()
-            .map(|r| claim_ops!(@values $schema, $group, r, $now))
-            .collect();
-        claim_ops!(@statement $schema, values, $now).get_results($conn)
+    // PostgreSQL: one statement over arrays (see `pg::claim`).
+    (@claim unnest, $schema:ident, $conn:ident, $group:ident, $rows:ident, $now:ident) => {{
+        crate::pg::claim($conn, $group, $rows, $now)
     }};
     // The same statement once per row (diesel's SQLite backend has no multi-row upsert).
     (@claim row_by_row, $schema:ident, $conn:ident, $group:ident, $rows:ident, $now:ident) => {{
@@ -446,5 +442,5 @@ macro_rules! claim_ops {
     };
 }
 
-claim_ops!(diesel::PgConnection, pg, multi_row);
+claim_ops!(diesel::PgConnection, pg, unnest);
 claim_ops!(diesel::SqliteConnection, sqlite, row_by_row);

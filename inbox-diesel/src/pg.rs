@@ -2,11 +2,15 @@
 
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Binary, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::{ConnectionResult, PgConnection, QueryResult};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
+use chrono::{DateTime, Utc};
+use inbox_core::ConsumerGroup;
+
 use crate::backend::{private::Sealed, quoted};
+use crate::ops::ClaimRow;
 use crate::verify::{Catalog, IndexInfo};
 use crate::{Backend, Error, Result};
 
@@ -41,6 +45,57 @@ struct TableRow {
     schema: Option<String>,
     #[diesel(sql_type = Bool)]
     exists: bool,
+}
+
+#[derive(QueryableByName)]
+struct Claimed {
+    #[diesel(sql_type = Text)]
+    message_key: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+}
+
+/// The claim statement on PostgreSQL: the whole batch in one statement over arrays,
+/// one text whatever the batch size, so it stays prepared (a multi-row VALUES list
+/// would be parsed and planned anew for every batch, 10 parameters a row).
+///
+/// The conflict condition is the one every backend uses (see `ops.rs`): a row is
+/// ours if it is new, or failed/started with the same payload digest and due. Rows
+/// are inserted in the order given (sorted by key).
+pub(crate) fn claim(
+    conn: &mut PgConnection,
+    group: &ConsumerGroup,
+    rows: &[ClaimRow<'_>],
+    now: DateTime<Utc>,
+) -> QueryResult<Vec<(String, i32)>> {
+    let keys: Vec<&str> = rows.iter().map(|r| r.key).collect();
+    let types: Vec<&str> = rows.iter().map(|r| r.message_type).collect();
+    let tenants: Vec<Option<&str>> = rows.iter().map(|r| r.tenant).collect();
+    let digests: Vec<&[u8]> = rows.iter().map(|r| r.digest).collect();
+    let claimed: Vec<Claimed> = diesel::sql_query(
+        "INSERT INTO inbox_claims (consumer_group, message_key, message_type, tenant, \
+             payload_digest, status, attempts, starts, first_seen_at, updated_at) \
+         SELECT $1, k.message_key, k.message_type, k.tenant, k.payload_digest, 'done', 0, 0, $5, $5 \
+         FROM unnest($2::text[], $3::text[], $4::text[], $6::bytea[]) \
+             AS k(message_key, message_type, tenant, payload_digest) \
+         ON CONFLICT (consumer_group, message_key) DO UPDATE \
+             SET status = 'done', payload = NULL, updated_at = EXCLUDED.updated_at \
+             WHERE inbox_claims.status IN ('failed', 'started') \
+               AND inbox_claims.payload_digest = EXCLUDED.payload_digest \
+               AND (inbox_claims.next_attempt_at IS NULL OR inbox_claims.next_attempt_at <= $5) \
+         RETURNING message_key, attempts",
+    )
+    .bind::<Text, _>(group.as_str())
+    .bind::<Array<Text>, _>(keys)
+    .bind::<Array<Text>, _>(types)
+    .bind::<Array<Nullable<Text>>, _>(tenants)
+    .bind::<Timestamptz, _>(now)
+    .bind::<Array<Binary>, _>(digests)
+    .load(conn)?;
+    Ok(claimed
+        .into_iter()
+        .map(|c| (c.message_key, c.attempts))
+        .collect())
 }
 
 /// The claim table of the store's own schema: the first schema of its search path.
@@ -144,19 +199,15 @@ impl Sealed for PgConnection {
         conn.transaction(f)
     }
 
-    fn take_shared_locks(conn: &mut Self, ids: &[i64]) -> QueryResult<()> {
-        for id in ids {
-            diesel::sql_query("SELECT pg_advisory_xact_lock_shared($1)")
-                .bind::<BigInt, _>(id)
-                .execute(conn)?;
+    fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()> {
+        for (id, exclusive) in locks {
+            let sql = if *exclusive {
+                "SELECT pg_advisory_xact_lock($1)"
+            } else {
+                "SELECT pg_advisory_xact_lock_shared($1)"
+            };
+            diesel::sql_query(sql).bind::<BigInt, _>(id).execute(conn)?;
         }
         Ok(())
-    }
-
-    fn take_exclusive_lock(conn: &mut Self, id: i64) -> QueryResult<()> {
-        diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
-            .bind::<BigInt, _>(id)
-            .execute(conn)
-            .map(|_| ())
     }
 }

@@ -118,12 +118,8 @@ impl Sealed for SqliteConnection {
         conn.immediate_transaction(f)
     }
 
-    fn take_shared_locks(_conn: &mut Self, _ids: &[i64]) -> QueryResult<()> {
+    fn take_locks(_conn: &mut Self, _locks: &[(i64, bool)]) -> QueryResult<()> {
         // One writer at a time already: the immediate transaction is the lock.
-        Ok(())
-    }
-
-    fn take_exclusive_lock(_conn: &mut Self, _id: i64) -> QueryResult<()> {
         Ok(())
     }
 }

@@ -393,6 +393,9 @@ impl<C: StoreConnection> StoreBuilder<C> {
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(1))
+            // No `SELECT 1` per check-out (a round trip per batch): a connection that
+            // broke is found by its failing statement and discarded (`has_broken`).
+            .test_on_check_out(false)
             .connection_customizer(Box::new(Customizer {
                 schema: self.schema,
             }))

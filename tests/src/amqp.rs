@@ -6,9 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::net::{TcpListener, TcpStream};
@@ -110,18 +108,6 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> u32 {
         .expect("passive declare");
     let _ = channel.close(200, "done".into()).await;
     q.message_count()
-}
-
-/// Deletes queues (a test's own, by name), ignoring ones already gone.
-pub async fn delete_queues(conn: &Connection, queues: &[String]) {
-    for queue in queues {
-        if let Ok(channel) = conn.create_channel().await {
-            let _ = channel
-                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                .await;
-            let _ = channel.close(200, "done".into()).await;
-        }
-    }
 }
 
 /// Polls `done` every 20 ms until it holds or `limit` passes; returns whether it held.

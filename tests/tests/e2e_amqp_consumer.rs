@@ -77,19 +77,19 @@ impl Setup {
     }
 
     fn queues(&self) -> Vec<String> {
-        let mut queues = vec![
-            self.topology.queue(&self.group),
-            self.topology.dlq(&self.group),
-        ];
-        for tier in self.topology.retry_ladder().tiers() {
-            queues.push(self.topology.retry_queue(&self.group, *tier));
-        }
-        queues
+        self.topology
+            .clone()
+            .group(self.group.clone(), [MESSAGE_TYPE])
+            .queues()
     }
 
     async fn cleanup(&self) {
         let conn = amqp::connect(&self.url).await;
-        amqp::delete_queues(&conn, &self.queues()).await;
+        let topology = self
+            .topology
+            .clone()
+            .group(self.group.clone(), [MESSAGE_TYPE]);
+        topology.delete(&conn).await.expect("delete topology");
         let _ = conn.close(200, "done".into()).await;
     }
 }

@@ -148,13 +148,23 @@ fn amqp_child() {
     });
 }
 
+/// Kills the child if the test fails while it runs (it would consume on and on).
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn spawn_child(
     schema: &str,
     prefix: &str,
     expected: usize,
     abort: bool,
     per_event_ms: u64,
-) -> Child {
+) -> KillOnDrop {
     Command::new(std::env::current_exe().unwrap())
         .args(["amqp_child", "--exact", "--nocapture", "--test-threads=1"])
         .env(
@@ -165,6 +175,7 @@ fn spawn_child(
             ),
         )
         .spawn()
+        .map(KillOnDrop)
         .unwrap()
 }
 
@@ -257,17 +268,11 @@ impl Scene {
     }
 
     fn cleanup(&self) {
-        let t = topology(&self.prefix);
-        let g = self.group();
-        let mut queues = vec![t.queue(&g), t.dlq(&g)];
-        queues.extend(
-            t.retry_ladder()
-                .tiers()
-                .iter()
-                .map(|d| t.retry_queue(&g, *d)),
-        );
+        let t = topology(&self.prefix).group(self.group(), [MESSAGE_TYPE]);
         self.runtime.block_on(async {
-            amqp::delete_queues(&amqp::connect(&self.url).await, &queues).await;
+            t.delete(&amqp::connect(&self.url).await)
+                .await
+                .expect("delete topology");
         });
     }
 }
@@ -292,6 +297,7 @@ fn crash_looping_message_is_dead_lettered_and_the_rest_processed_once() {
     let mut crashes = 0;
     for _ in 0..12 {
         let status = spawn_child(&scene.db.schema, &scene.prefix, 300, true, 1)
+            .0
             .wait()
             .unwrap();
         if status.success() {
@@ -328,12 +334,13 @@ fn kill_dash_nine_mid_batch_then_restart() {
         std::thread::sleep(Duration::from_millis(10));
     }
     // SIGKILL: no shutdown, batches mid-flight.
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     let at_kill = scene.settled();
     assert!(at_kill < 1_000, "killed before the end ({at_kill} settled)");
 
     let status = spawn_child(&scene.db.schema, &scene.prefix, 1_000, false, 0)
+        .0
         .wait()
         .unwrap();
     assert!(status.success());

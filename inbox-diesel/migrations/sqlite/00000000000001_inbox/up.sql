@@ -15,10 +15,11 @@ CREATE TABLE inbox_claims (
     payload          BLOB,
     first_seen_at    TEXT    NOT NULL,
     updated_at       TEXT    NOT NULL,
-    PRIMARY KEY (consumer_group, message_key)
+    -- The claim key. message_key leads: it is the selective column (a group has
+    -- millions of rows), so a plan cached while the table was small can never turn
+    -- a lookup by key into a scan of the whole group.
+    PRIMARY KEY (message_key, consumer_group)
 ) WITHOUT ROWID;
-
-CREATE INDEX inbox_claims_retention ON inbox_claims (updated_at) WHERE status = 'done';
 
 CREATE TABLE inbox_dead_letters (
     id                INTEGER PRIMARY KEY AUTOINCREMENT,

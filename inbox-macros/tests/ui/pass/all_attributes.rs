@@ -129,7 +129,9 @@ fn main() {
 
     // The type-erased path the store takes: decode, then fold the batch.
     let mut primary = Primary::default();
-    DynHandler::<Primary>::handle_all(&handler, &mut primary, &ctxs).unwrap();
+    DynHandler::<Primary>::handle_all(&handler, &mut primary, &ctxs)
+        .map_err(|(_, e)| e.to_string())
+        .unwrap();
     assert_eq!(primary.writes, [(0, 42)]);
 
     // One at a time, on the other connection type.
