@@ -171,6 +171,29 @@ fn headers_json(env: &Envelope) -> String {
     serde_json::to_string(&env.headers).unwrap_or_else(|_| "{}".to_owned())
 }
 
+/// The dead-letter row of a delivery: the whole envelope, as delivered.
+fn dead_letter_row<'a>(
+    group: &'a ConsumerGroup,
+    env: &'a Envelope,
+    attempts: i32,
+    reason: DeadLetterReason,
+    last_error: &'a str,
+    now: DateTime<Utc>,
+) -> NewDeadLetter<'a> {
+    NewDeadLetter {
+        group: group.as_str(),
+        key: env.message_key.as_str(),
+        message_type: &env.message_type,
+        tenant: env.tenant.as_deref(),
+        payload: &env.payload,
+        headers: headers_json(env),
+        attempts,
+        reason: reason.as_str(),
+        last_error: Some(last_error),
+        now,
+    }
+}
+
 /// A copy later in the batch with the same digest takes the first copy's decision.
 fn copy_decision(first: &Decision) -> Decision {
     match first {
@@ -650,18 +673,7 @@ impl<C: StoreConnection> Inner<C> {
             Err(reason) => {
                 C::insert_dead_letter(
                     conn,
-                    &NewDeadLetter {
-                        group: group.as_str(),
-                        key: d.key(),
-                        message_type: &d.env.message_type,
-                        tenant: d.env.tenant.as_deref(),
-                        payload: &d.env.payload,
-                        headers: headers_json(d.env),
-                        attempts,
-                        reason: reason.as_str(),
-                        last_error: Some(&last_error),
-                        now,
-                    },
+                    &dead_letter_row(group, d.env, attempts, reason, &last_error, now),
                 )?;
                 tracing::error!(group = %group, key = %d.env.message_key, %reason, "message dead-lettered");
                 Ok(Decision::DeadLettered(reason))
@@ -687,18 +699,14 @@ impl<C: StoreConnection> Inner<C> {
         metrics::counter!("inbox_key_collisions_total", "group" => group.to_string()).increment(1);
         C::insert_dead_letter(
             conn,
-            &NewDeadLetter {
-                group: group.as_str(),
-                key: d.key(),
-                message_type: &d.env.message_type,
-                tenant: d.env.tenant.as_deref(),
-                payload: &d.env.payload,
-                headers: headers_json(d.env),
-                attempts: 0,
-                reason: DeadLetterReason::KeyCollision.as_str(),
-                last_error: Some(&last_error),
+            &dead_letter_row(
+                group,
+                d.env,
+                0,
+                DeadLetterReason::KeyCollision,
+                &last_error,
                 now,
-            },
+            ),
         )
     }
 
@@ -740,21 +748,7 @@ impl<C: StoreConnection> Inner<C> {
                     }
                 }
             }
-            C::insert_dead_letter(
-                conn,
-                &NewDeadLetter {
-                    group: group.as_str(),
-                    key: row.key,
-                    message_type: &env.message_type,
-                    tenant: env.tenant.as_deref(),
-                    payload: &env.payload,
-                    headers: headers_json(env),
-                    attempts: 0,
-                    reason: reason.as_str(),
-                    last_error: Some(&detail),
-                    now,
-                },
-            )?;
+            C::insert_dead_letter(conn, &dead_letter_row(group, env, 0, reason, &detail, now))?;
             Ok::<_, Error>(DeadLetterOutcome::Recorded)
         })?;
         if outcome == DeadLetterOutcome::Recorded {
@@ -807,18 +801,14 @@ impl<C: StoreConnection> Inner<C> {
                 };
                 C::insert_dead_letter(
                     conn,
-                    &NewDeadLetter {
-                        group: group.as_str(),
-                        key: d.key(),
-                        message_type: &d.env.message_type,
-                        tenant: d.env.tenant.as_deref(),
-                        payload: &d.env.payload,
-                        headers: headers_json(d.env),
+                    &dead_letter_row(
+                        group,
+                        d.env,
                         attempts,
-                        reason: DeadLetterReason::CrashLoop.as_str(),
-                        last_error: Some(&last_error),
+                        DeadLetterReason::CrashLoop,
+                        &last_error,
                         now,
-                    },
+                    ),
                 )?;
                 tracing::error!(group = %group, key = %d.env.message_key, unfinished, "crash loop: dead-lettered");
                 Ok::<_, TxError>(Some(Decision::DeadLettered(DeadLetterReason::CrashLoop)))
