@@ -28,16 +28,20 @@ fn database_url() -> Option<String> {
 }
 
 /// `cargo test` builds the package's examples next to its test binaries.
-fn example_binary() -> PathBuf {
+fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = dir.join("examples").join("usage_consumer");
+    let path = dir.join("examples").join(name);
     assert!(
         path.exists(),
-        "{} is missing: run `cargo build --example usage_consumer`",
+        "{} is missing: run `cargo build --example {name}`",
         path.display()
     );
     path
+}
+
+fn example_binary() -> PathBuf {
+    example("usage_consumer")
 }
 
 /// A schema of this test's own, named in the URL so the example's connections use it.
@@ -245,4 +249,97 @@ fn a_schema_that_fails_verification_exits_non_zero_with_the_error() {
         "{stderr}"
     );
     drop_schema(&base, &schema);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Sum {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    total: i64,
+}
+
+fn sum(url: &str, sql: &str) -> i64 {
+    use diesel::RunQueryDsl;
+    let mut conn = PgConnection::establish(url).unwrap();
+    diesel::sql_query(sql)
+        .get_result::<Sum>(&mut conn)
+        .map(|s| s.total)
+        .unwrap_or(-1)
+}
+
+#[test]
+fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
+    let Some(base) = database_url() else { return };
+    let schema = unique("ex");
+    let url = schema_url(&base, &schema);
+    let prefix = format!("{schema}.");
+    let mut consumer = KillOnDrop(Some(
+        Command::new(example_binary())
+            .env("DATABASE_URL", &url)
+            .env("INBOX_PREFIX", &prefix)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    // The consumer declares the topology (and the bound queue) before events flow.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline
+        && sum(&url, "SELECT COUNT(*)::bigint AS total FROM daily_usage") < 0
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let produced = Command::new(example("usage_producer"))
+        .env("DATABASE_URL", &url)
+        .env("INBOX_PREFIX", &prefix)
+        .env("USAGE_EVENTS", "300")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&produced.stdout);
+    assert!(
+        produced.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&produced.stderr)
+    );
+    assert!(stdout.contains("published 300, returned 0"), "{stdout}");
+    // daily_usage ends equal to the ledger: every committed event applied once.
+    let ledger = sum(
+        &url,
+        "SELECT COALESCE(SUM(amount), 0)::bigint AS total FROM usage_ledger",
+    );
+    assert!(ledger > 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut projected = 0;
+    while Instant::now() < deadline && projected != ledger {
+        std::thread::sleep(Duration::from_millis(50));
+        projected = sum(
+            &url,
+            "SELECT COALESCE(SUM(total), 0)::bigint AS total FROM daily_usage",
+        );
+    }
+    assert_eq!(projected, ledger);
+    let pid = consumer.0.as_ref().unwrap().id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let out = consumer.0.take().unwrap().wait_with_output().unwrap();
+    assert!(out.status.success());
+    drop_schema(&base, &schema);
+    let topology = inbox_amqp::Topology::new("billing")
+        .unwrap()
+        .prefix(prefix)
+        .unwrap()
+        .group(
+            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
+            ["usage.recorded"],
+        );
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let amqp = std::env::var("AMQP_URL").unwrap();
+        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        topology.delete(&conn).await.unwrap();
+    });
 }

@@ -3,7 +3,8 @@
 //! [`Topology`] declares a topic exchange and, per consumer group, a quorum queue, a
 //! ladder of retry-tier queues and a dead-letter queue. [`Consumer`] consumes every
 //! group of an [`inbox_core::InboxStore`] and carries out the store's decisions: it
-//! never decides itself, and it never imports a database crate.
+//! never decides itself, and it never imports a database crate. [`Relay`] publishes an
+//! [`inbox_core::OutboxStore`] with publisher confirms.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -19,6 +20,7 @@
 mod consumer;
 mod delivery;
 mod error;
+mod relay;
 mod shutdown;
 mod stats;
 mod topology;
@@ -26,6 +28,7 @@ mod topology;
 pub use consumer::{Consumer, ConsumerSettings};
 pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
 pub use error::{Error, Result};
+pub use relay::{Relay, RelaySettings, RelaySnapshot, RelayStats};
 pub use shutdown::{cancel_on_signals, shutdown_signal};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use tokio_util::sync::CancellationToken;

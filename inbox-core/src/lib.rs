@@ -31,6 +31,7 @@ mod handler;
 mod key;
 #[doc(hidden)]
 pub mod names;
+mod outbox;
 mod retry;
 mod store;
 mod transport;
@@ -49,6 +50,7 @@ pub use handler::{
 #[cfg(feature = "derive")]
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
+pub use outbox::{relay_in_process, EnqueueOutcome, Lease, OutboxMessage, OutboxRow, OutboxStore};
 pub use retry::{RetryLadder, RetryPolicy};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};

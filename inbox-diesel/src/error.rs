@@ -39,6 +39,14 @@ pub enum Error {
     /// A setting was rejected.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An outbox message was refused before it was written.
+    #[error("invalid outbox message {key}: {reason}")]
+    InvalidOutboxMessage {
+        /// The message key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A database statement failed.
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),

@@ -5,7 +5,9 @@ mod backend;
 mod batch;
 mod error;
 mod ops;
+mod outbox;
 mod pg;
+mod retention;
 mod schema;
 mod sqlite;
 mod store;
@@ -14,5 +16,7 @@ mod verify;
 
 pub use backend::StoreConnection;
 pub use error::{Error, Result};
+pub use outbox::{enqueue, AsStoreConnection, OUTBOX_CHANNEL};
+pub use retention::Retention;
 pub use store::{ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder};
 pub use url::{redact, Backend};

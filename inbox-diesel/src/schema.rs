@@ -41,6 +41,29 @@ macro_rules! inbox_tables {
                 replayed_at -> Nullable<$ts>,
             }
         }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            outbox_messages (id) {
+                id -> BigInt,
+                message_key -> Text,
+                exchange -> Text,
+                routing_key -> Text,
+                message_type -> Text,
+                tenant -> Nullable<Text>,
+                payload -> Binary,
+                headers -> Text,
+                ordering_key -> Nullable<Text>,
+                created_at -> $ts,
+                available_at -> $ts,
+                leased_until -> Nullable<$ts>,
+                leased_by -> Nullable<Text>,
+                published_at -> Nullable<$ts>,
+                attempts -> Integer,
+                last_error -> Nullable<Text>,
+            }
+        }
     };
 }
 

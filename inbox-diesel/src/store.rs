@@ -121,6 +121,12 @@ pub(crate) struct Inner<C: StoreConnection> {
     pub settings: Settings,
     /// One crash-detection slot per consumer group in this process.
     pub slots: Mutex<HashMap<ConsumerGroup, Arc<Mutex<()>>>>,
+    /// The URL and schema the store was built with (the outbox's LISTEN connection
+    /// opens its own connection, outside the pool). The URL is never printed.
+    pub url: String,
+    pub schema: Option<String>,
+    /// PostgreSQL: the outbox's LISTEN connection, opened on the first wait.
+    pub listener: Mutex<crate::outbox::Listener>,
 }
 
 impl<C: StoreConnection> Inner<C> {
@@ -397,7 +403,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
             // broke is found by its failing statement and discarded (`has_broken`).
             .test_on_check_out(false)
             .connection_customizer(Box::new(Customizer {
-                schema: self.schema,
+                schema: self.schema.clone(),
             }))
             .build(ConnectionManager::<C>::new(C::pool_url(&self.url)))?;
         Ok(Store {
@@ -411,6 +417,9 @@ impl<C: StoreConnection> StoreBuilder<C> {
                     ladder: self.ladder,
                 },
                 slots: Mutex::new(HashMap::new()),
+                url: self.url,
+                schema: self.schema,
+                listener: Mutex::default(),
             }),
         })
     }

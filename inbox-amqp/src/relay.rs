@@ -1,0 +1,518 @@
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use inbox_core::{redact_url, OutboxRow, OutboxStore};
+
+use crate::{Error, Result, TENANT_HEADER};
+
+/// How a [`Relay`] runs.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RelaySettings {
+    /// The relay's name, recorded as `leased_by` (default: `relay-<pid>-<n>`).
+    pub relay_id: String,
+    /// Most rows leased at once (default 500).
+    pub batch_size: usize,
+    /// How long a lease holds (default 30 s). A relay that dies leaves leases that
+    /// expire; another relay then takes the rows.
+    pub lease_for: Duration,
+    /// Longest wait for work when idle (default 1 s). With PostgreSQL's NOTIFY the
+    /// relay wakes within milliseconds of a commit; this is the polling fallback.
+    pub poll_interval: Duration,
+    /// Whether an idle relay waits for the store's enqueue notification (PostgreSQL
+    /// NOTIFY) or only polls (default true).
+    pub wake_on_notify: bool,
+    /// First delay before a failed publication (nack, unroutable) is tried again;
+    /// doubled per attempt up to one minute (default 1 s).
+    pub retry_after: Duration,
+    /// First wait before reconnecting (default 100 ms).
+    pub backoff_min: Duration,
+    /// Longest wait before reconnecting (default 5 s).
+    pub backoff_max: Duration,
+    /// The connection's name, shown by `rabbitmqctl list_connections`.
+    pub connection_name: Option<String>,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self {
+            relay_id: format!(
+                "relay-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ),
+            batch_size: 500,
+            lease_for: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            wake_on_notify: true,
+            retry_after: Duration::from_secs(1),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connection_name: None,
+        }
+    }
+}
+
+impl RelaySettings {
+    /// Names the relay.
+    pub fn relay_id(mut self, id: impl Into<String>) -> Self {
+        self.relay_id = id.into();
+        self
+    }
+
+    /// Sets the lease size and duration.
+    pub fn lease(mut self, batch_size: usize, lease_for: Duration) -> Self {
+        self.batch_size = batch_size;
+        self.lease_for = lease_for;
+        self
+    }
+
+    /// Sets the polling fallback.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// Wakes on enqueue notifications (`true`) or only polls (`false`).
+    pub fn wake_on_notify(mut self, wake: bool) -> Self {
+        self.wake_on_notify = wake;
+        self
+    }
+
+    /// Sets the first delay of a failed publication.
+    pub fn retry_after(mut self, delay: Duration) -> Self {
+        self.retry_after = delay;
+        self
+    }
+
+    /// Sets the reconnect backoff.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff_min = min;
+        self.backoff_max = max;
+        self
+    }
+
+    /// Names the connection.
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.batch_size == 0 || self.relay_id.is_empty() {
+            return Err(Error::Config(
+                "a relay needs a non-empty id and a batch size of at least 1".to_owned(),
+            ));
+        }
+        if self.lease_for.is_zero() || self.poll_interval.is_zero() || self.retry_after.is_zero() {
+            return Err(Error::Config(
+                "lease, poll interval and retry delay must be greater than zero".to_owned(),
+            ));
+        }
+        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
+            return Err(Error::Config(format!(
+                "backoff must satisfy 0 < min <= max, found {:?}..{:?}",
+                self.backoff_min, self.backoff_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a running relay.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    published: AtomicU64,
+    returned: AtomicU64,
+    nacked: AtomicU64,
+    retried: AtomicU64,
+    expired_leases: AtomicU64,
+    reconnects: AtomicU64,
+    batches: AtomicU64,
+}
+
+/// A copy of a relay's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelaySnapshot {
+    /// Rows published, confirmed and marked.
+    pub published: u64,
+    /// Rows the broker returned as unroutable.
+    pub returned: u64,
+    /// Rows the broker nacked.
+    pub nacked: u64,
+    /// Failed rows recorded for a later retry.
+    pub retried: u64,
+    /// Leases that expired before publishing (their rows were left for later).
+    pub expired_leases: u64,
+    /// Connections re-established after a loss.
+    pub reconnects: u64,
+    /// Non-empty leases handled.
+    pub batches: u64,
+}
+
+impl RelayStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> RelaySnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        RelaySnapshot {
+            published: get(&self.published),
+            returned: get(&self.returned),
+            nacked: get(&self.nacked),
+            retried: get(&self.retried),
+            expired_leases: get(&self.expired_leases),
+            reconnects: get(&self.reconnects),
+            batches: get(&self.batches),
+        }
+    }
+}
+
+/// Publishes an outbox to RabbitMQ, with publisher confirms.
+///
+/// Each round leases rows in a short transaction, checks the lease still holds,
+/// publishes them (`mandatory`, persistent) and waits for the confirms, then marks the
+/// confirmed rows published in a second short transaction (only rows it still
+/// leases). A nacked or returned row is recorded (attempts, last error) and tried
+/// again later; rows with the same ordering key are never leased while an earlier
+/// one is unpublished, so they reach the broker in id order across any number of
+/// relays. No database transaction is held across broker I/O. After a non-empty
+/// round it leases again at once; when idle it waits for a NOTIFY or the poll
+/// interval. At-least-once: a relay that dies between publishing and marking leaves
+/// leases that expire, and the rows are published again (the consumer's inbox
+/// absorbs the copy).
+pub struct Relay<O> {
+    url: String,
+    store: Arc<O>,
+    settings: RelaySettings,
+    stats: Arc<RelayStats>,
+}
+
+/// Why a session with the broker ended.
+enum SessionEnd {
+    Lost(String),
+    Fatal(Error),
+}
+
+impl From<lapin::Error> for SessionEnd {
+    fn from(err: lapin::Error) -> Self {
+        Self::Lost(err.to_string())
+    }
+}
+
+impl<O: OutboxStore> Relay<O> {
+    /// A relay of `store`'s outbox to the broker at `url`.
+    pub fn new(url: impl Into<String>, store: Arc<O>) -> Self {
+        Self {
+            url: url.into(),
+            store,
+            settings: RelaySettings::default(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_settings(mut self, settings: RelaySettings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// The live counters.
+    pub fn stats(&self) -> Arc<RelayStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// Runs until `shutdown` is cancelled (the round in flight finishes and is
+    /// marked). The first connection must succeed; later losses reconnect with backoff.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        self.settings.check()?;
+        let mut backoff = self.settings.backoff_min;
+        let mut connected_before = false;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let connected = tokio::select! {
+                c = self.connect() => c,
+                () = shutdown.cancelled() => return Ok(()),
+            };
+            let (conn, channel) = match connected {
+                Ok(pair) => pair,
+                Err(err) if !connected_before => return Err(err),
+                Err(err) => {
+                    tracing::warn!(relay = %self.settings.relay_id, error = %err, "relay reconnect failed");
+                    self.pause(&shutdown, &mut backoff).await;
+                    continue;
+                }
+            };
+            if connected_before {
+                self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("outbox_relay_reconnects_total").increment(1);
+            }
+            connected_before = true;
+            backoff = self.settings.backoff_min;
+            let end = self.session(&channel, &shutdown).await;
+            let _ = conn.close(200, "relay stopping".into()).await;
+            match end {
+                Ok(()) => return Ok(()),
+                Err(SessionEnd::Fatal(err)) => return Err(err),
+                Err(SessionEnd::Lost(reason)) => {
+                    tracing::warn!(relay = %self.settings.relay_id, %reason, "relay connection lost");
+                    self.pause(&shutdown, &mut backoff).await;
+                }
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<(Connection, Channel)> {
+        let mut props = ConnectionProperties::default();
+        if let Some(name) = &self.settings.connection_name {
+            props = props.with_connection_name(LongString::from(name.as_str()));
+        }
+        let conn = Connection::connect(&self.url, props)
+            .await
+            .map_err(|source| Error::Connect {
+                url: redact_url(&self.url),
+                source,
+            })?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok((conn, channel))
+    }
+
+    async fn pause(&self, shutdown: &CancellationToken, backoff: &mut Duration) {
+        tokio::select! {
+            () = tokio::time::sleep(*backoff) => {}
+            () = shutdown.cancelled() => {}
+        }
+        *backoff = (*backoff * 2).min(self.settings.backoff_max);
+    }
+
+    /// Runs a blocking store call on tokio's blocking pool.
+    async fn blocking<T, F>(&self, f: F) -> std::result::Result<T, SessionEnd>
+    where
+        F: FnOnce(&O) -> inbox_core::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let store = Arc::clone(&self.store);
+        match tokio::task::spawn_blocking(move || f(&store)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) => Err(SessionEnd::Fatal(Error::Store(err))),
+            Err(err) => Err(SessionEnd::Fatal(Error::Config(format!(
+                "relay store task failed: {err}"
+            )))),
+        }
+    }
+
+    async fn session(
+        &self,
+        channel: &Channel,
+        shutdown: &CancellationToken,
+    ) -> std::result::Result<(), SessionEnd> {
+        let s = &self.settings;
+        let mut rounds: u64 = 0;
+        while !shutdown.is_cancelled() {
+            let (relay, limit, lease_for) = (s.relay_id.clone(), s.batch_size, s.lease_for);
+            // A database outage is not the broker's: wait and lease again.
+            let lease = match self
+                .blocking(move |o| o.lease(&relay, limit, lease_for))
+                .await
+            {
+                Ok(lease) => lease,
+                Err(SessionEnd::Fatal(Error::Store(err))) => {
+                    tracing::error!(relay = %s.relay_id, error = %err, "leasing failed");
+                    tokio::time::sleep(s.backoff_min).await;
+                    continue;
+                }
+                Err(end) => return Err(end),
+            };
+            rounds += 1;
+            if rounds % 64 == 1 {
+                if let Ok(age) = self.blocking(|o| o.oldest_unpublished_age()).await {
+                    metrics::gauge!("outbox_oldest_unpublished_seconds")
+                        .set(age.map_or(0.0, |a| a.as_secs_f64()));
+                }
+            }
+            if lease.rows.is_empty() {
+                let wait = s.poll_interval;
+                if s.wake_on_notify {
+                    let woken = self.blocking(move |o| o.wait_for_enqueue(wait));
+                    tokio::select! {
+                        _ = woken => {}
+                        () = shutdown.cancelled() => {}
+                    }
+                } else {
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = shutdown.cancelled() => {}
+                    }
+                }
+                continue;
+            }
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            let span = tracing::debug_span!("outbox.relay.batch", relay = %s.relay_id, size = lease.rows.len());
+            let _entered = span.enter();
+            // An expired lease may already be another relay's: publish nothing.
+            if self.store.now() >= lease.until {
+                self.stats.expired_leases.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(relay = %s.relay_id, "lease expired before publishing");
+                continue;
+            }
+            let (published, failed) = publish(channel, &lease.rows).await?;
+            let returned = failed.iter().filter(|f| f.returned).count() as u64;
+            let nacked = failed.len() as u64 - returned;
+
+            // Marked only after the broker confirmed: a relay that dies here leaves
+            // the rows leased, and they are published again after the lease expires.
+            let relay = s.relay_id.clone();
+            let ids = published.clone();
+            let marked = match self.blocking(move |o| o.mark_published(&relay, &ids)).await {
+                Ok(marked) => marked,
+                // The rows stay leased; when the lease expires they are published
+                // again and the consumers' inboxes absorb the copies.
+                Err(SessionEnd::Fatal(Error::Store(err))) => {
+                    tracing::error!(relay = %s.relay_id, error = %err, "marking published rows failed");
+                    tokio::time::sleep(s.backoff_min).await;
+                    0
+                }
+                Err(end) => return Err(end),
+            };
+            if marked < published.len() {
+                tracing::warn!(relay = %s.relay_id, marked, confirmed = published.len(), "lease lost before marking; those rows will be published again");
+            }
+            for failure in &failed {
+                let delay = backoff_for(s.retry_after, failure.attempts);
+                let relay = s.relay_id.clone();
+                let rows = vec![(failure.id, failure.error.clone())];
+                match self
+                    .blocking(move |o| o.record_failures(&relay, &rows, delay))
+                    .await
+                {
+                    // Unrecorded, the row is simply leased again when its lease expires.
+                    Err(SessionEnd::Fatal(Error::Store(err))) => {
+                        tracing::error!(relay = %s.relay_id, error = %err, "recording a failed publication failed");
+                    }
+                    other => other?,
+                }
+            }
+            self.stats
+                .published
+                .fetch_add(marked as u64, Ordering::Relaxed);
+            self.stats.returned.fetch_add(returned, Ordering::Relaxed);
+            self.stats.nacked.fetch_add(nacked, Ordering::Relaxed);
+            self.stats
+                .retried
+                .fetch_add(failed.len() as u64, Ordering::Relaxed);
+            metrics::counter!("outbox_published_total").increment(marked as u64);
+            metrics::counter!("outbox_returned_total").increment(returned);
+            metrics::counter!("outbox_nacked_total").increment(nacked);
+            metrics::counter!("outbox_retried_total").increment(failed.len() as u64);
+        }
+        Ok(())
+    }
+}
+
+/// The delay before a failed row's next try: `first * 2^attempts`, at most a minute.
+fn backoff_for(first: Duration, attempts: i32) -> Duration {
+    let factor = 1u32 << attempts.clamp(0, 16);
+    (first * factor).min(Duration::from_secs(60)).max(first)
+}
+
+struct Failure {
+    id: i64,
+    attempts: i32,
+    error: String,
+    returned: bool,
+}
+
+fn properties(row: &OutboxRow) -> BasicProperties {
+    let msg = &row.message;
+    let mut headers = FieldTable::default();
+    for (k, v) in &msg.headers {
+        headers.insert(
+            k.as_str().into(),
+            AMQPValue::LongString(LongString::from(v.as_str())),
+        );
+    }
+    if let Some(tenant) = &msg.tenant {
+        headers.insert(
+            TENANT_HEADER.into(),
+            AMQPValue::LongString(LongString::from(tenant.as_str())),
+        );
+    }
+    BasicProperties::default()
+        .with_message_id(msg.message_key.as_str().into())
+        .with_type(msg.message_type.as_str().into())
+        .with_delivery_mode(2)
+        .with_headers(headers)
+}
+
+/// Publishes rows in id order on one channel, then waits for every confirm.
+async fn publish(
+    channel: &Channel,
+    rows: &[OutboxRow],
+) -> std::result::Result<(Vec<i64>, Vec<Failure>), SessionEnd> {
+    let mut pending = Vec::with_capacity(rows.len());
+    for row in rows {
+        let confirm = channel
+            .basic_publish(
+                row.message.exchange.as_str().into(),
+                row.message.routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &row.message.payload,
+                properties(row),
+            )
+            .await?;
+        pending.push((row, confirm));
+    }
+    let mut published = Vec::with_capacity(rows.len());
+    let mut failed = Vec::new();
+    for (row, confirm) in pending {
+        let confirmation = confirm.await?;
+        let fail = |error: String, returned: bool| Failure {
+            id: row.id,
+            attempts: row.attempts,
+            error,
+            returned,
+        };
+        if confirmation.is_nack() {
+            failed.push(fail("nacked by the broker".to_owned(), false));
+        } else if confirmation.take_message().is_some() {
+            failed.push(fail(
+                format!(
+                    "unroutable: exchange {:?} has no queue bound for routing key {:?}",
+                    row.message.exchange, row.message.routing_key
+                ),
+                true,
+            ));
+        } else {
+            published.push(row.id);
+        }
+    }
+    Ok((published, failed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_rows_back_off_and_cap() {
+        let s = Duration::from_secs(1);
+        assert_eq!(backoff_for(s, 0), s);
+        assert_eq!(backoff_for(s, 3), 8 * s);
+        assert_eq!(backoff_for(s, 40), Duration::from_secs(60));
+        assert_eq!(backoff_for(s, -1), s);
+    }
+}

@@ -1,0 +1,2 @@
+DROP INDEX inbox_claims_done;
+DROP TABLE outbox_messages;

@@ -1,0 +1,837 @@
+//! The outbox against real PostgreSQL and SQLite: enqueue in the caller's
+//! transaction, leasing, ordering keys, lease take-over, failures, retention and
+//! wake-ups. One schema or file per test, time driven by a manual clock, assertions
+//! on stored rows.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::collections::BTreeSet;
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use inbox_core::{
+    relay_in_process, Clock, Decision, EnqueueOutcome, InProcessTransport, ManualClock, MessageKey,
+    OutboxMessage, OutboxStore,
+};
+use inbox_diesel::{enqueue, ClaimStatus, Retention, Store, StoreConnection};
+use inbox_test_support::{group, usage, Fixture, Outcome, Recorder, TestConn};
+
+const GROUP: &str = "billing.daily-usage";
+const LEASE: Duration = Duration::from_secs(30);
+
+fn start() -> DateTime<Utc> {
+    "2026-11-30T12:00:00Z".parse().expect("timestamp")
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn at(offset: Duration) -> DateTime<Utc> {
+    start() + chrono::Duration::from_std(offset).unwrap()
+}
+
+/// Runs a scenario once on PostgreSQL (when configured) and once on SQLite.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(fx) = inbox_test_support::PgFixture::new() {
+                        super::$name(&fx);
+                    }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(&inbox_test_support::SqliteFixture::new());
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    committed_enqueue_is_leased,
+    rolled_back_enqueue_never_exists,
+    same_key_twice_is_already_enqueued,
+    enqueue_refuses_empty_routing_key_type_and_ordering_key,
+    leases_in_id_order_and_respects_not_before,
+    ordering_key_waits_for_earlier_unpublished_rows,
+    expired_lease_is_taken_over_and_the_late_mark_marks_nothing,
+    record_failures_advances_attempts_and_delays_the_row,
+    lease_refuses_a_zero_lease_and_an_empty_relay,
+    oldest_unpublished_age_follows_the_clock,
+    retention_deletes_old_published_rows_in_batches,
+    retention_deletes_only_old_done_claims,
+);
+
+/// An outbox row as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Row {
+    id: i64,
+    message_key: String,
+    exchange: String,
+    attempts: i32,
+    available_at: DateTime<Utc>,
+    leased_until: Option<DateTime<Utc>>,
+    leased_by: Option<String>,
+    published_at: Option<DateTime<Utc>>,
+    last_error: Option<String>,
+}
+
+/// Reads the outbox table behind the store's back.
+trait Inspect {
+    fn outbox(&mut self) -> Vec<Row>;
+}
+
+macro_rules! inspect {
+    ($conn:ty, $ts:ty, $module:ident) => {
+        mod $module {
+            use super::*;
+            use diesel::sql_types::{BigInt, Integer, Nullable, Text};
+
+            #[derive(QueryableByName)]
+            struct Stored {
+                #[diesel(sql_type = BigInt)]
+                id: i64,
+                #[diesel(sql_type = Text)]
+                message_key: String,
+                #[diesel(sql_type = Text)]
+                exchange: String,
+                #[diesel(sql_type = Integer)]
+                attempts: i32,
+                #[diesel(sql_type = $ts)]
+                available_at: DateTime<Utc>,
+                #[diesel(sql_type = Nullable<$ts>)]
+                leased_until: Option<DateTime<Utc>>,
+                #[diesel(sql_type = Nullable<Text>)]
+                leased_by: Option<String>,
+                #[diesel(sql_type = Nullable<$ts>)]
+                published_at: Option<DateTime<Utc>>,
+                #[diesel(sql_type = Nullable<Text>)]
+                last_error: Option<String>,
+            }
+
+            impl Inspect for $conn {
+                fn outbox(&mut self) -> Vec<Row> {
+                    diesel::sql_query(
+                        "SELECT id, message_key, exchange, attempts, available_at, leased_until, \
+                         leased_by, published_at, last_error FROM outbox_messages ORDER BY id",
+                    )
+                    .load::<Stored>(self)
+                    .unwrap()
+                    .into_iter()
+                    .map(|s| Row {
+                        id: s.id,
+                        message_key: s.message_key,
+                        exchange: s.exchange,
+                        attempts: s.attempts,
+                        available_at: s.available_at,
+                        leased_until: s.leased_until,
+                        leased_by: s.leased_by,
+                        published_at: s.published_at,
+                        last_error: s.last_error,
+                    })
+                    .collect()
+                }
+            }
+        }
+    };
+}
+
+inspect!(
+    diesel::PgConnection,
+    diesel::sql_types::Timestamptz,
+    pg_inspect
+);
+inspect!(
+    diesel::SqliteConnection,
+    diesel::sql_types::TimestamptzSqlite,
+    sqlite_inspect
+);
+
+fn msg(key: &str) -> OutboxMessage {
+    let payload = serde_json::to_vec(&serde_json::json!({ "amount": 40 })).unwrap();
+    OutboxMessage::new(
+        MessageKey::new(key).unwrap(),
+        "billing",
+        "usage.recorded",
+        payload,
+    )
+}
+
+fn store_on<F: Fixture>(fx: &F, clock: &ManualClock) -> Store<F::Conn> {
+    fx.builder()
+        .clock(Arc::new(clock.clone()))
+        .build()
+        .expect("store")
+}
+
+/// Enqueues in a transaction of its own that commits.
+fn enqueue_committed<C: StoreConnection>(
+    store: &Store<C>,
+    message: &OutboxMessage,
+) -> EnqueueOutcome {
+    let conn: &mut C = &mut store.connection().unwrap();
+    conn.transaction(|conn| enqueue(conn, message, store.clock().now()))
+        .unwrap()
+}
+
+/// Enqueues in a transaction that rolls back after the enqueue succeeded.
+fn enqueue_rolled_back<C: StoreConnection>(store: &Store<C>, message: &OutboxMessage) {
+    let conn: &mut C = &mut store.connection().unwrap();
+    let result = conn.transaction(|conn| {
+        let outcome = enqueue(conn, message, store.clock().now())?;
+        assert!(matches!(outcome, EnqueueOutcome::Enqueued { .. }));
+        Err::<(), _>(inbox_diesel::Error::Config(
+            "business rule failed".to_owned(),
+        ))
+    });
+    assert!(result.is_err());
+}
+
+fn id_of(outcome: EnqueueOutcome) -> i64 {
+    match outcome {
+        EnqueueOutcome::Enqueued { id } => id,
+        other => panic!("expected a new row, found {other:?}"),
+    }
+}
+
+fn ids(lease: &inbox_core::Lease) -> Vec<i64> {
+    lease.rows.iter().map(|r| r.id).collect()
+}
+
+fn committed_enqueue_is_leased<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let message = msg("m1")
+        .with_tenant("acme")
+        .with_routing_key("usage.recorded.eu")
+        .with_ordering_key("user-42");
+    let mut message = message;
+    message.headers.insert("trace".to_owned(), "abc".to_owned());
+    let id = id_of(enqueue_committed(&store, &message));
+
+    let lease = store.lease("relay-1", 10, LEASE).unwrap();
+    assert_eq!(lease.relay, "relay-1");
+    assert_eq!(lease.until, at(LEASE));
+    assert_eq!(lease.rows.len(), 1);
+    let row = &lease.rows[0];
+    assert_eq!((row.id, row.attempts, row.created_at), (id, 0, start()));
+    assert_eq!(row.message, message, "the message reads back as enqueued");
+
+    let stored = fx.connect().outbox();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].leased_by.as_deref(), Some("relay-1"));
+    assert_eq!(stored[0].leased_until, Some(at(LEASE)));
+    assert_eq!(stored[0].available_at, start());
+    assert_eq!(stored[0].published_at, None);
+
+    assert_eq!(store.mark_published("relay-1", &[id]).unwrap(), 1);
+    let stored = fx.connect().outbox();
+    assert_eq!(stored[0].published_at, Some(start()));
+    assert_eq!(stored[0].leased_until, None);
+}
+
+fn rolled_back_enqueue_never_exists<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    enqueue_rolled_back(&store, &msg("m1"));
+    assert_eq!(fx.connect().outbox(), []);
+    assert!(store.lease("relay-1", 10, LEASE).unwrap().rows.is_empty());
+    // The key is free: a later transaction enqueues it.
+    id_of(enqueue_committed(&store, &msg("m1")));
+}
+
+fn same_key_twice_is_already_enqueued<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    id_of(enqueue_committed(&store, &msg("m1")));
+    let mut other = msg("m1");
+    other.exchange = "elsewhere".to_owned();
+    assert_eq!(
+        enqueue_committed(&store, &other),
+        EnqueueOutcome::AlreadyEnqueued
+    );
+    // Also inside one transaction, here on the pooled connection itself.
+    let mut conn = store.connection().unwrap();
+    let outcomes = conn
+        .transaction(|conn| {
+            Ok::<_, inbox_diesel::Error>((
+                enqueue(conn, &msg("m2"), clock.now())?,
+                enqueue(conn, &msg("m2"), clock.now())?,
+            ))
+        })
+        .unwrap();
+    assert!(matches!(outcomes.0, EnqueueOutcome::Enqueued { .. }));
+    assert_eq!(outcomes.1, EnqueueOutcome::AlreadyEnqueued);
+    let stored = fx.connect().outbox();
+    let keys: Vec<_> = stored
+        .iter()
+        .map(|r| (r.message_key.as_str(), r.exchange.as_str()))
+        .collect();
+    assert_eq!(keys, [("m1", "billing"), ("m2", "billing")]);
+}
+
+fn enqueue_refuses_empty_routing_key_type_and_ordering_key<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let mut conn = store.connection().unwrap();
+    let cases = [
+        (
+            msg("a").with_routing_key(""),
+            "routing key must not be empty",
+        ),
+        (
+            {
+                let mut m = msg("b");
+                m.message_type.clear();
+                m
+            },
+            "message type must not be empty",
+        ),
+        (
+            msg("c").with_ordering_key(""),
+            "ordering key must not be empty",
+        ),
+    ];
+    for (message, expected) in cases {
+        let err = enqueue(&mut *conn, &message, clock.now())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected), "{err}");
+        assert!(err.contains(message.message_key.as_str()), "{err}");
+    }
+    assert_eq!(fx.connect().outbox(), []);
+
+    // The default exchange is the empty one.
+    let mut default_exchange = msg("d");
+    default_exchange.exchange.clear();
+    id_of(enqueue(&mut *conn, &default_exchange, clock.now()).unwrap());
+    let lease = store.lease("relay-1", 10, LEASE).unwrap();
+    assert_eq!(lease.rows[0].message.exchange, "");
+}
+
+fn leases_in_id_order_and_respects_not_before<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let a = id_of(enqueue_committed(&store, &msg("a")));
+    let later = id_of(enqueue_committed(
+        &store,
+        &msg("later").with_not_before(at(secs(60))),
+    ));
+    let b = id_of(enqueue_committed(&store, &msg("b")));
+    let c = id_of(enqueue_committed(&store, &msg("c")));
+    assert!(a < later && later < b && b < c);
+
+    let hour = secs(3600);
+    let first = store.lease("relay-1", 2, hour).unwrap();
+    assert_eq!(ids(&first), [a, b], "the first two due rows, in id order");
+    let second = store.lease("relay-2", 10, hour).unwrap();
+    assert_eq!(ids(&second), [c], "leased rows are not leased again");
+    assert!(store.lease("relay-3", 10, LEASE).unwrap().rows.is_empty());
+    let stored = fx.connect().outbox();
+    assert_eq!(stored[1].available_at, at(secs(60)));
+    assert_eq!(stored[1].leased_by, None, "not due, not leased");
+
+    clock.advance(secs(59));
+    assert!(store.lease("relay-3", 10, LEASE).unwrap().rows.is_empty());
+    clock.advance(secs(1));
+    let due = store.lease("relay-3", 10, LEASE).unwrap();
+    assert_eq!(ids(&due), [later], "due at not_before");
+}
+
+fn ordering_key_waits_for_earlier_unpublished_rows<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let k1 = id_of(enqueue_committed(
+        &store,
+        &msg("k1-1").with_ordering_key("k"),
+    ));
+    let k2 = id_of(enqueue_committed(
+        &store,
+        &msg("k1-2").with_ordering_key("k"),
+    ));
+    let other = id_of(enqueue_committed(
+        &store,
+        &msg("j-1").with_ordering_key("j"),
+    ));
+    let free = id_of(enqueue_committed(&store, &msg("free")));
+
+    let lease = store.lease("relay-1", 10, LEASE).unwrap();
+    assert_eq!(ids(&lease), [k1, other, free], "k1-2 waits for k1-1");
+    assert!(
+        store.lease("relay-2", 10, LEASE).unwrap().rows.is_empty(),
+        "another relay does not take k1-2 while k1-1 is leased"
+    );
+
+    // k1-1 fails and waits for its retry: k1-2 still waits, for any relay.
+    store
+        .record_failures("relay-1", &[(k1, "broker nacked".to_owned())], secs(30))
+        .unwrap();
+    assert!(store.lease("relay-2", 10, LEASE).unwrap().rows.is_empty());
+    // Expired leases do not free k1-2 either.
+    clock.advance(LEASE);
+    let retried = store.lease("relay-2", 10, LEASE).unwrap();
+    assert_eq!(ids(&retried), [k1, other, free], "k1-1 again, never k1-2");
+
+    assert_eq!(store.mark_published("relay-2", &[k1]).unwrap(), 1);
+    let next = store.lease("relay-2", 10, LEASE).unwrap();
+    assert_eq!(ids(&next), [k2], "k1-2 once k1-1 is published");
+}
+
+fn expired_lease_is_taken_over_and_the_late_mark_marks_nothing<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let id = id_of(enqueue_committed(&store, &msg("m1")));
+    assert_eq!(ids(&store.lease("relay-a", 10, LEASE).unwrap()), [id]);
+
+    clock.advance(LEASE - secs(1));
+    assert!(store.lease("relay-b", 10, LEASE).unwrap().rows.is_empty());
+    clock.advance(secs(1));
+    let taken = store.lease("relay-b", 10, LEASE).unwrap();
+    assert_eq!(ids(&taken), [id], "an expired lease is free");
+    assert_eq!(taken.until, at(LEASE * 2));
+
+    assert_eq!(store.mark_published("relay-a", &[id]).unwrap(), 0);
+    store
+        .record_failures("relay-a", &[(id, "late".to_owned())], secs(60))
+        .unwrap();
+    let stored = &fx.connect().outbox()[0];
+    assert_eq!(
+        stored.published_at, None,
+        "relay-a's late mark marked nothing"
+    );
+    assert_eq!(
+        (stored.attempts, stored.last_error.as_deref()),
+        (0, None),
+        "relay-a's late failure recorded nothing"
+    );
+    assert_eq!(stored.leased_by.as_deref(), Some("relay-b"));
+    assert_eq!(stored.leased_until, Some(at(LEASE * 2)));
+
+    assert_eq!(store.mark_published("relay-b", &[id]).unwrap(), 1);
+    clock.advance(secs(5));
+    assert_eq!(
+        store.mark_published("relay-b", &[id]).unwrap(),
+        0,
+        "a published row is marked once"
+    );
+    assert_eq!(fx.connect().outbox()[0].published_at, Some(at(LEASE)));
+    clock.advance(LEASE * 4);
+    assert!(
+        store.lease("relay-c", 10, LEASE).unwrap().rows.is_empty(),
+        "a published row is never leased again"
+    );
+}
+
+fn record_failures_advances_attempts_and_delays_the_row<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let a = id_of(enqueue_committed(&store, &msg("a")));
+    let b = id_of(enqueue_committed(&store, &msg("b")));
+    assert_eq!(ids(&store.lease("relay-1", 10, LEASE).unwrap()), [a, b]);
+
+    clock.advance(secs(2));
+    let long_error = "x".repeat(10_000);
+    store
+        .record_failures(
+            "relay-1",
+            &[(a, "channel closed".to_owned()), (b, long_error)],
+            secs(10),
+        )
+        .unwrap();
+    let stored = fx.connect().outbox();
+    for row in &stored {
+        assert_eq!(row.attempts, 1);
+        assert_eq!(row.available_at, at(secs(12)));
+        assert_eq!((row.leased_until, row.leased_by.as_deref()), (None, None));
+        assert_eq!(row.published_at, None);
+    }
+    assert_eq!(stored[0].last_error.as_deref(), Some("channel closed"));
+    assert_eq!(stored[1].last_error.as_ref().map(String::len), Some(4000));
+
+    clock.advance(secs(9));
+    assert!(store.lease("relay-1", 10, LEASE).unwrap().rows.is_empty());
+    clock.advance(secs(1));
+    let again = store.lease("relay-2", 10, LEASE).unwrap();
+    assert_eq!(ids(&again), [a, b]);
+    assert_eq!(again.rows[0].attempts, 1);
+
+    // A second failure counts again.
+    store
+        .record_failures("relay-2", &[(a, "still closed".to_owned())], secs(10))
+        .unwrap();
+    let stored = fx.connect().outbox();
+    assert_eq!(stored[0].attempts, 2);
+    assert_eq!(stored[0].last_error.as_deref(), Some("still closed"));
+    assert_eq!(stored[1].attempts, 1, "only the failed row");
+    assert_eq!(stored[1].leased_by.as_deref(), Some("relay-2"));
+}
+
+fn lease_refuses_a_zero_lease_and_an_empty_relay<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    id_of(enqueue_committed(&store, &msg("a")));
+    let err = store
+        .lease("relay-1", 10, Duration::ZERO)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a lease must last longer than zero"), "{err}");
+    let err = store.lease("", 10, LEASE).unwrap_err().to_string();
+    assert!(err.contains("relay name must not be empty"), "{err}");
+    assert_eq!(fx.connect().outbox()[0].leased_by, None);
+    assert!(store.lease("relay-1", 0, LEASE).unwrap().rows.is_empty());
+    assert_eq!(fx.connect().outbox()[0].leased_by, None);
+}
+
+fn oldest_unpublished_age_follows_the_clock<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    assert_eq!(store.oldest_unpublished_age().unwrap(), None);
+    let a = id_of(enqueue_committed(&store, &msg("a")));
+    clock.advance(secs(10));
+    let b = id_of(enqueue_committed(&store, &msg("b")));
+    clock.advance(secs(32));
+    assert_eq!(OutboxStore::now(&store), at(secs(42)));
+    assert_eq!(store.oldest_unpublished_age().unwrap(), Some(secs(42)));
+    store.lease("relay-1", 10, LEASE).unwrap();
+    assert_eq!(store.mark_published("relay-1", &[a]).unwrap(), 1);
+    assert_eq!(store.oldest_unpublished_age().unwrap(), Some(secs(32)));
+    assert_eq!(store.mark_published("relay-1", &[b]).unwrap(), 1);
+    assert_eq!(store.oldest_unpublished_age().unwrap(), None);
+}
+
+fn retention_deletes_old_published_rows_in_batches<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let early: Vec<i64> = (0..3)
+        .map(|i| id_of(enqueue_committed(&store, &msg(&format!("early-{i}")))))
+        .collect();
+    let late: Vec<i64> = (0..2)
+        .map(|i| id_of(enqueue_committed(&store, &msg(&format!("late-{i}")))))
+        .collect();
+    let unpublished = id_of(enqueue_committed(&store, &msg("unpublished")));
+    let lease = store
+        .lease("relay-1", 5, Duration::from_secs(3 * 3600))
+        .unwrap();
+    assert_eq!(lease.rows.len(), 5);
+    assert_eq!(store.mark_published("relay-1", &early).unwrap(), 3);
+    clock.advance(secs(5400));
+    assert_eq!(store.mark_published("relay-1", &late).unwrap(), 2);
+    clock.advance(secs(1800));
+
+    // Now is start + 2h: with a 1 h window the rows published at start are old.
+    let retention = Retention::new(secs(3600), secs(3600), secs(600)).unwrap();
+    let err = store
+        .purge_published(&retention, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("at least 1 row"), "{err}");
+    assert_eq!(
+        store.purge_published(&retention, 2).unwrap(),
+        3,
+        "a full batch is followed by another"
+    );
+    assert_eq!(store.purge_published(&retention, 2).unwrap(), 0);
+    let left: Vec<i64> = fx.connect().outbox().iter().map(|r| r.id).collect();
+    let mut expected = late.clone();
+    expected.push(unpublished);
+    assert_eq!(left, expected);
+
+    // An hour later the others are old too; the unpublished row stays.
+    clock.advance(secs(3600));
+    assert_eq!(store.purge_published(&retention, 1).unwrap(), 2);
+    let left: Vec<i64> = fx.connect().outbox().iter().map(|r| r.id).collect();
+    assert_eq!(left, [unpublished]);
+}
+
+fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
+    let clock = ManualClock::new(start());
+    let handler = Recorder::new(GROUP).behaviour(|key, _| {
+        if key == "fails" {
+            Outcome::ApplyThenFail
+        } else {
+            Outcome::Apply
+        }
+    });
+    let store = fx
+        .builder()
+        .clock(Arc::new(clock.clone()))
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    let batch = [usage("old-1", 1), usage("old-2", 1), usage("old-3", 1)];
+    store.process_batch(&g, &batch).unwrap();
+    let failed = store.process_batch(&g, &[usage("fails", 1)]).unwrap();
+    assert!(matches!(failed[0], Decision::RetryAfter(_)));
+    clock.advance(secs(7200));
+    store.process_batch(&g, &[usage("recent", 1)]).unwrap();
+    clock.advance(secs(60));
+
+    let err = Retention::new(secs(3600), secs(599), secs(600))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("done-claim retention (599s)") && err.contains("longest retry delay (600s)"),
+        "{err}"
+    );
+
+    let retention = Retention::new(secs(3600), secs(3600), secs(600)).unwrap();
+    assert_eq!(store.purge_done_claims(&retention, 2).unwrap(), 3);
+    assert_eq!(store.purge_done_claims(&retention, 2).unwrap(), 0);
+    let claim = |k: &str| {
+        store
+            .claim(&inbox_core::ClaimKey::new(
+                g.clone(),
+                MessageKey::new(k).unwrap(),
+            ))
+            .unwrap()
+    };
+    for k in ["old-1", "old-2", "old-3"] {
+        assert_eq!(claim(k), None, "{k} deleted");
+    }
+    assert_eq!(claim("fails").unwrap().status, ClaimStatus::Failed);
+    assert_eq!(claim("recent").unwrap().status, ClaimStatus::Done);
+}
+
+mod postgres_only {
+    use super::*;
+    use inbox_test_support::PgFixture;
+
+    #[test]
+    fn concurrent_relays_lease_disjoint_rows() {
+        let Some(fx) = PgFixture::new() else { return };
+        let clock = ManualClock::new(start());
+        let store = fx
+            .builder()
+            .clock(Arc::new(clock.clone()))
+            .pool_size(4)
+            .build()
+            .unwrap();
+        for round in 0..5 {
+            let enqueued: BTreeSet<i64> = (0..20)
+                .map(|i| id_of(enqueue_committed(&store, &msg(&format!("r{round}-{i}")))))
+                .collect();
+            let barrier = Arc::new(Barrier::new(2));
+            let leases: Vec<_> = ["relay-a", "relay-b"]
+                .into_iter()
+                .map(|relay| {
+                    let store = store.clone();
+                    let barrier = Arc::clone(&barrier);
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        store.lease(relay, 10, LEASE).unwrap()
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|t| t.join().unwrap())
+                .collect();
+            let a: BTreeSet<i64> = ids(&leases[0]).into_iter().collect();
+            let b: BTreeSet<i64> = ids(&leases[1]).into_iter().collect();
+            assert!(a.is_disjoint(&b), "round {round}: {a:?} and {b:?} overlap");
+            assert_eq!(a.len() + b.len(), 20, "round {round}: no row left behind");
+            assert_eq!(a.union(&b).copied().collect::<BTreeSet<_>>(), enqueued);
+            for row in fx.connect().outbox() {
+                if a.contains(&row.id) {
+                    assert_eq!(row.leased_by.as_deref(), Some("relay-a"));
+                } else if b.contains(&row.id) {
+                    assert_eq!(row.leased_by.as_deref(), Some("relay-b"));
+                }
+            }
+            let all: Vec<i64> = enqueued.iter().copied().collect();
+            let marked = store.mark_published("relay-a", &all).unwrap()
+                + store.mark_published("relay-b", &all).unwrap();
+            assert_eq!(marked, 20);
+        }
+    }
+
+    #[test]
+    fn lease_skips_rows_locked_by_another_transaction() {
+        let Some(fx) = PgFixture::new() else { return };
+        let clock = ManualClock::new(start());
+        let store = store_on(&fx, &clock);
+        let a = id_of(enqueue_committed(&store, &msg("a")));
+        let b = id_of(enqueue_committed(&store, &msg("b")));
+
+        // Another relay's lease transaction, caught between its lock and its commit.
+        let mut holder = fx.connect();
+        diesel::sql_query("BEGIN").execute(&mut holder).unwrap();
+        diesel::sql_query("SELECT id FROM outbox_messages WHERE id = $1 FOR UPDATE")
+            .bind::<diesel::sql_types::BigInt, _>(a)
+            .execute(&mut holder)
+            .unwrap();
+
+        let (tx, rx) = mpsc::channel();
+        let leaser = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let lease = store.lease("relay-b", 10, LEASE).unwrap();
+                let _ = tx.send(());
+                lease
+            })
+        };
+        // Without SKIP LOCKED the lease waits for the holder, which only lets go
+        // after this wait; it then takes `a` too and the assertion below fails.
+        let _ = rx.recv_timeout(Duration::from_secs(10));
+        diesel::sql_query("ROLLBACK").execute(&mut holder).unwrap();
+        let lease = leaser.join().unwrap();
+        assert_eq!(
+            ids(&lease),
+            [b],
+            "the locked row is skipped, not waited for"
+        );
+    }
+
+    #[test]
+    fn wait_for_enqueue_wakes_on_commit_only() {
+        let Some(fx) = PgFixture::new() else { return };
+        let store = fx.builder().pool_size(1).build().unwrap();
+        // A fresh LISTEN connection may have missed an enqueue: it says so.
+        assert!(store.wait_for_enqueue(Duration::from_secs(10)).unwrap());
+        assert!(
+            !store.wait_for_enqueue(Duration::from_millis(200)).unwrap(),
+            "nothing enqueued since"
+        );
+
+        // Committed on another connection: woken. The waiter holds no pool
+        // connection, so the enqueue can use the pool's only one.
+        let waiter = {
+            let store = store.clone();
+            std::thread::spawn(move || store.wait_for_enqueue(Duration::from_secs(30)).unwrap())
+        };
+        id_of(enqueue_committed(&store, &msg("committed")));
+        assert!(waiter.join().unwrap(), "woken by the commit");
+
+        // A key enqueued already writes nothing and wakes nobody.
+        assert_eq!(
+            enqueue_committed(&store, &msg("committed")),
+            EnqueueOutcome::AlreadyEnqueued
+        );
+        assert!(!store.wait_for_enqueue(Duration::from_millis(300)).unwrap());
+
+        // Rolled back: nobody is woken.
+        enqueue_rolled_back(&store, &msg("rolled-back"));
+        assert!(!store.wait_for_enqueue(Duration::from_millis(300)).unwrap());
+
+        // Committed in another schema of the same database: not ours.
+        let other = PgFixture::new().unwrap();
+        let other_store = other.builder().build().unwrap();
+        id_of(enqueue_committed(&other_store, &msg("elsewhere")));
+        assert!(!store.wait_for_enqueue(Duration::from_millis(300)).unwrap());
+
+        // A connection outside the pool, with the schema on its search path.
+        let mut conn = fx.connect();
+        conn.transaction(|conn| enqueue(conn, &msg("own"), Utc::now()))
+            .unwrap();
+        assert!(store.wait_for_enqueue(Duration::from_secs(30)).unwrap());
+    }
+}
+
+mod sqlite_only {
+    use super::*;
+    use inbox_test_support::SqliteFixture;
+
+    #[test]
+    fn relays_to_the_in_process_transport_exactly_once() {
+        let fx = SqliteFixture::new();
+        let clock = ManualClock::new(start());
+        let handler = Recorder::new(GROUP);
+        let calls = handler.calls();
+        let store = fx
+            .builder()
+            .clock(Arc::new(clock.clone()))
+            .handler(handler)
+            .build()
+            .unwrap();
+        fx.connect().create_effects().unwrap();
+
+        // The business write and the enqueue commit together, or not at all.
+        let mut pooled = store.connection().unwrap();
+        let conn: &mut diesel::SqliteConnection = &mut pooled;
+        conn.transaction(|conn| {
+            conn.record_effect("order-1", 0)?;
+            enqueue(conn, &msg("m1"), clock.now())
+        })
+        .unwrap();
+        drop(pooled);
+        enqueue_rolled_back(&store, &msg("m2"));
+
+        let mut transport =
+            InProcessTransport::new(store.clone()).with_clock(Arc::new(clock.clone()));
+        assert_eq!(
+            relay_in_process(&store, &mut transport, "relay-1", 10).unwrap(),
+            1
+        );
+        let stats = transport.run_until_idle().unwrap();
+        assert_eq!(stats.processed, 1);
+
+        // Again: nothing left to relay, nothing processed twice.
+        clock.advance(LEASE * 2);
+        assert_eq!(
+            relay_in_process(&store, &mut transport, "relay-1", 10).unwrap(),
+            0
+        );
+        transport.run_until_idle().unwrap();
+        assert_eq!(fx.connect().effects_of("m1").unwrap(), 1);
+        assert_eq!(fx.connect().effects_of("m2").unwrap(), 0);
+        assert_eq!(calls.lock().unwrap().as_slice(), ["m1"]);
+        let stored = fx.connect().outbox();
+        assert_eq!(stored.len(), 1, "the rolled-back enqueue left no row");
+        assert_eq!(stored[0].published_at, Some(start()));
+        assert_eq!(store.oldest_unpublished_age().unwrap(), None);
+    }
+
+    #[test]
+    fn wait_for_enqueue_sleeps_on_the_store_clock() {
+        let fx = SqliteFixture::new();
+        let clock = ManualClock::new(start());
+        let store = store_on(&fx, &clock);
+        assert!(!store.wait_for_enqueue(secs(5)).unwrap());
+        assert_eq!(clock.now(), at(secs(5)), "a manual clock advances instead");
+    }
+}

@@ -1,0 +1,579 @@
+//! The outbox end to end against real PostgreSQL and RabbitMQ: business transactions
+//! enqueue, relays publish with confirms, the inbox consumes. Each test has its own
+//! schema and broker names and removes them.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::NaiveDate;
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Date};
+use diesel::PgConnection;
+use futures_lite::StreamExt;
+use inbox_amqp::{
+    CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, RelaySnapshot, Topology,
+};
+use inbox_core::{
+    EnqueueOutcome, Lease, MessageKey, OutboxMessage, OutboxStore, RetryLadder, RetryPolicy,
+};
+use inbox_diesel::{enqueue, Store};
+use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
+use inbox_test_support::amqp::{self, amqp_url, eventually, Proxy};
+use inbox_test_support::{unique_name, Fixture, PgFixture};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+struct World {
+    db: PgFixture,
+    url: String,
+    prefix: String,
+    store: Arc<Store<PgConnection>>,
+    topology: Topology,
+}
+
+impl World {
+    fn new() -> Option<Self> {
+        let url = amqp_url()?;
+        let db = PgFixture::new()?;
+        let prefix = format!("{}.", unique_name("t"));
+        let ladder = RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap();
+        let store = db
+            .builder()
+            .pool_size(8)
+            .retry_ladder(ladder.clone())
+            .handler(DailyUsage::new(RetryPolicy::default()))
+            .build()
+            .unwrap();
+        let mut conn = store.connection().unwrap();
+        conn.create_daily_usage().unwrap();
+        conn.batch_execute(
+            "CREATE TABLE usage_ledger (id BIGSERIAL PRIMARY KEY, user_id BIGINT NOT NULL,
+             day DATE NOT NULL, amount BIGINT NOT NULL)",
+        )
+        .unwrap();
+        drop(conn);
+        let topology = Topology::new("billing")
+            .unwrap()
+            .prefix(prefix.clone())
+            .unwrap()
+            .ladder(ladder)
+            .queue_expires(Duration::from_secs(120))
+            .routes(inbox_core::InboxStore::routes(&store));
+        Some(Self {
+            db,
+            url,
+            prefix,
+            store: Arc::new(store),
+            topology,
+        })
+    }
+
+    fn exchange(&self) -> String {
+        self.topology.exchange()
+    }
+
+    /// One business transaction: a ledger row and its event, committed or rolled back.
+    fn record_usage(&self, conn: &mut PgConnection, key: &str, e: &UsageRecorded, commit: bool) {
+        let msg = OutboxMessage::new(
+            MessageKey::derive("billing", key, MESSAGE_TYPE),
+            self.exchange(),
+            MESSAGE_TYPE,
+            serde_json::to_vec(e).unwrap(),
+        )
+        .with_tenant("acme");
+        let now = self.store.now();
+        let outcome = conn.transaction::<_, diesel::result::Error, _>(|conn| {
+            diesel::sql_query(
+                "INSERT INTO usage_ledger (user_id, day, amount) VALUES ($1, $2, $3)",
+            )
+            .bind::<BigInt, _>(e.user_id)
+            .bind::<Date, _>(e.day)
+            .bind::<BigInt, _>(e.amount)
+            .execute(conn)?;
+            let enqueued = enqueue(conn, &msg, now)
+                .map_err(|err| diesel::result::Error::QueryBuilderError(err.to_string().into()))?;
+            assert!(matches!(enqueued, EnqueueOutcome::Enqueued { .. }));
+            if commit {
+                Ok(())
+            } else {
+                Err(diesel::result::Error::RollbackTransaction)
+            }
+        });
+        assert_eq!(outcome.is_ok(), commit);
+    }
+
+    /// The ledger's sums per (user, day): the source of truth.
+    fn ledger_totals(&self) -> BTreeMap<(i64, NaiveDate), i64> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = BigInt)]
+            user_id: i64,
+            #[diesel(sql_type = Date)]
+            day: NaiveDate,
+            #[diesel(sql_type = BigInt)]
+            total: i64,
+        }
+        let rows: Vec<Row> = diesel::sql_query(
+            "SELECT user_id, day, SUM(amount)::bigint AS total FROM usage_ledger GROUP BY user_id, day",
+        )
+        .load(&mut self.db.connect())
+        .unwrap();
+        rows.into_iter()
+            .map(|r| ((r.user_id, r.day), r.total))
+            .collect()
+    }
+
+    fn projection(&self) -> BTreeMap<(i64, NaiveDate), i64> {
+        self.store.connection().unwrap().daily_totals().unwrap()
+    }
+
+    fn unpublished(&self) -> i64 {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL")
+            .get_result::<N>(&mut self.db.connect())
+            .unwrap()
+            .n
+    }
+
+    fn relay(&self, id: &str, url: &str) -> Relay<Store<PgConnection>> {
+        Relay::new(url, Arc::clone(&self.store)).with_settings(
+            RelaySettings::default()
+                .relay_id(id)
+                .lease(200, Duration::from_secs(5))
+                .poll_interval(ms(100))
+                .retry_after(ms(50))
+                .backoff(ms(50), ms(500)),
+        )
+    }
+
+    fn consumer(&self) -> Consumer<Store<PgConnection>> {
+        Consumer::new(
+            self.url.clone(),
+            Arc::clone(&self.store),
+            self.topology.clone(),
+        )
+        .with_settings(
+            ConsumerSettings::default()
+                .workers(2)
+                .prefetch(200)
+                .batch(100, ms(5)),
+        )
+    }
+
+    async fn cleanup(&self) {
+        let conn = amqp::connect(&self.url).await;
+        self.topology.delete(&conn).await.unwrap();
+    }
+}
+
+fn event(i: u64) -> UsageRecorded {
+    UsageRecorded {
+        user_id: 1 + (i % 17) as i64,
+        day: NaiveDate::from_ymd_opt(2026, 11, 28).unwrap() + chrono::Days::new(i % 3),
+        amount: 1 + (i % 50) as i64,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_relays_and_inbox_apply_every_committed_event_once() {
+    let Some(world) = World::new() else { return };
+    world
+        .topology
+        .declare(&amqp::connect(&world.url).await)
+        .await
+        .unwrap();
+    let world = Arc::new(world);
+    let shutdown = CancellationToken::new();
+    let consumer = world.consumer();
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relays: Vec<_> = (0..3)
+        .map(|r| {
+            let relay = world.relay(&format!("relay-{r}"), &world.url);
+            let stats = relay.stats();
+            (stats, tokio::spawn(relay.run(shutdown.clone())))
+        })
+        .collect();
+
+    // 4 writers, 2,500 business transactions each; every 10th rolls back.
+    let writers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let world = Arc::clone(&world);
+            tokio::task::spawn_blocking(move || {
+                let mut conn = world.db.connect();
+                for i in 0..2_500u64 {
+                    let n = w * 10_000 + i;
+                    world.record_usage(&mut conn, &format!("ledger-{n}"), &event(n), i % 10 != 9);
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let done = eventually(Duration::from_secs(120), || {
+        let s = consumed.snapshot();
+        s.processed >= 9_000
+    })
+    .await;
+    assert!(done, "{:?}", consumed.snapshot());
+    assert!(eventually(Duration::from_secs(30), || world.unpublished() == 0).await);
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    let mut published = 0;
+    for (stats, relay) in relays {
+        relay.await.unwrap().unwrap();
+        published += stats.snapshot().published;
+    }
+    assert_eq!(
+        published, 9_000,
+        "each committed event published once in the normal case"
+    );
+    assert_eq!(consumed.snapshot().processed, 9_000);
+    // None of the rolled-back events was published; every committed one applied once.
+    assert_eq!(world.projection(), world.ledger_totals());
+    world.cleanup().await;
+}
+
+/// The real store, except that marking never comes back: the relay is killed (its
+/// task aborted) while it waits, after the broker confirmed the batch.
+struct DiesBeforeMarking {
+    inner: Arc<Store<PgConnection>>,
+    confirmed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl OutboxStore for DiesBeforeMarking {
+    fn lease(&self, relay: &str, limit: usize, lease_for: Duration) -> inbox_core::Result<Lease> {
+        self.inner.lease(relay, limit, lease_for)
+    }
+
+    fn mark_published(&self, _: &str, _: &[i64]) -> inbox_core::Result<usize> {
+        self.confirmed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(Duration::from_secs(2));
+        Err(inbox_core::Error::Store(
+            "the relay was killed before marking".into(),
+        ))
+    }
+
+    fn record_failures(
+        &self,
+        relay: &str,
+        f: &[(i64, String)],
+        d: Duration,
+    ) -> inbox_core::Result<()> {
+        self.inner.record_failures(relay, f, d)
+    }
+
+    fn oldest_unpublished_age(&self) -> inbox_core::Result<Option<Duration>> {
+        self.inner.oldest_unpublished_age()
+    }
+
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.inner.now()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_between_publish_and_mark_publishes_again_and_totals_stay_exact() {
+    let Some(world) = World::new() else { return };
+    world
+        .topology
+        .declare(&amqp::connect(&world.url).await)
+        .await
+        .unwrap();
+    let mut conn = world.db.connect();
+    for n in 0..300 {
+        world.record_usage(&mut conn, &format!("ledger-{n}"), &event(n), true);
+    }
+    // The doomed relay publishes a lease of 300; once the broker has confirmed it, the
+    // relay is killed before it can mark anything.
+    let confirmed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let doomed = Relay::new(
+        world.url.clone(),
+        Arc::new(DiesBeforeMarking {
+            inner: Arc::clone(&world.store),
+            confirmed: Arc::clone(&confirmed),
+        }),
+    )
+    .with_settings(
+        RelaySettings::default()
+            .relay_id("doomed")
+            .lease(300, ms(500)),
+    );
+    let doomed = tokio::spawn(doomed.run(CancellationToken::new()));
+    assert!(
+        eventually(Duration::from_secs(30), || confirmed
+            .load(std::sync::atomic::Ordering::SeqCst))
+        .await
+    );
+    doomed.abort();
+    assert!(doomed.await.unwrap_err().is_cancelled());
+    assert_eq!(world.unpublished(), 300, "nothing was marked");
+
+    // After its lease expires, a healthy relay publishes the rows again.
+    let shutdown = CancellationToken::new();
+    let consumer = world.consumer();
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relay = world.relay("healthy", &world.url);
+    let relayed = relay.stats();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    assert!(eventually(Duration::from_secs(60), || world.unpublished() == 0).await);
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            let s = consumed.snapshot();
+            s.processed + s.duplicates >= 600
+        })
+        .await
+    );
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    relaying.await.unwrap().unwrap();
+    assert_eq!(relayed.snapshot().published, 300);
+    let s = consumed.snapshot();
+    assert_eq!(
+        (s.processed, s.duplicates),
+        (300, 300),
+        "the second copy was absorbed"
+    );
+    assert_eq!(world.projection(), world.ledger_totals());
+    world.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordering_keys_reach_the_queue_in_id_order_across_three_relays() {
+    let Some(world) = World::new() else { return };
+    let conn = amqp::connect(&world.url).await;
+    world.topology.declare(&conn).await.unwrap();
+    // A plain queue of the test's own, read back by one consumer.
+    let queue = format!("{}ordered", world.prefix);
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            world.exchange().as_str().into(),
+            "ordered.event".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let mut db = world.db.connect();
+    let now = world.store.now();
+    for i in 0..300u32 {
+        let key = format!("k{}", i % 5);
+        let msg = OutboxMessage::new(
+            MessageKey::new(format!("ordered-{i}")).unwrap(),
+            world.exchange(),
+            "ordered.event",
+            format!("{key}:{i}").into_bytes(),
+        )
+        .with_ordering_key(key);
+        enqueue(&mut db, &msg, now).unwrap();
+    }
+    let shutdown = CancellationToken::new();
+    let relays: Vec<_> = (0..3)
+        .map(|r| {
+            tokio::spawn(
+                world
+                    .relay(&format!("ordered-{r}"), &world.url)
+                    .run(shutdown.clone()),
+            )
+        })
+        .collect();
+    assert!(eventually(Duration::from_secs(60), || world.unpublished() == 0).await);
+    shutdown.cancel();
+    for relay in relays {
+        relay.await.unwrap().unwrap();
+    }
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "reader".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let mut last: BTreeMap<String, u32> = BTreeMap::new();
+    for _ in 0..300 {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let body = String::from_utf8(d.data.clone()).unwrap();
+        let (key, seq) = body.split_once(':').unwrap();
+        let seq: u32 = seq.parse().unwrap();
+        if let Some(prev) = last.insert(key.to_owned(), seq) {
+            assert!(seq > prev, "{key}: {seq} arrived after {prev}");
+        }
+        d.ack(Default::default()).await.unwrap();
+    }
+    assert_eq!(last.len(), 5);
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    world.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
+    let Some(world) = World::new() else { return };
+    let conn = amqp::connect(&world.url).await;
+    world.topology.declare(&conn).await.unwrap();
+    let mut db = world.db.connect();
+    let now = world.store.now();
+    let lost = OutboxMessage::new(
+        MessageKey::new("nowhere-1").unwrap(),
+        world.exchange(),
+        "usage.nowhere",
+        b"{}".to_vec(),
+    );
+    enqueue(&mut db, &lost, now).unwrap();
+    for n in 0..50 {
+        world.record_usage(&mut db, &format!("ledger-{n}"), &event(n), true);
+    }
+    let shutdown = CancellationToken::new();
+    let consumer = world.consumer();
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relay = world.relay("r", &world.url);
+    let relayed = relay.stats();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    assert!(
+        eventually(Duration::from_secs(30), || consumed.snapshot().processed
+            >= 50)
+        .await
+    );
+    assert!(eventually(Duration::from_secs(30), || relayed.snapshot().returned >= 2).await);
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        attempts: i32,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        last_error: Option<String>,
+    }
+    let row: Row = diesel::sql_query(
+        "SELECT attempts, last_error FROM outbox_messages WHERE message_key = 'nowhere-1' AND published_at IS NULL",
+    )
+    .get_result(&mut world.db.connect())
+    .unwrap();
+    assert!(row.attempts >= 2, "retried: {}", row.attempts);
+    assert!(row.last_error.unwrap().contains("unroutable"));
+    // Once something is bound for it, the retry goes through.
+    let channel = conn.create_channel().await.unwrap();
+    let queue = format!("{}nowhere", world.prefix);
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            world.exchange().as_str().into(),
+            "usage.nowhere".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert!(eventually(Duration::from_secs(30), || world.unpublished() == 0).await);
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    relaying.await.unwrap().unwrap();
+    let s: RelaySnapshot = relayed.snapshot();
+    assert_eq!(s.published, 51);
+    assert_eq!(world.projection(), world.ledger_totals());
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    world.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_connection_cut_for_seconds_then_everything_is_published() {
+    let Some(world) = World::new() else { return };
+    world
+        .topology
+        .declare(&amqp::connect(&world.url).await)
+        .await
+        .unwrap();
+    let world = Arc::new(world);
+    let proxy = Proxy::start(amqp::host_port(&world.url)).await;
+    let shutdown = CancellationToken::new();
+    let consumer = world.consumer();
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relay = world.relay("cut", &proxy.url_for(&world.url));
+    let relayed = relay.stats();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    let writer = {
+        let world = Arc::clone(&world);
+        tokio::task::spawn_blocking(move || {
+            let mut conn = world.db.connect();
+            for n in 0..1_500 {
+                world.record_usage(&mut conn, &format!("ledger-{n}"), &event(n), true);
+                if n % 100 == 0 {
+                    std::thread::sleep(ms(20));
+                }
+            }
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || relayed.snapshot().published
+            >= 200)
+        .await
+    );
+    proxy.block(true);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.block(false);
+    writer.await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(90), || world.unpublished() == 0).await,
+        "{:?}",
+        relayed.snapshot()
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || consumed.snapshot().processed
+            >= 1_500)
+        .await
+    );
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    relaying.await.unwrap().unwrap();
+    assert!(
+        relayed.snapshot().reconnects >= 1,
+        "{:?}",
+        relayed.snapshot()
+    );
+    assert_eq!(consumed.snapshot().processed, 1_500);
+    assert_eq!(world.projection(), world.ledger_totals());
+    world.cleanup().await;
+}
