@@ -359,3 +359,119 @@ fn sqlite_busy_is_retried_not_counted() {
     let claim = store.claim(&key("busy")).unwrap().unwrap();
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Done, 0));
 }
+
+#[test]
+fn sqlite_busy_past_the_retries_defers_the_batch_uncounted() {
+    // The writer lock is held for the whole call: every try fails. The store retries
+    // the batch (bounded), splits it, retries each half, and finally defers each
+    // delivery without counting an attempt or leaving a claim behind.
+    let fx = SqliteFixture::new();
+    let handler = Recorder::new(GROUP);
+    let calls = handler.calls();
+    let store = fx
+        .builder()
+        .transaction_retries(1)
+        .pool_size(1)
+        .handler(handler)
+        .build()
+        .expect("store");
+    fx.connect().create_effects().unwrap();
+    store
+        .connection()
+        .unwrap()
+        .batch_execute("PRAGMA busy_timeout = 0")
+        .unwrap();
+    let mut blocker = fx.connect();
+    blocker
+        .batch_execute("PRAGMA busy_timeout = 0; BEGIN IMMEDIATE;")
+        .unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("a", 1), usage("b", 1)])
+        .unwrap();
+    blocker.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(
+        decisions,
+        [
+            Decision::RetryAfter(Duration::from_secs(1)),
+            Decision::RetryAfter(Duration::from_secs(1))
+        ]
+    );
+    assert!(calls.lock().unwrap().is_empty());
+    assert_eq!(store.claim(&key("a")).unwrap(), None, "nothing recorded");
+    assert_eq!(store.claim(&key("b")).unwrap(), None);
+    // Once the writer is gone, the same deliveries go through, attempts untouched.
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("a", 1), usage("b", 1)])
+        .unwrap();
+    assert_eq!(decisions, [Decision::Processed, Decision::Processed]);
+    assert_eq!(store.claim(&key("a")).unwrap().unwrap().attempts, 0);
+}
+
+/// Folds, but a fold of more than one message always deadlocks: only a split batch
+/// can get through.
+struct DeadlocksWhenBatched(ConsumerGroup);
+
+impl<C: TestConn + Send + 'static> Handler<C> for DeadlocksWhenBatched {
+    type Message = Usage;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.0
+    }
+
+    fn message_type(&self) -> &str {
+        "usage.recorded"
+    }
+
+    fn handle(
+        &self,
+        conn: &mut C,
+        msg: Usage,
+        ctx: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        conn.record_effect(ctx.message_key().as_str(), msg.amount)?;
+        Ok(())
+    }
+
+    fn fold(
+        &self,
+        conn: &mut C,
+        batch: &[(Usage, MessageContext<'_>)],
+    ) -> Option<Result<(), HandlerError>> {
+        if batch.len() > 1 {
+            let deadlock = diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::Unknown,
+                Box::new("deadlock detected".to_owned()),
+            );
+            return Some(Err(deadlock.into()));
+        }
+        let (msg, ctx) = &batch[0];
+        Some(
+            conn.record_effect(ctx.message_key().as_str(), msg.amount)
+                .map_err(Into::into),
+        )
+    }
+}
+
+#[test]
+fn a_batch_that_keeps_deadlocking_is_split() {
+    let fx = SqliteFixture::new();
+    let store = fx
+        .builder()
+        .transaction_retries(2)
+        .handler(DeadlocksWhenBatched(group(GROUP)))
+        .build()
+        .expect("store");
+    fx.connect().create_effects().unwrap();
+    let batch: Vec<_> = (0..4).map(|i| usage(&format!("s{i}"), 1)).collect();
+    let decisions = store.process_batch(&group(GROUP), &batch).unwrap();
+    assert!(
+        decisions.iter().all(|d| *d == Decision::Processed),
+        "{decisions:?}"
+    );
+    let mut conn = fx.connect();
+    for i in 0..4 {
+        assert_eq!(conn.effects_of(&format!("s{i}")).unwrap(), 1);
+        let claim = store.claim(&key(&format!("s{i}"))).unwrap().unwrap();
+        assert_eq!(claim.attempts, 0, "a deadlock is not the message's fault");
+    }
+}
