@@ -15,10 +15,21 @@ use tokio::sync::watch;
 use crate::services_required;
 
 /// The RabbitMQ URL, or `None` (after one line on stderr) when there is none.
+///
+/// From `AMQP_URL`; with the `testcontainers` feature and none set, from a container
+/// started for the test process.
 pub fn amqp_url() -> Option<String> {
-    let url = std::env::var("AMQP_URL")
+    #[allow(unused_mut)] // assigned only with the `testcontainers` feature
+    let mut url = std::env::var("AMQP_URL")
         .ok()
         .filter(|u| u.starts_with("amqp"));
+    #[cfg(feature = "testcontainers")]
+    if url.is_none() {
+        match crate::containers::rabbitmq() {
+            Ok(started) => url = Some(started),
+            Err(why) => eprintln!("{why}"),
+        }
+    }
     if url.is_none() {
         assert!(
             !services_required(),

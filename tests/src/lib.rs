@@ -6,6 +6,8 @@
 //! (CI sets it), in which case it fails.
 
 pub mod amqp;
+#[cfg(feature = "testcontainers")]
+pub mod containers;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,11 +28,22 @@ pub fn services_required() -> bool {
 }
 
 /// The PostgreSQL URL, or `None` (after one line on stderr) when there is none.
+///
+/// From `PG_DATABASE_URL`, then `DATABASE_URL`; with the `testcontainers` feature and
+/// neither set, from a container started for the test process.
 pub fn postgres_url() -> Option<String> {
-    let url = std::env::var("PG_DATABASE_URL")
+    #[allow(unused_mut)] // assigned only with the `testcontainers` feature
+    let mut url = std::env::var("PG_DATABASE_URL")
         .or_else(|_| std::env::var("DATABASE_URL"))
         .ok()
         .filter(|u| u.starts_with("postgres://") || u.starts_with("postgresql://"));
+    #[cfg(feature = "testcontainers")]
+    if url.is_none() {
+        match containers::postgres() {
+            Ok(started) => url = Some(started),
+            Err(why) => eprintln!("{why}"),
+        }
+    }
     if url.is_none() {
         assert!(
             !services_required(),
