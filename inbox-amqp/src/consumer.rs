@@ -7,17 +7,16 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
 };
-use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use inbox_core::{
-    redact_url, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore,
-};
+use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore};
 
+use crate::connect::{check_backoff, connect, pause, SessionEnd};
 use crate::delivery::{self, Malformed};
 use crate::stats::{ConsumerStats, Counter};
 use crate::{Error, Result, Topology};
@@ -111,12 +110,7 @@ impl ConsumerSettings {
                 self.prefetch, self.batch_size
             )));
         }
-        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
-            return Err(Error::Config(format!(
-                "backoff must satisfy 0 < min <= max, found {:?}..{:?}",
-                self.backoff_min, self.backoff_max
-            )));
-        }
+        check_backoff(self.backoff_min, self.backoff_max)?;
         Ok(())
     }
 }
@@ -141,20 +135,6 @@ struct Shared<S> {
     topology: Topology,
     settings: ConsumerSettings,
     stats: Arc<ConsumerStats>,
-}
-
-/// Why a session with the broker ended.
-enum SessionEnd {
-    /// The connection or a channel was lost: reconnect.
-    Lost(String),
-    /// Stop for good.
-    Fatal(Error),
-}
-
-impl From<lapin::Error> for SessionEnd {
-    fn from(err: lapin::Error) -> Self {
-        Self::Lost(err.to_string())
-    }
 }
 
 /// What to do with one delivery once the store has decided.
@@ -258,28 +238,6 @@ impl<S: InboxStore> Consumer<S> {
             }
         }
     }
-}
-
-async fn connect(url: &str, name: Option<&str>) -> Result<Connection> {
-    let mut props = ConnectionProperties::default();
-    if let Some(name) = name {
-        props = props.with_connection_name(LongString::from(name));
-    }
-    Connection::connect(url, props)
-        .await
-        .map_err(|source| Error::Connect {
-            url: redact_url(url),
-            source,
-        })
-}
-
-/// Waits out the backoff (or the shutdown), then doubles it up to `max`.
-async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) {
-    tokio::select! {
-        () = tokio::time::sleep(*backoff) => {}
-        () = shutdown.cancelled() => {}
-    }
-    *backoff = (*backoff * 2).min(max);
 }
 
 impl<S: InboxStore> Shared<S> {

@@ -17,6 +17,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod connect;
 mod consumer;
 mod delivery;
 mod error;

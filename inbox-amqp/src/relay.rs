@@ -4,11 +4,12 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 use tokio_util::sync::CancellationToken;
 
-use inbox_core::{redact_url, OutboxRow, OutboxStore};
+use inbox_core::{OutboxRow, OutboxStore};
 
+use crate::connect::{check_backoff, connect, pause, SessionEnd};
 use crate::{Error, Result, TENANT_HEADER};
 
 /// How a [`Relay`] runs.
@@ -116,12 +117,7 @@ impl RelaySettings {
                 "lease, poll interval and retry delay must be greater than zero".to_owned(),
             ));
         }
-        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
-            return Err(Error::Config(format!(
-                "backoff must satisfy 0 < min <= max, found {:?}..{:?}",
-                self.backoff_min, self.backoff_max
-            )));
-        }
+        check_backoff(self.backoff_min, self.backoff_max)?;
         Ok(())
     }
 }
@@ -194,18 +190,6 @@ pub struct Relay<O> {
     stats: Arc<RelayStats>,
 }
 
-/// Why a session with the broker ended.
-enum SessionEnd {
-    Lost(String),
-    Fatal(Error),
-}
-
-impl From<lapin::Error> for SessionEnd {
-    fn from(err: lapin::Error) -> Self {
-        Self::Lost(err.to_string())
-    }
-}
-
 impl<O: OutboxStore> Relay<O> {
     /// A relay of `store`'s outbox to the broker at `url`.
     pub fn new(url: impl Into<String>, store: Arc<O>) -> Self {
@@ -271,16 +255,7 @@ impl<O: OutboxStore> Relay<O> {
     }
 
     async fn connect(&self) -> Result<(Connection, Channel)> {
-        let mut props = ConnectionProperties::default();
-        if let Some(name) = &self.settings.connection_name {
-            props = props.with_connection_name(LongString::from(name.as_str()));
-        }
-        let conn = Connection::connect(&self.url, props)
-            .await
-            .map_err(|source| Error::Connect {
-                url: redact_url(&self.url),
-                source,
-            })?;
+        let conn = connect(&self.url, self.settings.connection_name.as_deref()).await?;
         let channel = conn.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -289,11 +264,7 @@ impl<O: OutboxStore> Relay<O> {
     }
 
     async fn pause(&self, shutdown: &CancellationToken, backoff: &mut Duration) {
-        tokio::select! {
-            () = tokio::time::sleep(*backoff) => {}
-            () = shutdown.cancelled() => {}
-        }
-        *backoff = (*backoff * 2).min(self.settings.backoff_max);
+        pause(shutdown, backoff, self.settings.backoff_max).await;
     }
 
     /// Runs a blocking store call on tokio's blocking pool.

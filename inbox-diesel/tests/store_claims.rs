@@ -26,31 +26,7 @@ fn key(k: &str) -> ClaimKey {
     ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
 }
 
-/// Runs a scenario once on PostgreSQL (when configured) and once on SQLite.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[test]
-                fn $name() {
-                    if let Some(fx) = inbox_test_support::PgFixture::new() {
-                        super::$name(&fx);
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(&inbox_test_support::SqliteFixture::new());
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+inbox_test_support::on_both_backends!(
     processes_once_and_acks_duplicates,
     failures_advance_attempts_then_dead_letter_once,
     first_failure_of_a_new_message_is_recorded,

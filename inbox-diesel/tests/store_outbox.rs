@@ -34,31 +34,7 @@ fn at(offset: Duration) -> DateTime<Utc> {
     start() + chrono::Duration::from_std(offset).unwrap()
 }
 
-/// Runs a scenario once on PostgreSQL (when configured) and once on SQLite.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[test]
-                fn $name() {
-                    if let Some(fx) = inbox_test_support::PgFixture::new() {
-                        super::$name(&fx);
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(&inbox_test_support::SqliteFixture::new());
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+inbox_test_support::on_both_backends!(
     committed_enqueue_is_leased,
     rolled_back_enqueue_never_exists,
     same_key_twice_is_already_enqueued,

@@ -68,6 +68,33 @@ pub fn unique_name(prefix: &str) -> String {
     )
 }
 
+/// Runs each scenario `fn name<F: Fixture>(fx: &F)` twice: as `postgres::name` on a
+/// schema of its own (when PostgreSQL is configured) and as `sqlite::name` on a file
+/// of its own.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(fx) = $crate::PgFixture::new() {
+                        super::$name(&fx);
+                    }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(&$crate::SqliteFixture::new());
+                }
+            )*
+        }
+    };
+}
+
 /// A store backend under test, with a private place for its tables.
 pub trait Fixture {
     /// The connection type.

@@ -1,0 +1,60 @@
+//! What the consumer and the relay share about their broker connection: connecting
+//! with a name, the reconnect backoff, and why a session ended.
+
+use std::time::Duration;
+
+use lapin::types::LongString;
+use lapin::{Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use inbox_core::redact_url;
+
+use crate::{Error, Result};
+
+/// Why a session with the broker ended.
+pub(crate) enum SessionEnd {
+    /// The connection or a channel was lost: reconnect.
+    Lost(String),
+    /// Stop for good.
+    Fatal(Error),
+}
+
+impl From<lapin::Error> for SessionEnd {
+    fn from(err: lapin::Error) -> Self {
+        Self::Lost(err.to_string())
+    }
+}
+
+/// Connects, naming the connection; the error keeps lapin's cause and hides the
+/// password.
+pub(crate) async fn connect(url: &str, name: Option<&str>) -> Result<Connection> {
+    let mut props = ConnectionProperties::default();
+    if let Some(name) = name {
+        props = props.with_connection_name(LongString::from(name));
+    }
+    Connection::connect(url, props)
+        .await
+        .map_err(|source| Error::Connect {
+            url: redact_url(url),
+            source,
+        })
+}
+
+/// Waits out the backoff (or the shutdown), then doubles it up to `max`.
+pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) {
+    tokio::select! {
+        () = tokio::time::sleep(*backoff) => {}
+        () = shutdown.cancelled() => {}
+    }
+    *backoff = (*backoff * 2).min(max);
+}
+
+/// Refuses a backoff that is zero or whose minimum exceeds its maximum.
+pub(crate) fn check_backoff(min: Duration, max: Duration) -> Result<()> {
+    if min.is_zero() || min > max {
+        return Err(Error::Config(format!(
+            "backoff must satisfy 0 < min <= max, found {min:?}..{max:?}"
+        )));
+    }
+    Ok(())
+}
