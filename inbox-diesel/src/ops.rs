@@ -210,12 +210,9 @@ macro_rules! claim_ops {
             updated_at.eq($now),
         )
     }};
-    // PostgreSQL: one statement over arrays (see `pg::claim`); a lone row takes the
-    // single-row form, which is cheaper for the server than unpacking arrays.
+    // PostgreSQL: one prepared statement over arrays, whatever the batch size (see
+    // `pg::claim`).
     (@claim unnest, $schema:ident, $conn:ident, $group:ident, $rows:ident, $now:ident) => {{
-        if $rows.len() == 1 {
-            return claim_ops!(@claim row_by_row, $schema, $conn, $group, $rows, $now);
-        }
         crate::pg::claim($conn, $group, $rows, $now)
     }};
     // The same statement once per row (diesel's SQLite backend has no multi-row upsert).

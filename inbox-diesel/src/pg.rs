@@ -1,7 +1,9 @@
 //! PostgreSQL specifics.
 
 use diesel::connection::SimpleConnection;
+use diesel::pg::Pg;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Binary, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::{ConnectionResult, PgConnection, QueryResult};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
@@ -29,6 +31,8 @@ struct IndexRow {
     is_partial: bool,
     #[diesel(sql_type = Array<Nullable<Text>>)]
     columns: Vec<Option<String>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    loose_collation: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -47,55 +51,127 @@ struct TableRow {
     exists: bool,
 }
 
-#[derive(QueryableByName)]
-struct Claimed {
-    #[diesel(sql_type = Text)]
-    message_key: String,
-    #[diesel(sql_type = Integer)]
-    attempts: i32,
-}
-
-/// The claim statement on PostgreSQL: the whole batch in one statement over arrays,
-/// one text whatever the batch size, so it stays prepared (a multi-row VALUES list
-/// would be parsed and planned anew for every batch, 10 parameters a row).
+/// The claim statement on PostgreSQL: the whole batch in one statement, over arrays
+/// (one text whatever the batch size), or over one VALUES row for a lone message
+/// (cheaper for the server than unpacking arrays).
+///
+/// Written as a query fragment whose parameters diesel numbers itself, so that it is
+/// safe to cache and every connection prepares each form once. Diesel's `sql_query`
+/// is never cached, nor is its upsert DSL: the server would parse, rewrite and plan
+/// the statement for every batch, which at one message per batch is most of its work.
 ///
 /// The conflict condition is the one every backend uses (see `ops.rs`): a row is
 /// ours if it is new, or failed/started with the same payload digest and due. Rows
 /// are inserted in the order given (sorted by key).
+struct ClaimStatement<'a> {
+    group: &'a str,
+    rows: &'a [ClaimRow<'a>],
+    columns: Option<ClaimColumns<'a>>,
+    now: DateTime<Utc>,
+}
+
+/// A batch as one array per column, for `unnest`.
+struct ClaimColumns<'a> {
+    keys: Vec<&'a str>,
+    types: Vec<&'a str>,
+    tenants: Vec<Option<&'a str>>,
+    digests: Vec<&'a [u8]>,
+}
+
+impl QueryId for ClaimStatement<'_> {
+    type QueryId = ();
+    // Two texts: diesel's cache keys them by their SQL.
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl Query for ClaimStatement<'_> {
+    type SqlType = (Text, Integer);
+}
+
+impl RunQueryDsl<PgConnection> for ClaimStatement<'_> {}
+
+impl QueryFragment<Pg> for ClaimStatement<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "INSERT INTO inbox_claims (consumer_group, message_key, message_type, tenant, \
+                 payload_digest, status, attempts, starts, first_seen_at, updated_at) ",
+        );
+        match (&self.columns, self.rows) {
+            (Some(c), _) => {
+                out.push_sql("SELECT ");
+                out.push_bind_param::<Text, _>(&self.group)?;
+                out.push_sql(
+                    ", k.message_key, k.message_type, k.tenant, k.payload_digest, 'done', 0, 0, ",
+                );
+                out.push_bind_param::<Timestamptz, _>(&self.now)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Timestamptz, _>(&self.now)?;
+                out.push_sql(" FROM unnest(");
+                out.push_bind_param::<Array<Text>, _>(&c.keys)?;
+                out.push_sql("::text[], ");
+                out.push_bind_param::<Array<Text>, _>(&c.types)?;
+                out.push_sql("::text[], ");
+                out.push_bind_param::<Array<Nullable<Text>>, _>(&c.tenants)?;
+                out.push_sql("::text[], ");
+                out.push_bind_param::<Array<Binary>, _>(&c.digests)?;
+                out.push_sql("::bytea[]) AS k(message_key, message_type, tenant, payload_digest)");
+            }
+            (None, [row]) => {
+                out.push_sql("VALUES (");
+                out.push_bind_param::<Text, _>(&self.group)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Text, _>(&row.key)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Text, _>(&row.message_type)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Nullable<Text>, _>(&row.tenant)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Binary, _>(&row.digest)?;
+                out.push_sql(", 'done', 0, 0, ");
+                out.push_bind_param::<Timestamptz, _>(&self.now)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Timestamptz, _>(&self.now)?;
+                out.push_sql(")");
+            }
+            (None, rows) => {
+                return Err(diesel::result::Error::QueryBuilderError(
+                    format!("a claim of {} rows needs its columns", rows.len()).into(),
+                ))
+            }
+        }
+        out.push_sql(
+            " ON CONFLICT (consumer_group, message_key) DO UPDATE \
+                 SET status = 'done', payload = NULL, updated_at = EXCLUDED.updated_at \
+                 WHERE inbox_claims.status IN ('failed', 'started') \
+                   AND inbox_claims.payload_digest = EXCLUDED.payload_digest \
+                   AND (inbox_claims.next_attempt_at IS NULL OR inbox_claims.next_attempt_at <= ",
+        );
+        out.push_bind_param::<Timestamptz, _>(&self.now)?;
+        out.push_sql(") RETURNING message_key, attempts");
+        Ok(())
+    }
+}
+
+/// Runs the claim statement; returns (key, attempts) of the rows now owned.
 pub(crate) fn claim(
     conn: &mut PgConnection,
     group: &ConsumerGroup,
     rows: &[ClaimRow<'_>],
     now: DateTime<Utc>,
 ) -> QueryResult<Vec<(String, i32)>> {
-    let keys: Vec<&str> = rows.iter().map(|r| r.key).collect();
-    let types: Vec<&str> = rows.iter().map(|r| r.message_type).collect();
-    let tenants: Vec<Option<&str>> = rows.iter().map(|r| r.tenant).collect();
-    let digests: Vec<&[u8]> = rows.iter().map(|r| r.digest).collect();
-    let claimed: Vec<Claimed> = diesel::sql_query(
-        "INSERT INTO inbox_claims (consumer_group, message_key, message_type, tenant, \
-             payload_digest, status, attempts, starts, first_seen_at, updated_at) \
-         SELECT $1, k.message_key, k.message_type, k.tenant, k.payload_digest, 'done', 0, 0, $5, $5 \
-         FROM unnest($2::text[], $3::text[], $4::text[], $6::bytea[]) \
-             AS k(message_key, message_type, tenant, payload_digest) \
-         ON CONFLICT (consumer_group, message_key) DO UPDATE \
-             SET status = 'done', payload = NULL, updated_at = EXCLUDED.updated_at \
-             WHERE inbox_claims.status IN ('failed', 'started') \
-               AND inbox_claims.payload_digest = EXCLUDED.payload_digest \
-               AND (inbox_claims.next_attempt_at IS NULL OR inbox_claims.next_attempt_at <= $5) \
-         RETURNING message_key, attempts",
-    )
-    .bind::<Text, _>(group.as_str())
-    .bind::<Array<Text>, _>(keys)
-    .bind::<Array<Text>, _>(types)
-    .bind::<Array<Nullable<Text>>, _>(tenants)
-    .bind::<Timestamptz, _>(now)
-    .bind::<Array<Binary>, _>(digests)
-    .load(conn)?;
-    Ok(claimed
-        .into_iter()
-        .map(|c| (c.message_key, c.attempts))
-        .collect())
+    let columns = (rows.len() != 1).then(|| ClaimColumns {
+        keys: rows.iter().map(|r| r.key).collect(),
+        types: rows.iter().map(|r| r.message_type).collect(),
+        tenants: rows.iter().map(|r| r.tenant).collect(),
+        digests: rows.iter().map(|r| r.digest).collect(),
+    });
+    ClaimStatement {
+        group: group.as_str(),
+        rows,
+        columns,
+        now,
+    }
+    .load(conn)
 }
 
 /// The claim table of the store's own schema: the first schema of its search path.
@@ -165,7 +241,12 @@ impl Sealed for PgConnection {
                           LEFT JOIN pg_attribute a \
                             ON a.attrelid = i.indrelid AND a.attnum = k.attnum AND k.attnum > 0 \
                           WHERE k.ord <= i.indnkeyatts \
-                          ORDER BY k.ord) AS columns \
+                          ORDER BY k.ord) AS columns, \
+                    (SELECT c.collname::text \
+                     FROM unnest(i.indcollation::oid[]) WITH ORDINALITY AS k(coll, ord) \
+                     JOIN pg_collation c ON c.oid = k.coll \
+                     WHERE k.ord <= i.indnkeyatts AND NOT c.collisdeterministic \
+                     ORDER BY k.ord LIMIT 1) AS loose_collation \
              FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
              WHERE i.indrelid = {CLAIMS} ORDER BY ic.relname"
         ))
@@ -185,6 +266,7 @@ impl Sealed for PgConnection {
                     unique: i.is_unique,
                     partial: i.is_partial,
                     columns: i.columns,
+                    loose_collation: i.loose_collation,
                 })
                 .collect(),
             columns: columns.into_iter().map(|c| (c.name, c.not_null)).collect(),
