@@ -27,6 +27,8 @@ struct IndexRow {
 struct IndexColumnRow {
     #[diesel(sql_type = Nullable<Text>)]
     name: Option<String>,
+    #[diesel(sql_type = Text)]
+    coll: String,
 }
 
 #[derive(QueryableByName)]
@@ -84,17 +86,26 @@ impl Sealed for SqliteConnection {
         .load(conn)?;
         let mut indexes = Vec::with_capacity(rows.len());
         for row in rows {
-            // Key columns only (pragma_index_info leaves out a WITHOUT ROWID table's
-            // appended primary key columns); an expression has no name.
-            let cols: Vec<IndexColumnRow> =
-                diesel::sql_query("SELECT name FROM pragma_index_info(?) ORDER BY seqno")
-                    .bind::<Text, _>(&row.name)
-                    .load(conn)?;
+            // Key columns only (not the rowid or a WITHOUT ROWID table's appended
+            // primary key columns); an expression has no name.
+            let cols: Vec<IndexColumnRow> = diesel::sql_query(
+                "SELECT name, coll FROM pragma_index_xinfo(?) WHERE key = 1 ORDER BY seqno",
+            )
+            .bind::<Text, _>(&row.name)
+            .load(conn)?;
+            // NOCASE, RTRIM or an application's collation: equal keys that differ
+            // in bytes.
+            let loose_collation = cols
+                .iter()
+                .map(|c| &c.coll)
+                .find(|coll| !coll.eq_ignore_ascii_case("BINARY"))
+                .cloned();
             indexes.push(IndexInfo {
                 name: row.name,
                 unique: row.is_unique != 0,
                 partial: row.is_partial != 0,
                 columns: cols.into_iter().map(|c| c.name).collect(),
+                loose_collation,
             });
         }
         Ok(Catalog {

@@ -12,6 +12,9 @@ pub struct IndexInfo {
     pub partial: bool,
     /// Key columns in index order; `None` for an expression.
     pub columns: Vec<Option<String>>,
+    /// A key column's collation under which keys that differ in bytes are equal
+    /// (non-deterministic on PostgreSQL, anything but BINARY on SQLite), if any.
+    pub loose_collation: Option<String>,
 }
 
 /// What the live catalog says about the claim table.
@@ -32,8 +35,13 @@ fn describe(index: &IndexInfo) -> String {
         .iter()
         .map(|c| c.as_deref().unwrap_or("<expression>"))
         .collect();
+    let collation = index
+        .loose_collation
+        .as_deref()
+        .map(|c| format!(" collate {c}"))
+        .unwrap_or_default();
     format!(
-        "{}unique ({}) [{}]",
+        "{}unique ({}){collation} [{}]",
         if index.partial { "partial " } else { "" },
         cols.join(", "),
         index.name
@@ -52,10 +60,12 @@ fn covers_key(index: &IndexInfo) -> bool {
 }
 
 /// Whether the index is exactly the claim key: unique, not partial, no expression,
-/// the same column set.
+/// the same column set, and keys equal only when their bytes are (a case-folding
+/// collation would make the index refuse a key the lookup tells apart).
 fn is_claim_key(index: &IndexInfo) -> bool {
     index.unique
         && !index.partial
+        && index.loose_collation.is_none()
         && index.columns.len() == ClaimKey::COLUMNS.len()
         && covers_key(index)
 }
@@ -104,7 +114,10 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
     };
     if !unique.iter().any(|i| is_claim_key(i)) {
         return Err(mismatch(
-            format!("unique {} without predicate or expression", key_list()),
+            format!(
+                "unique {} without predicate, expression or non-deterministic collation",
+                key_list()
+            ),
             found_all(),
         ));
     }
@@ -136,6 +149,7 @@ mod tests {
                 .iter()
                 .map(|c| (*c != "<expr>").then(|| c.to_string()))
                 .collect(),
+            loose_collation: None,
         }
     }
 
@@ -173,7 +187,19 @@ mod tests {
         assert_eq!(
             err,
             "claim index mismatch: expected unique (consumer_group, message_key) without \
-             predicate or expression, found unique (tenant, message_key) [t] on s.inbox_claims"
+             predicate, expression or non-deterministic collation, found unique \
+             (tenant, message_key) [t] on s.inbox_claims"
+        );
+    }
+
+    #[test]
+    fn refuses_a_case_folding_collation_and_names_it() {
+        let mut folded = index("pk", &["consumer_group", "message_key"], false);
+        folded.loose_collation = Some("NOCASE".into());
+        let err = check(&catalog(vec![folded])).unwrap_err().to_string();
+        assert!(
+            err.contains("found unique (consumer_group, message_key) collate NOCASE [pk]"),
+            "{err}"
         );
     }
 

@@ -82,6 +82,17 @@ const SABOTAGES: &[Sabotage] = &[
         sqlite: "CREATE UNIQUE INDEX lowered ON inbox_claims (consumer_group, lower(message_key));",
         found: "found unique (consumer_group, <expression>) [lowered]",
     },
+    Sabotage {
+        name: "case-insensitive collation",
+        postgres: "CREATE COLLATION folded_case
+                       (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+                   ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX folded ON inbox_claims
+                       (consumer_group, message_key COLLATE folded_case);",
+        sqlite: "CREATE UNIQUE INDEX folded ON inbox_claims
+                     (consumer_group, message_key COLLATE NOCASE);",
+        found: "found unique (consumer_group, message_key) collate ",
+    },
 ];
 
 fn refuses_each_sabotage<F: Fixture>(new: impl Fn() -> F, sql: impl Fn(&Sabotage) -> String) {
@@ -132,7 +143,8 @@ fn sqlite_refuses_sabotaged_claim_indexes() {
         | "unique (message_key) alone"
         | "partial unique (consumer_group, message_key)"
         | "no unique index"
-        | "expression index" => format!("{SQLITE_TABLE}{}", s.sqlite),
+        | "expression index"
+        | "case-insensitive collation" => format!("{SQLITE_TABLE}{}", s.sqlite),
         _ => s.sqlite.to_owned(),
     });
 }
