@@ -152,6 +152,33 @@ impl QueryFragment<Pg> for ClaimStatement<'_> {
     }
 }
 
+/// A projection's transaction-scoped advisory lock, shared or exclusive: prepared
+/// once per connection like the claim, since a folding batch takes it every time.
+struct LockStatement {
+    id: i64,
+    exclusive: bool,
+}
+
+impl QueryId for LockStatement {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl RunQueryDsl<PgConnection> for LockStatement {}
+
+impl QueryFragment<Pg> for LockStatement {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(if self.exclusive {
+            "SELECT pg_advisory_xact_lock("
+        } else {
+            "SELECT pg_advisory_xact_lock_shared("
+        });
+        out.push_bind_param::<BigInt, _>(&self.id)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
 /// Runs the claim statement; returns (key, attempts) of the rows now owned.
 pub(crate) fn claim(
     conn: &mut PgConnection,
@@ -282,13 +309,8 @@ impl Sealed for PgConnection {
     }
 
     fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()> {
-        for (id, exclusive) in locks {
-            let sql = if *exclusive {
-                "SELECT pg_advisory_xact_lock($1)"
-            } else {
-                "SELECT pg_advisory_xact_lock_shared($1)"
-            };
-            diesel::sql_query(sql).bind::<BigInt, _>(id).execute(conn)?;
+        for &(id, exclusive) in locks {
+            LockStatement { id, exclusive }.execute(conn)?;
         }
         Ok(())
     }
