@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use chrono::NaiveDate;
 use diesel::connection::SimpleConnection;
+use diesel::pg::Pg;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Date};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
@@ -108,19 +110,46 @@ usage_db!(
 
 /// One multi-row upsert: a single round trip whatever the batch size.
 fn pg_add_rows(conn: &mut PgConnection, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()> {
-    let users: Vec<i64> = rows.iter().map(|r| r.0).collect();
-    let days: Vec<NaiveDate> = rows.iter().map(|r| r.1).collect();
-    let amounts: Vec<i64> = rows.iter().map(|r| r.2).collect();
-    diesel::sql_query(
-        "INSERT INTO daily_usage (user_id, day, total) \
-         SELECT * FROM unnest($1::bigint[], $2::date[], $3::bigint[]) \
-         ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
-    )
-    .bind::<Array<BigInt>, _>(users)
-    .bind::<Array<Date>, _>(days)
-    .bind::<Array<BigInt>, _>(amounts)
+    AddRows {
+        users: rows.iter().map(|r| r.0).collect(),
+        days: rows.iter().map(|r| r.1).collect(),
+        amounts: rows.iter().map(|r| r.2).collect(),
+    }
     .execute(conn)
     .map(|_| ())
+}
+
+/// The upsert of [`pg_add_rows`] as a query fragment rather than `sql_query`: diesel
+/// prepares a statement once per connection only when it can tell the text never
+/// changes, which raw SQL and its upsert DSL never promise. Written this way (diesel
+/// numbers the binds) the server parses and plans it once, not for every batch.
+struct AddRows {
+    users: Vec<i64>,
+    days: Vec<NaiveDate>,
+    amounts: Vec<i64>,
+}
+
+impl QueryId for AddRows {
+    type QueryId = Self;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl RunQueryDsl<PgConnection> for AddRows {}
+
+impl QueryFragment<Pg> for AddRows {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO daily_usage (user_id, day, total) SELECT * FROM unnest(");
+        out.push_bind_param::<Array<BigInt>, _>(&self.users)?;
+        out.push_sql("::bigint[], ");
+        out.push_bind_param::<Array<Date>, _>(&self.days)?;
+        out.push_sql("::date[], ");
+        out.push_bind_param::<Array<BigInt>, _>(&self.amounts)?;
+        out.push_sql(
+            "::bigint[]) ON CONFLICT (user_id, day) \
+             DO UPDATE SET total = daily_usage.total + excluded.total",
+        );
+        Ok(())
+    }
 }
 
 /// SQLite runs in-process: a statement per row costs no round trip.
