@@ -1,7 +1,7 @@
 //! `cargo run --release --example bench_consume`: consumer throughput, in one run.
 //!
 //! 20,000 usage events with 10% duplicates, pre-filled into a quorum queue, consumed
-//! into PostgreSQL (fsync as the server has it) by 4 workers (`BENCH_WORKERS`), six ways:
+//! into PostgreSQL (fsync as the server has it) by 4 workers, six ways:
 //!
 //! - the runtime, batch size 1, one handler call per event;
 //! - the runtime, batches of 100, one handler call per event;
@@ -10,9 +10,21 @@
 //! - a hand-written batched loop: one upsert per event, one commit, one multiple ack;
 //! - no database at all (the broker ceiling): one multiple ack per batch.
 //!
-//! Prints deliveries/s for each, the ratios the project aims at, and the process's
-//! peak RSS. `DATABASE_URL` and `AMQP_URL` as for the tests; `BENCH_EVENTS` changes
-//! the event count. Every run uses fresh schemas and queue names and removes them.
+//! Each scenario's clock runs from its first delivery to its last ack (connecting,
+//! declaring and filling are not timed), after a pause that lets the broker finish
+//! writing the filled queue. Rounds run every scenario in turn; the report gives the
+//! median rate of each and the median and range of the ratios taken within a round,
+//! since this machine is shared and a slow spell should fall on both sides of a
+//! ratio. Last, the folding consumer runs alone in a child process (this binary
+//! again) to measure its own peak RSS.
+//!
+//! Environment: `DATABASE_URL`, `AMQP_URL` as for the tests; `BENCH_EVENTS`
+//! (deliveries, default 20,000), `BENCH_WORKERS` (4), `BENCH_BATCH` (100; prefetch is
+//! twice that), `BENCH_ROUNDS` (3), `BENCH_SETTLE_MS` (1000), `BENCH_ONLY` (a comma
+//! list of `ceiling,hand_single,hand_batched,rt_single,rt_batched,rt_fold,rss`), and
+//! `BENCH_PERF_CTL=<fifo>` to profile only the consume windows with
+//! `perf record -D -1 --control fifo:<fifo>`. Every run uses fresh schemas and queue
+//! names and removes them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -90,6 +102,8 @@ struct Bench {
     run: String,
     workload: Workload,
     order: Vec<usize>,
+    /// Highest peak RSS seen while a runtime scenario ran.
+    runtime_peak_kib: Mutex<u64>,
 }
 
 impl Bench {
@@ -143,39 +157,22 @@ impl Bench {
         let returned = channel.wait_for_confirms().await.expect("confirms");
         assert!(returned.is_empty(), "unroutable during fill");
         let _ = channel.close(200, "filled".into()).await;
+        // The broker keeps writing what it just confirmed (a quorum queue moves its log
+        // into segment files) for a while: let that finish before any clock starts.
+        tokio::time::sleep(settle()).await;
     }
 
     async fn runtime(&self, name: &str, batch: usize, fold: bool) -> f64 {
         let (schema, _) = self.fresh_schema(name);
-        let mut builder = Store::<PgConnection>::builder(self.db_url.clone())
-            .schema(schema)
-            .pool_size(self.workers as u32 + 1);
-        builder = if fold {
-            builder.handler(DailyUsage::new(RetryPolicy::default()))
-        } else {
-            builder.handler(PerEvent {
-                group: ConsumerGroup::new(GROUP).expect("group"),
-                serialized: batch > 1,
-            })
-        };
-        let store = builder.build().expect("store");
-        store
-            .connection()
-            .expect("conn")
-            .create_daily_usage()
-            .expect("table");
-        let store = Arc::new(store);
-        let topology = Topology::new("bench")
-            .expect("topology")
-            .prefix(format!("{}.{name}.", self.run))
-            .expect("prefix");
-        let consumer = Consumer::new(self.amqp_url.clone(), Arc::clone(&store), topology)
-            .with_settings(
-                ConsumerSettings::default()
-                    .workers(self.workers)
-                    .prefetch(prefetch())
-                    .batch(batch, Duration::from_millis(5)),
-            );
+        let (store, consumer) = runtime_consumer(
+            &self.db_url,
+            &self.amqp_url,
+            &schema,
+            &format!("{}.{name}.", self.run),
+            self.workers,
+            batch,
+            fold,
+        );
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
             .expect("amqp");
@@ -187,6 +184,7 @@ impl Bench {
         let stats = consumer.stats();
         let total = self.order.len() as u64;
         let shutdown = CancellationToken::new();
+        reset_peak_rss();
         let spawned = Instant::now();
         let running = tokio::spawn(consumer.run(shutdown.clone()));
         // The clock starts at the first delivery, as in the hand-written loops:
@@ -214,6 +212,10 @@ impl Bench {
         perf_control("disable");
         shutdown.cancel();
         running.await.expect("join").expect("consumer");
+        if let Some(kib) = peak_rss_kib() {
+            let mut peak = self.runtime_peak_kib.lock().expect("peak");
+            *peak = (*peak).max(kib);
+        }
         let s = stats.snapshot();
         eprintln!(
             "  {name}: {} batches, {:.1} deliveries each",
@@ -416,6 +418,16 @@ fn perf_control(command: &str) {
     }
 }
 
+/// Pause after filling a queue (`BENCH_SETTLE_MS`, default 1000).
+fn settle() -> Duration {
+    Duration::from_millis(
+        std::env::var("BENCH_SETTLE_MS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1000),
+    )
+}
+
 fn prefetch() -> u16 {
     u16::try_from(2 * batch_size()).unwrap_or(u16::MAX)
 }
@@ -430,6 +442,145 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
+/// The store and consumer of a runtime scenario (in the bench, or in the child
+/// process that measures the consumer's own memory).
+fn runtime_consumer(
+    db_url: &str,
+    amqp_url: &str,
+    schema: &str,
+    prefix: &str,
+    workers: usize,
+    batch: usize,
+    fold: bool,
+) -> (Arc<Store<PgConnection>>, Consumer<Store<PgConnection>>) {
+    let mut builder = Store::<PgConnection>::builder(db_url.to_owned())
+        .schema(schema)
+        .pool_size(workers as u32 + 1);
+    builder = if fold {
+        builder.handler(DailyUsage::new(RetryPolicy::default()))
+    } else {
+        builder.handler(PerEvent {
+            group: ConsumerGroup::new(GROUP).expect("group"),
+            serialized: batch > 1,
+        })
+    };
+    let store = builder.build().expect("store");
+    store
+        .connection()
+        .expect("conn")
+        .create_daily_usage()
+        .expect("table");
+    let store = Arc::new(store);
+    let topology = Topology::new("bench")
+        .expect("topology")
+        .prefix(prefix)
+        .expect("prefix");
+    let consumer = Consumer::new(amqp_url.to_owned(), Arc::clone(&store), topology).with_settings(
+        ConsumerSettings::default()
+            .workers(workers)
+            .prefetch(prefetch())
+            .batch(batch, Duration::from_millis(5)),
+    );
+    (store, consumer)
+}
+
+/// `BENCH_CHILD=<schema> <prefix> <deliveries>`: the folding consumer alone in a
+/// process, over a queue the parent filled; prints its peak RSS when done.
+async fn child_consumer(spec: &str, db_url: &str, amqp_url: &str, workers: usize) {
+    let parts: Vec<&str> = spec.split(' ').collect();
+    let [schema, prefix, total] = parts[..] else {
+        panic!("BENCH_CHILD: expected <schema> <prefix> <deliveries>, found {spec:?}");
+    };
+    let total: u64 = total.parse().expect("deliveries");
+    let (_store, consumer) = runtime_consumer(
+        db_url,
+        amqp_url,
+        schema,
+        prefix,
+        workers,
+        batch_size(),
+        true,
+    );
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    loop {
+        let s = stats.snapshot();
+        if s.processed + s.duplicates >= total {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    running.await.expect("join").expect("consumer");
+    println!("peak_rss_kib {}", peak_rss_kib().expect("VmHWM"));
+}
+
+impl Bench {
+    /// The folding consumer in a process of its own (this binary again, as
+    /// `BENCH_CHILD`): its peak RSS, without the workload and the other scenarios.
+    async fn consumer_rss_kib(&self) -> u64 {
+        let name = "rss";
+        let (schema, _) = self.fresh_schema(name);
+        let prefix = format!("{}.{name}.", self.run);
+        let (store, consumer) = runtime_consumer(
+            &self.db_url,
+            &self.amqp_url,
+            &schema,
+            &prefix,
+            self.workers,
+            batch_size(),
+            true,
+        );
+        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .expect("amqp");
+        consumer.topology().declare(&conn).await.expect("declare");
+        self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
+            .await;
+        let exe = std::env::current_exe().expect("own path");
+        let spec = format!("{schema} {prefix} {}", self.order.len());
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new(exe)
+                .env("BENCH_CHILD", spec)
+                .output()
+                .expect("child consumer")
+        })
+        .await
+        .expect("join");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "child consumer: {}\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let kib = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("peak_rss_kib "))
+            .and_then(|n| n.parse().ok())
+            .expect("the child printed its peak RSS");
+        let found = store
+            .connection()
+            .expect("conn")
+            .daily_totals()
+            .expect("totals");
+        assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
+        consumer
+            .topology()
+            .delete(&conn)
+            .await
+            .expect("delete topology");
+        self.drop_schema(name);
+        kib
+    }
+}
+
+/// Resets the process's peak RSS to its current RSS (Linux: `clear_refs` 5).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 fn peak_rss_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -442,6 +593,14 @@ async fn main() {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
     let amqp_url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let workers: usize = std::env::var("BENCH_WORKERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(4);
+    if let Ok(spec) = std::env::var("BENCH_CHILD") {
+        child_consumer(&spec, &db_url, &amqp_url, workers).await;
+        return;
+    }
     let events: usize = std::env::var("BENCH_EVENTS")
         .ok()
         .and_then(|n| n.parse().ok())
@@ -460,10 +619,6 @@ async fn main() {
         order.push(order.len() % unique);
     }
     let run = format!("bench_{}", std::process::id());
-    let workers: usize = std::env::var("BENCH_WORKERS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(4);
     let bench = Bench {
         workers,
         db_url,
@@ -471,6 +626,7 @@ async fn main() {
         run,
         workload,
         order,
+        runtime_peak_kib: Mutex::new(0),
     };
     {
         let mut conn = PgConnection::establish(&bench.db_url).expect("connect");
@@ -497,7 +653,8 @@ async fn main() {
         );
     }
 
-    // BENCH_ONLY=rt_single,hand_single runs a subset (the others print as 0).
+    // BENCH_ONLY=rt_single,hand_single runs a subset (the others print as 0); `rss`
+    // is the consumer's own memory, measured once after the rounds.
     let only = std::env::var("BENCH_ONLY").ok();
     let wanted = |name: &str| {
         only.as_deref()
@@ -538,6 +695,11 @@ async fn main() {
             rates.entry(name).or_default().push(rate);
         }
     }
+    let consumer_rss = if wanted("rss") {
+        Some(bench.consumer_rss_kib().await)
+    } else {
+        None
+    };
     let rate = |name: &str| rates.get(name).map_or(0.0, |r| median(r.clone()));
 
     println!();
@@ -597,10 +759,18 @@ async fn main() {
             median(ratios)
         );
     }
-    if let Some(kib) = peak_rss_kib() {
+    if let Some(kib) = consumer_rss {
         println!(
-            "peak RSS of the whole bench process: {:.1} MiB (aim for the consumer < 64)",
+            "peak RSS of the folding consumer in a process of its own: {:.1} MiB (aim < 64)",
             kib as f64 / 1024.0
+        );
+    }
+    let runtime_peak = *bench.runtime_peak_kib.lock().expect("peak");
+    if runtime_peak > 0 {
+        println!(
+            "peak RSS of this process while the runtime consumed: {:.1} MiB \
+             (with the workload and what earlier scenarios left)",
+            runtime_peak as f64 / 1024.0
         );
     }
 }
