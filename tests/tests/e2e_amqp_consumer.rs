@@ -376,60 +376,117 @@ async fn topology_declares_idempotently_and_names_conflicts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delivery_limit_dead_letters_are_recorded_with_a_dead_claim() {
+async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_it() {
+    use futures_lite::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+
     let Some(setup) = Setup::new() else { return };
     let store = setup.store(DailyUsage::new(RetryPolicy::default()));
     let conn = amqp::connect(&setup.url).await;
+    // A low backstop, so that a few returns reach it.
     let topology = setup
         .topology
         .clone()
+        .delivery_limit(2)
         .group(setup.group.clone(), [MESSAGE_TYPE]);
     topology.declare(&conn).await.unwrap();
-    // Put a message straight on the dead-letter queue, as the broker does at the limit.
+    let queue = topology.queue(&setup.group);
     let channel = confirm_channel(&conn).await;
-    let good = body(&UsageRecorded {
-        user_id: 3,
+    let event = body(&UsageRecorded {
+        user_id: 4,
         day: NaiveDate::from_ymd_opt(2026, 11, 30).unwrap(),
-        amount: 9,
+        amount: 12,
     });
-    let mut headers = lapin::types::FieldTable::default();
-    headers.insert(
-        "x-first-death-reason".into(),
-        lapin::types::AMQPValue::LongString("delivery_limit".into()),
-    );
-    channel
-        .basic_publish(
-            "".into(),
-            topology.dlq(&setup.group).as_str().into(),
-            lapin::options::BasicPublishOptions::default(),
-            &good,
-            lapin::BasicProperties::default()
-                .with_message_id("limited".into())
-                .with_type(MESSAGE_TYPE.into())
-                .with_headers(headers),
+    publish(
+        &channel,
+        &topology.exchange(),
+        &Outgoing {
+            message_id: Some("returned-again-and-again"),
+            message_type: MESSAGE_TYPE,
+            body: &event,
+            tenant: None,
+        },
+    )
+    .await;
+    wait_for_confirms(&channel).await;
+
+    // A consumer that hands the message back every time, as one that keeps dying on
+    // it would: the broker counts each return and dead-letters past the limit.
+    let returner = conn.create_channel().await.unwrap();
+    returner
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut deliveries = returner
+        .basic_consume(
+            queue.as_str().into(),
+            "returner".into(),
+            BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
         )
         .await
         .unwrap();
-    wait_for_confirms(&channel).await;
-    let consumer = setup.consumer(Arc::clone(&store));
+    let mut returns = 0;
+    while let Ok(Some(delivery)) = tokio::time::timeout(ms(2000), deliveries.next()).await {
+        let delivery = delivery.unwrap();
+        returner
+            .basic_nack(
+                delivery.delivery_tag,
+                BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                },
+            )
+            .await
+            .unwrap();
+        returns += 1;
+        assert!(returns <= 10, "the broker never applied its delivery limit");
+    }
+    let _ = returner.close(200, "returned".into()).await;
+    // "Delivered unsuccessfully more than 2 times": the third return dead-letters it.
+    assert_eq!(returns, 3);
+    assert_eq!(queue_depth(&conn, &queue).await, 0);
+    // At-least-once dead-lettering moves it to the group's dead-letter queue.
+    let dlq = topology.dlq(&setup.group);
+    let mut in_dlq = 0;
+    for _ in 0..100 {
+        in_dlq = queue_depth(&conn, &dlq).await;
+        if in_dlq > 0 {
+            break;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert_eq!(in_dlq, 1);
+
+    let consumer = Consumer::new(setup.url.clone(), Arc::clone(&store), topology.clone())
+        .with_settings(ConsumerSettings::default().workers(1));
     let stats = run_until(consumer, Duration::from_secs(30), |s| s.delivery_limit >= 1).await;
     assert_eq!(stats.delivery_limit, 1);
+    assert_eq!(stats.processed, 0, "the message never reached a handler");
     let dead = store.dead_letters(&setup.group).unwrap();
     assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].key, "returned-again-and-again");
     assert_eq!(dead[0].reason, "delivery_limit");
-    assert!(dead[0]
-        .last_error
-        .as_deref()
-        .unwrap()
-        .contains("delivery_limit"));
+    assert_eq!(dead[0].payload, event);
+    // The broker's own reason, from the x-first-death-reason header it set.
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("(delivery_limit)"),
+        "{:?}",
+        dead[0].last_error
+    );
     let claim = store
         .claim(&inbox_core::ClaimKey::new(
             setup.group.clone(),
-            inbox_core::MessageKey::new("limited").unwrap(),
+            inbox_core::MessageKey::new("returned-again-and-again").unwrap(),
         ))
         .unwrap()
         .unwrap();
     assert_eq!(claim.status, ClaimStatus::Dead);
-    assert_eq!(queue_depth(&conn, &topology.dlq(&setup.group)).await, 0);
+    assert!(totals(&store).is_empty(), "nothing was applied");
+    assert_eq!(queue_depth(&conn, &dlq).await, 0);
     setup.cleanup().await;
 }
