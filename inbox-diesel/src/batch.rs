@@ -90,6 +90,9 @@ impl From<Error> for TxError {
     }
 }
 
+/// A handler as the store holds it.
+type SharedHandler<C> = Arc<dyn DynHandler<C>>;
+
 /// One handler's share of an optimistic run: (delivery index, context) each.
 type HandlerRun<'h, 'e, C> = (&'h Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'e>)>);
 
@@ -203,24 +206,49 @@ fn copy_decision(first: &Decision) -> Decision {
     }
 }
 
-fn record_metrics(group: &ConsumerGroup, decision: &Decision) {
+/// Counts a batch's decisions by outcome once they are committed: one increment per
+/// counter and batch, not one per delivery (each carries the group label, built once
+/// here). Counting inside the transaction would count twice whatever an isolated
+/// rerun or a retry after a deadlock decides again.
+fn record_metrics(group: &ConsumerGroup, decisions: &[Decision]) {
+    let (mut processed, mut duplicates, mut retried) = (0u64, 0u64, 0u64);
+    let (mut collisions, mut violations) = (0u64, 0u64);
+    let mut dead: Vec<(DeadLetterReason, u64)> = Vec::new();
+    for decision in decisions {
+        match decision {
+            Decision::Processed => processed += 1,
+            Decision::Duplicate | Decision::AlreadyDeadLettered => duplicates += 1,
+            Decision::RetryAfter(_) => retried += 1,
+            Decision::DeadLettered(reason) => {
+                if *reason == DeadLetterReason::KeyCollision {
+                    collisions += 1;
+                }
+                match dead.iter_mut().find(|(r, _)| r == reason) {
+                    Some((_, n)) => *n += 1,
+                    None => dead.push((*reason, 1)),
+                }
+            }
+            Decision::Stop(_) => violations += 1,
+            _ => {}
+        }
+    }
     let group = group.to_string();
-    match decision {
-        Decision::Processed => {
-            metrics::counter!("inbox_processed_total", "group" => group).increment(1)
+    for (name, n) in [
+        ("inbox_processed_total", processed),
+        ("inbox_duplicates_total", duplicates),
+        ("inbox_retried_total", retried),
+        ("inbox_key_collisions_total", collisions),
+        ("inbox_phantom_conflicts_total", violations),
+    ] {
+        if n > 0 {
+            metrics::counter!(name, "group" => group.clone()).increment(n);
         }
-        Decision::Duplicate | Decision::AlreadyDeadLettered => {
-            metrics::counter!("inbox_duplicates_total", "group" => group).increment(1)
-        }
-        Decision::RetryAfter(_) => {
-            metrics::counter!("inbox_retried_total", "group" => group).increment(1)
-        }
-        Decision::DeadLettered(reason) => metrics::counter!(
-            "inbox_dead_lettered_total", "group" => group, "reason" => reason.as_str()
+    }
+    for (reason, n) in dead {
+        metrics::counter!(
+            "inbox_dead_lettered_total", "group" => group.clone(), "reason" => reason.as_str()
         )
-        .increment(1),
-        Decision::Stop(_) => {}
-        _ => {}
+        .increment(n);
     }
 }
 
@@ -237,14 +265,24 @@ impl<C: StoreConnection> Inner<C> {
         let mut copies = Vec::new();
         let mut fresh = Vec::new();
         let mut redelivered = Vec::new();
+        // The handler of each message type, looked up once per batch.
+        let mut by_type: Vec<(&str, Option<&SharedHandler<C>>)> = Vec::new();
         for (idx, env) in batch.iter().enumerate() {
+            let handler = match by_type.iter().find(|(t, _)| *t == env.message_type) {
+                Some(&(_, handler)) => handler,
+                None => {
+                    let handler = self
+                        .handlers
+                        .get(&(group.clone(), env.message_type.clone()));
+                    by_type.push((&env.message_type, handler));
+                    handler
+                }
+            };
             let delivery = Delivery {
                 idx,
                 env,
                 digest: env.payload_digest(),
-                handler: self
-                    .handlers
-                    .get(&(group.clone(), env.message_type.clone())),
+                handler,
             };
             match first_copy.entry(&env.message_key) {
                 // A multi-row upsert cannot touch a row twice: claim each key once.
@@ -305,8 +343,8 @@ impl<C: StoreConnection> Inner<C> {
                 d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
             })
             .collect::<Result<_>>()?;
+        record_metrics(group, &decisions);
         for (env, decision) in batch.iter().zip(&decisions) {
-            record_metrics(group, decision);
             tracing::debug!(group = %group, key = %env.message_key, outcome = ?decision, "delivery decided");
         }
         Ok(decisions)
@@ -696,7 +734,6 @@ impl<C: StoreConnection> Inner<C> {
             d.env.message_key
         );
         tracing::error!(group = %group, key = %d.env.message_key, "{last_error}");
-        metrics::counter!("inbox_key_collisions_total", "group" => group.to_string()).increment(1);
         C::insert_dead_letter(
             conn,
             &dead_letter_row(
@@ -863,7 +900,6 @@ fn retryable_cause(failure: HandlerFailure) -> diesel::result::Error {
 /// loudly. Acking it as a duplicate would drop the message's effect silently.
 fn phantom(group: &ConsumerGroup, key: &MessageKey, detail: &str) -> Decision {
     tracing::error!(group = %group, key = %key, detail, "claim invariant violated: stopping the consumer group");
-    metrics::counter!("inbox_phantom_conflicts_total", "group" => group.to_string()).increment(1);
     Decision::Stop(ClaimInvariantViolated {
         group: group.clone(),
         key: key.clone(),

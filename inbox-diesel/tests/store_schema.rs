@@ -192,10 +192,16 @@ fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
     fx.execute(swallow_inserts);
 
     let g = group(GROUP);
-    let decisions = store.process_batch(&g, &[usage("ghost", 1)]).unwrap();
+    let (decisions, metrics) = inbox_test_support::metrics::capture(|| {
+        store.process_batch(&g, &[usage("ghost", 1)]).unwrap()
+    });
     let [Decision::Stop(violation)] = &decisions[..] else {
         panic!("expected a stop, got {decisions:?}");
     };
+    assert_eq!(
+        metrics.counter("inbox_phantom_conflicts_total", &[("group", GROUP)]),
+        1
+    );
     assert_eq!(violation.key.as_str(), "ghost");
     assert!(
         violation.detail.contains("no row exists"),

@@ -8,6 +8,7 @@
 pub mod amqp;
 #[cfg(feature = "testcontainers")]
 pub mod containers;
+pub mod metrics;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
