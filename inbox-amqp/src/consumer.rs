@@ -368,7 +368,10 @@ impl<S: InboxStore> Shared<S> {
         // Database work on a blocking thread: the store is synchronous.
         let store = Arc::clone(&self.store);
         let g = group.clone();
+        // The store's spans (its batch, each delivery) open inside this batch's span.
+        let parent = span.clone();
         let (malformed_done, decided) = tokio::task::spawn_blocking(move || {
+            let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
                 .into_iter()
                 .map(|(i, m)| {
@@ -387,7 +390,6 @@ impl<S: InboxStore> Shared<S> {
             };
             (malformed_done, decided)
         })
-        .instrument(span.clone())
         .await
         .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
 

@@ -41,6 +41,9 @@ struct Delivery<'a, C> {
     env: &'a Envelope,
     digest: [u8; 32],
     handler: Option<&'a Arc<dyn DynHandler<C>>>,
+    /// `inbox.delivery`: group and key from the start, the attempt once the message
+    /// is claimed, the outcome once decided; its handler runs inside it when alone.
+    span: tracing::Span,
 }
 
 impl<C> Delivery<'_, C> {
@@ -267,6 +270,18 @@ impl<C: StoreConnection> Inner<C> {
         let mut redelivered = Vec::new();
         // The handler of each message type, looked up once per batch.
         let mut by_type: Vec<(&str, Option<&SharedHandler<C>>)> = Vec::new();
+        let spans: Vec<tracing::Span> = batch
+            .iter()
+            .map(|env| {
+                tracing::debug_span!(
+                    "inbox.delivery",
+                    group = %group,
+                    key = %env.message_key,
+                    attempt = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                )
+            })
+            .collect();
         for (idx, env) in batch.iter().enumerate() {
             let handler = match by_type.iter().find(|(t, _)| *t == env.message_type) {
                 Some(&(_, handler)) => handler,
@@ -283,6 +298,7 @@ impl<C: StoreConnection> Inner<C> {
                 env,
                 digest: env.payload_digest(),
                 handler,
+                span: spans[idx].clone(),
             };
             match first_copy.entry(&env.message_key) {
                 // A multi-row upsert cannot touch a row twice: claim each key once.
@@ -344,8 +360,8 @@ impl<C: StoreConnection> Inner<C> {
             })
             .collect::<Result<_>>()?;
         record_metrics(group, &decisions);
-        for (env, decision) in batch.iter().zip(&decisions) {
-            tracing::debug!(group = %group, key = %env.message_key, outcome = ?decision, "delivery decided");
+        for (span, decision) in spans.iter().zip(&decisions) {
+            span.record("outcome", tracing::field::debug(decision));
         }
         Ok(decisions)
     }
@@ -527,11 +543,13 @@ impl<C: StoreConnection> Inner<C> {
     ) -> std::result::Result<(), TxError> {
         let mut per_handler: Vec<HandlerRun<'_, '_, C>> = Vec::new();
         for (d, attempts) in mine {
+            let attempt = attempt_number(*attempts);
+            d.span.record("attempt", attempt);
             let Some(handler) = d.handler else {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
             };
-            let ctx = MessageContext::new(d.env, group, attempt_number(*attempts), now);
+            let ctx = MessageContext::new(d.env, group, attempt, now);
             match per_handler
                 .iter_mut()
                 .find(|(h, _)| Arc::ptr_eq(h, handler))
@@ -591,9 +609,9 @@ impl<C: StoreConnection> Inner<C> {
                 }
             }
             let attempt = attempt_number(*attempts);
+            d.span.record("attempt", attempt);
             let ctx = MessageContext::new(d.env, group, attempt, now);
-            let _span = tracing::debug_span!("inbox.delivery", group = %group, key = %d.env.message_key, attempt)
-                .entered();
+            let _entered = d.span.enter();
             let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
                 let before = depth(conn).map_err(|e| match e {
                     TxError::Retryable(db) => SavepointError::Db(db),

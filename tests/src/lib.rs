@@ -9,6 +9,7 @@ pub mod amqp;
 #[cfg(feature = "testcontainers")]
 pub mod containers;
 pub mod metrics;
+pub mod spans;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

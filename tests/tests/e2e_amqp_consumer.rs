@@ -490,3 +490,63 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     assert_eq!(queue_depth(&conn, &dlq).await, 0);
     setup.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_delivery_is_traced_inside_its_batch() {
+    let read_spans = inbox_test_support::spans::capture_globally();
+    let Some(setup) = Setup::new() else { return };
+    let store = setup.store(DailyUsage::new(RetryPolicy::default()));
+    let consumer = setup.consumer(Arc::clone(&store));
+    let conn = amqp::connect(&setup.url).await;
+    consumer.topology().declare(&conn).await.unwrap();
+    let channel = confirm_channel(&conn).await;
+    let event = body(&UsageRecorded {
+        user_id: 5,
+        day: NaiveDate::from_ymd_opt(2026, 11, 30).unwrap(),
+        amount: 1,
+    });
+    let keys = [unique_name("traced"), unique_name("traced")];
+    for key in [&keys[0], &keys[1], &keys[0]] {
+        publish(
+            &channel,
+            &consumer.topology().exchange(),
+            &Outgoing {
+                message_id: Some(key),
+                message_type: MESSAGE_TYPE,
+                body: &event,
+                tenant: None,
+            },
+        )
+        .await;
+    }
+    wait_for_confirms(&channel).await;
+    let stats = run_until(consumer, Duration::from_secs(30), |s| {
+        s.processed + s.duplicates >= 3
+    })
+    .await;
+    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+
+    // Other tests of this binary run beside this one: look only at this test's keys.
+    let spans = read_spans();
+    let ours: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "inbox.delivery")
+        .filter(|s| keys.iter().any(|k| s.fields.get("key") == Some(k)))
+        .collect();
+    assert_eq!(ours.len(), 3, "a span per delivery");
+    let mut outcomes: Vec<&str> = ours.iter().map(|s| s.fields["outcome"].as_str()).collect();
+    outcomes.sort_unstable();
+    assert_eq!(outcomes, ["Duplicate", "Processed", "Processed"]);
+    for delivery in ours {
+        assert_eq!(delivery.fields["group"], GROUP);
+        // delivery → the store's batch → the runtime's batch → its worker.
+        let store_batch = &spans[delivery.parent_index.expect("a parent")];
+        assert_eq!(store_batch.name, "inbox.batch");
+        let amqp_batch = &spans[store_batch.parent_index.expect("a parent")];
+        assert_eq!(amqp_batch.name, "inbox.amqp.batch");
+        assert_eq!(amqp_batch.fields["group"], GROUP);
+        let worker = &spans[amqp_batch.parent_index.expect("a parent")];
+        assert_eq!(worker.name, "inbox.amqp.worker");
+    }
+    setup.cleanup().await;
+}
