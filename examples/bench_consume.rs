@@ -163,6 +163,17 @@ impl Bench {
         tokio::time::sleep(settle()).await;
     }
 
+    /// Declares a runtime consumer's topology and fills its queue; the connection.
+    async fn declare_and_fill(&self, consumer: &Consumer<Store<PgConnection>>) -> Connection {
+        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .expect("amqp");
+        consumer.topology().declare(&conn).await.expect("declare");
+        self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
+            .await;
+        conn
+    }
+
     async fn runtime(&self, name: &str, batch: usize, fold: bool) -> f64 {
         let (schema, _) = self.fresh_schema(name);
         let (store, consumer) = runtime_consumer(
@@ -174,12 +185,7 @@ impl Bench {
             batch,
             fold,
         );
-        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
-            .await
-            .expect("amqp");
-        consumer.topology().declare(&conn).await.expect("declare");
-        self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
-            .await;
+        let conn = self.declare_and_fill(&consumer).await;
         let topology = consumer.topology().clone();
 
         let stats = consumer.stats();
@@ -580,12 +586,7 @@ impl Bench {
             batch_size(),
             true,
         );
-        let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
-            .await
-            .expect("amqp");
-        consumer.topology().declare(&conn).await.expect("declare");
-        self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
-            .await;
+        let conn = self.declare_and_fill(&consumer).await;
         let exe = std::env::current_exe().expect("own path");
         let spec = format!("{schema} {prefix} {}", self.order.len());
         let out = tokio::task::spawn_blocking(move || {
