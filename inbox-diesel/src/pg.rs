@@ -13,7 +13,7 @@ use inbox_core::ConsumerGroup;
 
 use crate::backend::{private::Sealed, quoted};
 use crate::ops::ClaimRow;
-use crate::verify::{Catalog, IndexInfo};
+use crate::verify::{Catalog, ColumnInfo, IndexInfo};
 use crate::{Backend, Error, Result};
 
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
@@ -31,8 +31,8 @@ struct IndexRow {
     is_partial: bool,
     #[diesel(sql_type = Array<Nullable<Text>>)]
     columns: Vec<Option<String>>,
-    #[diesel(sql_type = Nullable<Text>)]
-    loose_collation: Option<String>,
+    #[diesel(sql_type = Array<Nullable<Text>>)]
+    loose_collations: Vec<Option<String>>,
 }
 
 #[derive(QueryableByName)]
@@ -41,6 +41,8 @@ struct ColumnRow {
     name: String,
     #[diesel(sql_type = Bool)]
     not_null: bool,
+    #[diesel(sql_type = Nullable<Text>)]
+    loose_collation: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -269,18 +271,21 @@ impl Sealed for PgConnection {
                             ON a.attrelid = i.indrelid AND a.attnum = k.attnum AND k.attnum > 0 \
                           WHERE k.ord <= i.indnkeyatts \
                           ORDER BY k.ord) AS columns, \
-                    (SELECT c.collname::text \
-                     FROM unnest(i.indcollation::oid[]) WITH ORDINALITY AS k(coll, ord) \
-                     JOIN pg_collation c ON c.oid = k.coll \
-                     WHERE k.ord <= i.indnkeyatts AND NOT c.collisdeterministic \
-                     ORDER BY k.ord LIMIT 1) AS loose_collation \
+                    ARRAY(SELECT CASE WHEN NOT c.collisdeterministic THEN c.collname::text END \
+                          FROM unnest(i.indcollation::oid[]) WITH ORDINALITY AS k(coll, ord) \
+                          LEFT JOIN pg_collation c ON c.oid = k.coll \
+                          WHERE k.ord <= i.indnkeyatts \
+                          ORDER BY k.ord) AS loose_collations \
              FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
              WHERE i.indrelid = {CLAIMS} ORDER BY ic.relname"
         ))
         .load(conn)?;
         let columns: Vec<ColumnRow> = diesel::sql_query(format!(
-            "SELECT attname::text AS name, attnotnull AS not_null FROM pg_attribute \
-             WHERE attrelid = {CLAIMS} AND attnum > 0 AND NOT attisdropped"
+            "SELECT a.attname::text AS name, a.attnotnull AS not_null, \
+                    CASE WHEN NOT c.collisdeterministic THEN c.collname::text END \
+                        AS loose_collation \
+             FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation \
+             WHERE a.attrelid = {CLAIMS} AND a.attnum > 0 AND NOT a.attisdropped"
         ))
         .load(conn)?;
         Ok(Catalog {
@@ -293,10 +298,17 @@ impl Sealed for PgConnection {
                     unique: i.is_unique,
                     partial: i.is_partial,
                     columns: i.columns,
-                    loose_collation: i.loose_collation,
+                    loose_collations: i.loose_collations,
                 })
                 .collect(),
-            columns: columns.into_iter().map(|c| (c.name, c.not_null)).collect(),
+            columns: columns
+                .into_iter()
+                .map(|c| ColumnInfo {
+                    name: c.name,
+                    not_null: c.not_null,
+                    loose_collation: c.loose_collation,
+                })
+                .collect(),
         })
     }
 

@@ -8,7 +8,7 @@ use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
 use crate::backend::private::Sealed;
 use crate::url::sqlite_path;
-use crate::verify::{Catalog, IndexInfo};
+use crate::verify::{Catalog, ColumnInfo, IndexInfo};
 use crate::{Backend, Error, Result};
 
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
@@ -93,19 +93,18 @@ impl Sealed for SqliteConnection {
             )
             .bind::<Text, _>(&row.name)
             .load(conn)?;
-            // NOCASE, RTRIM or an application's collation: equal keys that differ
+            // NOCASE, RTRIM or an application's collation: equal values that differ
             // in bytes.
-            let loose_collation = cols
+            let loose_collations = cols
                 .iter()
-                .map(|c| &c.coll)
-                .find(|coll| !coll.eq_ignore_ascii_case("BINARY"))
-                .cloned();
+                .map(|c| (!c.coll.eq_ignore_ascii_case("BINARY")).then(|| c.coll.clone()))
+                .collect();
             indexes.push(IndexInfo {
                 name: row.name,
                 unique: row.is_unique != 0,
                 partial: row.is_partial != 0,
                 columns: cols.into_iter().map(|c| c.name).collect(),
-                loose_collation,
+                loose_collations,
             });
         }
         Ok(Catalog {
@@ -114,7 +113,11 @@ impl Sealed for SqliteConnection {
             indexes,
             columns: columns
                 .into_iter()
-                .map(|c| (c.name, c.not_null != 0))
+                .map(|c| ColumnInfo {
+                    name: c.name,
+                    not_null: c.not_null != 0,
+                    loose_collation: None,
+                })
                 .collect(),
         })
     }

@@ -12,8 +12,20 @@ pub struct IndexInfo {
     pub partial: bool,
     /// Key columns in index order; `None` for an expression.
     pub columns: Vec<Option<String>>,
-    /// A key column's collation under which keys that differ in bytes are equal
-    /// (non-deterministic on PostgreSQL, anything but BINARY on SQLite), if any.
+    /// Per key column, in the same order: the collation under which values that
+    /// differ in bytes compare equal (non-deterministic on PostgreSQL, anything but
+    /// BINARY on SQLite), or `None`.
+    pub loose_collations: Vec<Option<String>>,
+}
+
+/// One column of the claim table.
+#[derive(Debug)]
+pub struct ColumnInfo {
+    pub name: String,
+    pub not_null: bool,
+    /// The column's collation when values that differ in bytes compare equal under
+    /// it (the lookup by key compares under it). Read on PostgreSQL; on SQLite an
+    /// index inherits its column's collation, which the index check sees.
     pub loose_collation: Option<String>,
 }
 
@@ -26,22 +38,24 @@ pub struct Catalog {
     pub exists: bool,
     pub indexes: Vec<IndexInfo>,
     /// (column, not null) for every column of the table.
-    pub columns: Vec<(String, bool)>,
+    pub columns: Vec<ColumnInfo>,
 }
 
 fn describe(index: &IndexInfo) -> String {
-    let cols: Vec<&str> = index
+    let cols: Vec<String> = index
         .columns
         .iter()
-        .map(|c| c.as_deref().unwrap_or("<expression>"))
+        .enumerate()
+        .map(|(i, c)| {
+            let name = c.as_deref().unwrap_or("<expression>");
+            match index.loose_collations.get(i).and_then(Option::as_deref) {
+                Some(collation) => format!("{name} collate {collation}"),
+                None => name.to_owned(),
+            }
+        })
         .collect();
-    let collation = index
-        .loose_collation
-        .as_deref()
-        .map(|c| format!(" collate {c}"))
-        .unwrap_or_default();
     format!(
-        "{}unique ({}){collation} [{}]",
+        "{}unique ({}) [{}]",
         if index.partial { "partial " } else { "" },
         cols.join(", "),
         index.name
@@ -59,13 +73,24 @@ fn covers_key(index: &IndexInfo) -> bool {
         .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
 }
 
+/// Whether the index compares a claim-key column under a loose collation: it would
+/// refuse a key that the lookup, comparing bytes, tells apart from another.
+fn folds_key(index: &IndexInfo) -> bool {
+    index
+        .columns
+        .iter()
+        .zip(&index.loose_collations)
+        .any(|(c, loose)| {
+            loose.is_some() && c.as_deref().is_some_and(|c| ClaimKey::COLUMNS.contains(&c))
+        })
+}
+
 /// Whether the index is exactly the claim key: unique, not partial, no expression,
-/// the same column set, and keys equal only when their bytes are (a case-folding
-/// collation would make the index refuse a key the lookup tells apart).
+/// the same column set, keys equal only when their bytes are.
 fn is_claim_key(index: &IndexInfo) -> bool {
     index.unique
         && !index.partial
-        && index.loose_collation.is_none()
+        && !folds_key(index)
         && index.columns.len() == ClaimKey::COLUMNS.len()
         && covers_key(index)
 }
@@ -84,17 +109,19 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
         ));
     }
     for key in ClaimKey::COLUMNS {
-        match catalog.columns.iter().find(|(name, _)| name == key) {
-            None => {
-                return Err(mismatch(
-                    format!("NOT NULL column {key}"),
-                    "no such column".to_owned(),
-                ))
+        let expected = || format!("NOT NULL column {key} comparing bytes");
+        match catalog.columns.iter().find(|c| c.name == *key) {
+            None => return Err(mismatch(expected(), "no such column".to_owned())),
+            Some(c) if !c.not_null => {
+                return Err(mismatch(expected(), format!("nullable column {key}")))
             }
-            Some((_, false)) => {
+            Some(ColumnInfo {
+                loose_collation: Some(collation),
+                ..
+            }) => {
                 return Err(mismatch(
-                    format!("NOT NULL column {key}"),
-                    format!("nullable column {key}"),
+                    expected(),
+                    format!("column {key} collate {collation}"),
                 ))
             }
             Some(_) => {}
@@ -121,10 +148,11 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
             found_all(),
         ));
     }
-    // Another unique index that does not contain the whole claim key can reject a
-    // claim the claim key allows (a unique message_key makes a second group's claim
-    // fail), so the insert's conflict and the lookup would disagree.
-    if let Some(extra) = unique.iter().find(|i| !covers_key(i)) {
+    // Another unique index that does not contain the whole claim key, or folds one of
+    // its columns, can reject a claim the claim key allows (a unique message_key makes
+    // a second group's claim fail; a case-folding one, a key differing in case), so
+    // the insert's conflict and the lookup would disagree.
+    if let Some(extra) = unique.iter().find(|i| !covers_key(i) || folds_key(i)) {
         return Err(mismatch(
             format!(
                 "no unique index other than on {} or a superset of it",
@@ -149,7 +177,7 @@ mod tests {
                 .iter()
                 .map(|c| (*c != "<expr>").then(|| c.to_string()))
                 .collect(),
-            loose_collation: None,
+            loose_collations: vec![None; cols.len()],
         }
     }
 
@@ -158,11 +186,18 @@ mod tests {
             table: "s.inbox_claims".into(),
             exists: true,
             indexes,
-            columns: vec![
-                ("consumer_group".into(), true),
-                ("message_key".into(), true),
-                ("tenant".into(), false),
-            ],
+            columns: [
+                ("consumer_group", true),
+                ("message_key", true),
+                ("tenant", false),
+            ]
+            .into_iter()
+            .map(|(name, not_null)| ColumnInfo {
+                name: name.into(),
+                not_null,
+                loose_collation: None,
+            })
+            .collect(),
         }
     }
 
@@ -195,12 +230,29 @@ mod tests {
     #[test]
     fn refuses_a_case_folding_collation_and_names_it() {
         let mut folded = index("pk", &["consumer_group", "message_key"], false);
-        folded.loose_collation = Some("NOCASE".into());
+        folded.loose_collations[1] = Some("NOCASE".into());
         let err = check(&catalog(vec![folded])).unwrap_err().to_string();
         assert!(
-            err.contains("found unique (consumer_group, message_key) collate NOCASE [pk]"),
+            err.contains("found unique (consumer_group, message_key collate NOCASE) [pk]"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn refuses_a_case_folding_index_beside_the_claim_key() {
+        let mut folded = index("folded", &["consumer_group", "message_key"], false);
+        folded.loose_collations[1] = Some("NOCASE".into());
+        let pk = index("pk", &["message_key", "consumer_group"], false);
+        let err = check(&catalog(vec![pk, folded])).unwrap_err().to_string();
+        assert!(
+            err.contains("found unique (consumer_group, message_key collate NOCASE) [folded]"),
+            "{err}"
+        );
+        // Folding a column outside the claim key folds nothing the key compares.
+        let mut wide = index("wide", &["consumer_group", "message_key", "tenant"], false);
+        wide.loose_collations[2] = Some("NOCASE".into());
+        let pk = index("pk", &["message_key", "consumer_group"], false);
+        check(&catalog(vec![pk, wide])).unwrap();
     }
 
     #[test]

@@ -61,7 +61,8 @@ const SABOTAGES: &[Sabotage] = &[
                    next_attempt_at TEXT, last_error TEXT, payload BLOB,
                    first_seen_at TEXT NOT NULL, updated_at TEXT NOT NULL);
                  CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
-        found: "expected NOT NULL column consumer_group, found nullable column consumer_group",
+        found: "expected NOT NULL column consumer_group comparing bytes, \
+                found nullable column consumer_group",
     },
     Sabotage {
         name: "no unique index",
@@ -91,7 +92,17 @@ const SABOTAGES: &[Sabotage] = &[
                        (consumer_group, message_key COLLATE folded_case);",
         sqlite: "CREATE UNIQUE INDEX folded ON inbox_claims
                      (consumer_group, message_key COLLATE NOCASE);",
-        found: "found unique (consumer_group, message_key) collate ",
+        found: "found unique (consumer_group, message_key collate ",
+    },
+    Sabotage {
+        name: "primary key plus a case-insensitive unique index",
+        postgres: "CREATE COLLATION folded_case
+                       (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+                   CREATE UNIQUE INDEX folded ON inbox_claims
+                       (consumer_group, message_key COLLATE folded_case);",
+        sqlite: "CREATE UNIQUE INDEX folded ON inbox_claims
+                     (consumer_group, message_key COLLATE NOCASE);",
+        found: "found unique (consumer_group, message_key collate ",
     },
 ];
 
@@ -147,6 +158,29 @@ fn sqlite_refuses_sabotaged_claim_indexes() {
         | "case-insensitive collation" => format!("{SQLITE_TABLE}{}", s.sqlite),
         _ => s.sqlite.to_owned(),
     });
+}
+
+/// The lookup by key compares under the column's collation: a case-folding column
+/// behind a byte-wise index would find a row the insert did not conflict with.
+#[test]
+fn postgres_refuses_a_case_folding_key_column() {
+    let Some(fx) = PgFixture::new() else { return };
+    let store = fx.builder().build().expect("store");
+    fx.execute(
+        "CREATE COLLATION folded_case
+             (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+         ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+         ALTER TABLE inbox_claims ALTER COLUMN message_key TYPE TEXT COLLATE folded_case;
+         CREATE UNIQUE INDEX bytes ON inbox_claims (consumer_group, message_key COLLATE \"C\");",
+    );
+    let msg = store.verify_schema().expect_err("refused").to_string();
+    assert!(
+        msg.contains(
+            "expected NOT NULL column message_key comparing bytes, \
+             found column message_key collate folded_case"
+        ),
+        "{msg}"
+    );
 }
 
 #[test]
