@@ -378,7 +378,7 @@ async fn topology_declares_idempotently_and_names_conflicts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_it() {
     use futures_lite::StreamExt;
-    use lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
 
     let Some(setup) = Setup::new() else { return };
     let store = setup.store(DailyUsage::new(RetryPolicy::default()));
@@ -429,14 +429,9 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     let mut returns = 0;
     while let Ok(Some(delivery)) = tokio::time::timeout(ms(2000), deliveries.next()).await {
         let delivery = delivery.unwrap();
+        // basic.reject: RabbitMQ 4.3 no longer counts a basic.nack toward the limit.
         returner
-            .basic_nack(
-                delivery.delivery_tag,
-                BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                },
-            )
+            .basic_reject(delivery.delivery_tag, BasicRejectOptions { requeue: true })
             .await
             .unwrap();
         returns += 1;
