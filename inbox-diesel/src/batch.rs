@@ -209,11 +209,12 @@ fn copy_decision(first: &Decision) -> Decision {
     }
 }
 
-/// Counts a batch's decisions by outcome once they are committed: one increment per
-/// counter and batch, not one per delivery (each carries the group label, built once
-/// here). Counting inside the transaction would count twice whatever an isolated
-/// rerun or a retry after a deadlock decides again.
-fn record_metrics(group: &ConsumerGroup, decisions: &[Decision]) {
+/// Counts decisions by outcome once their transaction committed (or, for a decision
+/// that writes nothing, once it is made): one increment per counter and call, not one
+/// per delivery (each carries the group label, built once here). Counting inside the
+/// transaction would count twice whatever an isolated rerun or a retry after a
+/// deadlock decides again.
+fn record_metrics<'a>(group: &ConsumerGroup, decisions: impl IntoIterator<Item = &'a Decision>) {
     let (mut processed, mut duplicates, mut retried) = (0u64, 0u64, 0u64);
     let (mut collisions, mut violations) = (0u64, 0u64);
     let mut dead: Vec<(DeadLetterReason, u64)> = Vec::new();
@@ -326,13 +327,16 @@ impl<C: StoreConnection> Inner<C> {
         }
 
         let mut collisions = Vec::new();
+        let mut copied = Vec::new();
         for (copy, first) in copies {
             if copy.digest == batch[first].payload_digest() {
                 decisions[copy.idx] = decisions[first].as_ref().map(copy_decision);
+                copied.extend(decisions[copy.idx].clone());
             } else {
                 collisions.push(copy);
             }
         }
+        record_metrics(group, &copied);
         if !collisions.is_empty() {
             let now = self.clock.now();
             let mut conn = self.pool.get()?;
@@ -348,8 +352,10 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 Ok::<_, Error>(())
             })?;
+            let collided = Decision::DeadLettered(DeadLetterReason::KeyCollision);
+            record_metrics(group, std::iter::repeat_n(&collided, collisions.len()));
             for copy in &collisions {
-                decisions[copy.idx] = Some(Decision::DeadLettered(DeadLetterReason::KeyCollision));
+                decisions[copy.idx] = Some(collided.clone());
             }
         }
 
@@ -359,7 +365,6 @@ impl<C: StoreConnection> Inner<C> {
                 d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
             })
             .collect::<Result<_>>()?;
-        record_metrics(group, &decisions);
         for (span, decision) in spans.iter().zip(&decisions) {
             span.record("outcome", tracing::field::debug(decision));
         }
@@ -376,7 +381,10 @@ impl<C: StoreConnection> Inner<C> {
         loop {
             let mut conn = self.pool.get()?;
             let err = match self.run_transaction(&mut conn, group, items) {
-                Ok(decisions) => return Ok(decisions),
+                Ok(decisions) => {
+                    record_metrics(group, decisions.iter().map(|(_, d)| d));
+                    return Ok(decisions);
+                }
                 Err(TxError::Fatal(err)) => return Err(err),
                 Err(TxError::Retryable(err)) => err,
                 Err(TxError::Isolate(_)) => {
@@ -400,10 +408,12 @@ impl<C: StoreConnection> Inner<C> {
             }
             // Alone and still conflicting: try later; it is not the message's fault,
             // so no attempt is counted.
-            return Ok(items
+            let decisions: Vec<(usize, Decision)> = items
                 .iter()
                 .map(|d| (d.idx, Decision::RetryAfter(CONTENDED_RETRY)))
-                .collect());
+                .collect();
+            record_metrics(group, decisions.iter().map(|(_, d)| d));
+            return Ok(decisions);
         }
     }
 
@@ -874,7 +884,11 @@ impl<C: StoreConnection> Inner<C> {
                     tries += 1;
                     tracing::warn!(group = %group, error = %err, "start mark conflicted");
                 }
-                Err(TxError::Retryable(_)) => return Ok(Decision::RetryAfter(CONTENDED_RETRY)),
+                Err(TxError::Retryable(_)) => {
+                    let decision = Decision::RetryAfter(CONTENDED_RETRY);
+                    record_metrics(group, [&decision]);
+                    return Ok(decision);
+                }
                 Err(TxError::Fatal(err)) => return Err(err),
                 Err(TxError::Isolate(_)) => {
                     return Err(Error::Config(
@@ -884,7 +898,10 @@ impl<C: StoreConnection> Inner<C> {
             }
         };
         match crashed {
-            Some(decision) => Ok(decision),
+            Some(decision) => {
+                record_metrics(group, [&decision]);
+                Ok(decision)
+            }
             None => {
                 let mut decisions = self.run_with_retries(group, std::slice::from_ref(d))?;
                 decisions
