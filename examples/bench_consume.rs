@@ -11,13 +11,16 @@
 //! - a hand-written folding loop: one claim statement, one upsert of the sums;
 //! - no database at all (the broker ceiling): one multiple ack per batch.
 //!
-//! Each scenario's clock runs from its first delivery to its last ack (connecting,
+//! Each scenario's clock runs from its first whole batch to its last ack (connecting,
 //! declaring and filling are not timed), after a pause that lets the broker finish
-//! writing the filled queue. Rounds run every scenario in turn; the report gives the
-//! median rate of each and the median and range of the ratios taken within a round,
-//! since this machine is shared and a slow spell should fall on both sides of a
-//! ratio. Last, the folding consumer runs alone in a child process (this binary
-//! again) to measure its own peak RSS.
+//! writing the filled queue; the runtime's end is seen by polling its counters, at
+//! most a quarter of the remaining time late (1 to 20 ms). The hand-written loops'
+//! claims are prepared statements, as the runtime's are. Rounds run every scenario in
+//! turn, each round starting one scenario later; the report gives the median rate of
+//! each and the median and range of the ratios taken within a round, since this
+//! machine is shared and a slow spell should fall on both sides of a ratio. Last, the
+//! folding consumer runs alone in a child process (this binary again) to measure its
+//! own peak RSS.
 //!
 //! Environment: `DATABASE_URL`, `AMQP_URL` as for the tests; `BENCH_EVENTS`
 //! (deliveries, default 20,000), `BENCH_WORKERS` (4), `BENCH_BATCH` (100; prefetch is
@@ -33,7 +36,9 @@ use std::time::{Duration, Instant};
 
 use chrono::NaiveDate;
 use diesel::connection::SimpleConnection;
+use diesel::pg::Pg;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Date, Text};
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
@@ -194,10 +199,11 @@ impl Bench {
         reset_peak_rss();
         let spawned = Instant::now();
         let running = tokio::spawn(consumer.run(shutdown.clone()));
-        // The clock starts at the first delivery, as in the hand-written loops:
-        // connecting and declaring the topology are startup, not throughput.
+        // The clock starts when the first batch is handed over, as in the hand-written
+        // loops: connecting and declaring the topology are startup, not throughput.
+        // Spinning (tokio's timers tick in milliseconds) is over before it starts.
         while stats.snapshot().received == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            tokio::task::yield_now().await;
         }
         let started = Instant::now();
         perf_control("enable");
@@ -211,9 +217,14 @@ impl Bench {
             if decided >= total {
                 break;
             }
-            // Polling wakes the runtime the consumer shares: rarely until the end is near.
-            let poll = if decided * 20 < total * 19 { 20 } else { 1 };
-            tokio::time::sleep(Duration::from_millis(poll)).await;
+            // Polling wakes the runtime the consumer shares, so it polls rarely while
+            // far from the end: a quarter of the time the rest should take at the pace
+            // so far, between 1 and 20 ms (the end is seen at most that late).
+            let left = started
+                .elapsed()
+                .mul_f64((total - decided) as f64 / decided.max(1) as f64);
+            let poll = (left / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
+            tokio::time::sleep(poll).await;
         }
         let elapsed = started.elapsed();
         perf_control("disable");
@@ -281,8 +292,8 @@ impl Bench {
 
         let total = self.order.len();
         let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        // The clock runs from the first delivery to the last ack, as for the runtime.
-        let first_delivery = Arc::new(std::sync::OnceLock::new());
+        // The clock runs from the first whole batch to the last ack, as for the runtime.
+        let first_batch = Arc::new(std::sync::OnceLock::new());
         let finished = Arc::new(std::sync::OnceLock::new());
         let mut tasks = Vec::new();
         for _ in 0..self.workers {
@@ -310,14 +321,11 @@ impl Bench {
                 .expect("consume");
             let done = Arc::clone(&done);
             let finished = Arc::clone(&finished);
-            let first_delivery = Arc::clone(&first_delivery);
+            let first_batch = Arc::clone(&first_batch);
             tasks.push(tokio::spawn(async move {
                 while done.load(std::sync::atomic::Ordering::Relaxed) < total {
                     let next = tokio::time::timeout(Duration::from_millis(50), consumer.next()).await;
                     let Ok(Some(Ok(first))) = next else { continue };
-                    if first_delivery.set(Instant::now()).is_ok() {
-                        perf_control("enable");
-                    }
                     let mut batch = vec![first];
                     let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
                     while batch.len() < per_batch {
@@ -325,6 +333,10 @@ impl Bench {
                             Ok(Some(Ok(d))) => batch.push(d),
                             _ => break,
                         }
+                    }
+                    // As for the runtime: the clock starts when a first batch is whole.
+                    if first_batch.set(Instant::now()).is_ok() {
+                        perf_control("enable");
                     }
                     if let Some(db) = &db {
                         let db = Arc::clone(db);
@@ -348,13 +360,15 @@ impl Bench {
                                 }
                                 let mut owned: Vec<UsageRecorded> = Vec::with_capacity(bodies.len());
                                 for (key, body) in &bodies {
-                                    let claimed = diesel::sql_query(
-                                        "INSERT INTO claims (consumer_group, message_key) VALUES ($1, $2)
-                                         ON CONFLICT DO NOTHING",
-                                    )
-                                    .bind::<Text, _>(GROUP)
-                                    .bind::<Text, _>(key)
-                                    .execute(conn)?;
+                                    // The DSL's DO NOTHING upsert is prepared once per
+                                    // connection, as the runtime's claim is.
+                                    let claimed = diesel::insert_into(claims::table)
+                                        .values((
+                                            claims::consumer_group.eq(GROUP),
+                                            claims::message_key.eq(key),
+                                        ))
+                                        .on_conflict_do_nothing()
+                                        .execute(conn)?;
                                     if claimed == 1 {
                                         owned.push(serde_json::from_slice(body).expect("body"));
                                     }
@@ -397,7 +411,7 @@ impl Bench {
             task.await.expect("worker");
         }
         let elapsed = *finished.get().expect("every delivery acked")
-            - *first_delivery.get().expect("a delivery");
+            - *first_batch.get().expect("a delivery");
         if database {
             let totals: Totals = setup.daily_totals().expect("totals");
             assert_eq!(totals, self.workload.expected_totals(), "{name}: totals");
@@ -419,10 +433,42 @@ enum Hand {
     Fold,
 }
 
-#[derive(QueryableByName)]
-struct ClaimedKey {
-    #[diesel(sql_type = Text)]
-    message_key: String,
+diesel::table! {
+    /// The hand-written loops' claims: the key and nothing else.
+    claims (consumer_group, message_key) {
+        /// The consumer group.
+        consumer_group -> Text,
+        /// The message key.
+        message_key -> Text,
+    }
+}
+
+/// The folding loop's claim of a whole batch, prepared once per connection like the
+/// runtime's (a query fragment: diesel caches no raw SQL).
+struct ClaimKeys<'a> {
+    keys: Vec<&'a str>,
+}
+
+impl QueryId for ClaimKeys<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl Query for ClaimKeys<'_> {
+    type SqlType = Text;
+}
+
+impl RunQueryDsl<PgConnection> for ClaimKeys<'_> {}
+
+impl QueryFragment<Pg> for ClaimKeys<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO claims (consumer_group, message_key) SELECT ");
+        out.push_bind_param::<Text, _>(&GROUP)?;
+        out.push_sql(", k FROM unnest(");
+        out.push_bind_param::<Array<Text>, _>(&self.keys)?;
+        out.push_sql("::text[]) k ON CONFLICT DO NOTHING RETURNING message_key");
+        Ok(())
+    }
 }
 
 /// The least a folding loop can do: claim the batch's keys in one statement (a
@@ -430,15 +476,8 @@ struct ClaimedKey {
 /// the sums in one upsert.
 fn hand_fold(conn: &mut PgConnection, bodies: &[(String, Vec<u8>)]) -> QueryResult<()> {
     let keys: Vec<&str> = bodies.iter().map(|(k, _)| k.as_str()).collect();
-    let claimed: Vec<ClaimedKey> = diesel::sql_query(
-        "INSERT INTO claims (consumer_group, message_key) SELECT $1, k FROM unnest($2::text[]) k
-         ON CONFLICT DO NOTHING RETURNING message_key",
-    )
-    .bind::<Text, _>(GROUP)
-    .bind::<Array<Text>, _>(&keys)
-    .load(conn)?;
-    let mut claimed: std::collections::HashSet<String> =
-        claimed.into_iter().map(|c| c.message_key).collect();
+    let claimed: Vec<String> = ClaimKeys { keys }.load(conn)?;
+    let mut claimed: std::collections::HashSet<String> = claimed.into_iter().collect();
     let mut sums: BTreeMap<(i64, NaiveDate), i64> = BTreeMap::new();
     for (key, body) in bodies {
         // A key twice in the batch was claimed once: count it once.
@@ -728,7 +767,10 @@ async fn main() {
     ];
     let mut rates: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for round in 0..rounds {
-        for name in names {
+        // Each round starts one scenario later, so that no scenario always runs last
+        // (after the others' writes) or first.
+        for k in 0..names.len() {
+            let name = names[(k + round) % names.len()];
             if !wanted(name) {
                 continue;
             }
