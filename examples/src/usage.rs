@@ -121,7 +121,7 @@ fn pg_add_rows(conn: &mut PgConnection, rows: &[(i64, NaiveDate, i64)]) -> Query
 
 /// The upsert of [`pg_add_rows`] as a query fragment rather than `sql_query`: diesel
 /// prepares a statement once per connection only when it can tell the text never
-/// changes, which raw SQL and its upsert DSL never promise. Written this way (diesel
+/// changes, which neither raw SQL nor a `do_update()` upsert promises. Written this way (diesel
 /// numbers the binds) the server parses and plans it once, not for every batch.
 struct AddRows {
     users: Vec<i64>,

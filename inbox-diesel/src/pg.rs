@@ -58,9 +58,10 @@ struct TableRow {
 /// (cheaper for the server than unpacking arrays).
 ///
 /// Written as a query fragment whose parameters diesel numbers itself, so that it is
-/// safe to cache and every connection prepares each form once. Diesel's `sql_query`
-/// is never cached, nor is its upsert DSL: the server would parse, rewrite and plan
-/// the statement for every batch, which at one message per batch is most of its work.
+/// safe to cache and every connection prepares each form once. Diesel never caches
+/// `sql_query`, nor an upsert built with `do_update()`: the server would parse,
+/// rewrite and plan the statement for every batch, which at one message per batch is
+/// most of its work.
 ///
 /// The conflict condition is the one every backend uses (see `ops.rs`): a row is
 /// ours if it is new, or failed/started with the same payload digest and due. Rows
