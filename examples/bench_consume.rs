@@ -168,6 +168,16 @@ impl Bench {
         tokio::time::sleep(settle()).await;
     }
 
+    /// Every unique event applied exactly once.
+    fn check_totals(&self, store: &Store<PgConnection>, name: &str) {
+        let found = store
+            .connection()
+            .expect("conn")
+            .daily_totals()
+            .expect("totals");
+        assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
+    }
+
     /// Declares a runtime consumer's topology and fills its queue; the connection.
     async fn declare_and_fill(&self, consumer: &Consumer<Store<PgConnection>>) -> Connection {
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
@@ -245,12 +255,7 @@ impl Bench {
             self.workload.events.len(),
             "{name}: {s:?}"
         );
-        let found = store
-            .connection()
-            .expect("conn")
-            .daily_totals()
-            .expect("totals");
-        assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
+        self.check_totals(&store, name);
         topology.delete(&conn).await.expect("delete topology");
         self.drop_schema(name);
         total as f64 / elapsed.as_secs_f64()
@@ -648,12 +653,7 @@ impl Bench {
             .find_map(|l| l.strip_prefix("peak_rss_kib "))
             .and_then(|n| n.parse().ok())
             .expect("the child printed its peak RSS");
-        let found = store
-            .connection()
-            .expect("conn")
-            .daily_totals()
-            .expect("totals");
-        assert_eq!(found, self.workload.expected_totals(), "{name}: totals");
+        self.check_totals(&store, name);
         consumer
             .topology()
             .delete(&conn)
