@@ -344,14 +344,16 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// Connects, runs the migrations (unless turned off), and refuses to start unless
     /// [`Store::verify_schema`] accepts the live schema.
     pub fn build(self) -> Result<Store<C>> {
-        let store = self.build_unchecked()?;
-        store.verify_schema()?;
-        Ok(store)
+        self.assemble(true)
     }
 
     /// Like [`StoreBuilder::build`] but without verifying the schema. For tests that
     /// sabotage the schema on purpose; a production store uses `build`.
     pub fn build_unchecked(self) -> Result<Store<C>> {
+        self.assemble(false)
+    }
+
+    fn assemble(self, check_schema: bool) -> Result<Store<C>> {
         if let Some(schema) = &self.schema {
             if C::BACKEND != Backend::Postgres {
                 return Err(Error::Config(
@@ -393,6 +395,12 @@ impl<C: StoreConnection> StoreBuilder<C> {
         C::on_acquire(&mut first, self.schema.as_deref())?;
         if self.migrate {
             C::migrate(&mut first, self.schema.as_deref())?;
+        }
+        // On this connection, before any pool exists: a refused schema leaves no pool
+        // thread behind still connecting (a process that exits on the error would
+        // tear the TLS library down under it).
+        if check_schema {
+            verify::check(&C::catalog(&mut first)?)?;
         }
         drop(first);
 
