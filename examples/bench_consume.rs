@@ -47,6 +47,7 @@ use inbox_core::{
     ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RetryPolicy,
 };
 use inbox_diesel::Store;
+use inbox_examples::bench::{env_or, service_urls};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -57,10 +58,7 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 /// Deliveries per batch (`BENCH_BATCH`); each consumer's prefetch is twice that.
 fn batch_size() -> usize {
-    std::env::var("BENCH_BATCH")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(100)
+    env_or("BENCH_BATCH", 100)
 }
 
 type Totals = BTreeMap<(i64, NaiveDate), i64>;
@@ -518,12 +516,7 @@ fn perf_control(command: &str) {
 
 /// Pause after filling a queue (`BENCH_SETTLE_MS`, default 1000).
 fn settle() -> Duration {
-    Duration::from_millis(
-        std::env::var("BENCH_SETTLE_MS")
-            .ok()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(1000),
-    )
+    Duration::from_millis(env_or("BENCH_SETTLE_MS", 1000))
 }
 
 fn prefetch() -> u16 {
@@ -677,22 +670,13 @@ fn peak_rss_kib() -> Option<u64> {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let db_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
-    let amqp_url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let workers: usize = std::env::var("BENCH_WORKERS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(4);
+    let (db_url, amqp_url) = service_urls();
+    let workers: usize = env_or("BENCH_WORKERS", 4);
     if let Ok(spec) = std::env::var("BENCH_CHILD") {
         child_consumer(&spec, &db_url, &amqp_url, workers).await;
         return;
     }
-    let events: usize = std::env::var("BENCH_EVENTS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(20_000);
+    let events: usize = env_or("BENCH_EVENTS", 20_000);
     let unique = events * 10 / 11;
     let workload = Workload::generate(unique, 0, 2026);
     // Duplicates spread through the stream: every 10th unique event comes again later.
@@ -751,11 +735,7 @@ async fn main() {
     // Rounds run every scenario in turn, so that a slow spell of this shared machine
     // falls on all of them; ratios are taken within a round.
     let batch = batch_size();
-    let rounds: usize = std::env::var("BENCH_ROUNDS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(3)
-        .max(1);
+    let rounds: usize = env_or("BENCH_ROUNDS", 3).max(1);
     let names = [
         "ceiling",
         "hand_single",

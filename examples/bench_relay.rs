@@ -19,6 +19,7 @@ use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Relay, RelaySettings};
 use inbox_core::{MessageKey, OutboxMessage, OutboxStore};
 use inbox_diesel::{enqueue, Store};
+use inbox_examples::bench::{env_or, service_urls};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -267,14 +268,8 @@ impl Bench {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let db_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
-    let amqp_url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let events: usize = std::env::var("BENCH_EVENTS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(20_000);
+    let (db_url, amqp_url) = service_urls();
+    let events: usize = env_or("BENCH_EVENTS", 20_000);
     let bench = Bench {
         db_url,
         amqp_url,
