@@ -11,7 +11,7 @@ use inbox_core::{
     ClaimKey, Clock, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore,
     ManualClock, MessageKey, RetryLadder, RetryPolicy,
 };
-use inbox_diesel::{ClaimStatus, Store};
+use inbox_diesel::ClaimStatus;
 use inbox_test_support::{
     group, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn,
 };
@@ -489,20 +489,20 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
     );
 }
 
-#[test]
-fn thirty_two_threads_deliver_the_same_envelope() {
-    let Some(fx) = PgFixture::new() else { return };
+/// `threads` threads deliver the same envelope at once: one processes it, the rest
+/// see a duplicate, the effect happens once.
+fn threads_deliver_the_same_envelope<F: Fixture>(fx: &F, threads: usize) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store: Store<diesel::PgConnection> = fx
+    let store = fx
         .builder()
-        .pool_size(32)
+        .pool_size(threads as u32)
         .handler(handler)
         .build()
         .expect("store");
     fx.connect().create_effects().expect("effects");
-    let barrier = Arc::new(Barrier::new(32));
-    let threads: Vec<_> = (0..32)
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
         .map(|_| {
             let store = store.clone();
             let barrier = Arc::clone(&barrier);
@@ -514,60 +514,26 @@ fn thirty_two_threads_deliver_the_same_envelope() {
             })
         })
         .collect();
-    let decisions: Vec<Decision> = threads
+    let decisions: Vec<Decision> = handles
         .into_iter()
         .flat_map(|t| t.join().expect("thread"))
         .collect();
-    assert_eq!(
-        decisions
-            .iter()
-            .filter(|d| **d == Decision::Processed)
-            .count(),
-        1
-    );
-    assert_eq!(
-        decisions
-            .iter()
-            .filter(|d| **d == Decision::Duplicate)
-            .count(),
-        31
-    );
+    let count = |want: Decision| decisions.iter().filter(|d| **d == want).count();
+    assert_eq!(count(Decision::Processed), 1, "{decisions:?}");
+    assert_eq!(count(Decision::Duplicate), threads - 1, "{decisions:?}");
     assert_eq!(calls.lock().unwrap().len(), 1);
     assert_eq!(fx.connect().effects_of("same").unwrap(), 1);
 }
 
 #[test]
+fn thirty_two_threads_deliver_the_same_envelope() {
+    let Some(fx) = PgFixture::new() else { return };
+    threads_deliver_the_same_envelope(&fx, 32);
+}
+
+#[test]
 fn sqlite_threads_deliver_the_same_envelope() {
-    let fx = SqliteFixture::new();
-    let handler = Recorder::new(GROUP);
-    let calls = handler.calls();
-    let store = fx
-        .builder()
-        .pool_size(8)
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
-    let barrier = Arc::new(Barrier::new(8));
-    let threads: Vec<_> = (0..8)
-        .map(|_| {
-            let store = store.clone();
-            let barrier = Arc::clone(&barrier);
-            std::thread::spawn(move || {
-                barrier.wait();
-                store
-                    .process_batch(&group(GROUP), &[usage("same", 40)])
-                    .unwrap()
-            })
-        })
-        .collect();
-    let processed = threads
-        .into_iter()
-        .flat_map(|t| t.join().expect("thread"))
-        .filter(|d| *d == Decision::Processed)
-        .count();
-    assert_eq!(processed, 1);
-    assert_eq!(calls.lock().unwrap().len(), 1);
+    threads_deliver_the_same_envelope(&SqliteFixture::new(), 8);
 }
 
 fn retry_ladder_records_the_delay_actually_used<F: Fixture>(fx: &F) {
