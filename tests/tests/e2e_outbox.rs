@@ -78,6 +78,37 @@ impl World {
         self.topology.exchange()
     }
 
+    /// A plain queue of the test's own (`<prefix><name>`), bound to the exchange for
+    /// `routing_key`; with the channel that declared it.
+    async fn bound_queue(
+        &self,
+        conn: &lapin::Connection,
+        name: &str,
+        routing_key: &str,
+    ) -> (lapin::Channel, String) {
+        let queue = format!("{}{name}", self.prefix);
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                self.exchange().as_str().into(),
+                routing_key.into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        (channel, queue)
+    }
+
     /// One business transaction: a ledger row and its event, committed or rolled back.
     fn record_usage(&self, conn: &mut PgConnection, key: &str, e: &UsageRecorded, commit: bool) {
         let msg = OutboxMessage::new(
@@ -357,26 +388,7 @@ async fn ordering_keys_reach_the_queue_in_id_order_across_three_relays() {
     let conn = amqp::connect(&world.url).await;
     world.topology.declare(&conn).await.unwrap();
     // A plain queue of the test's own, read back by one consumer.
-    let queue = format!("{}ordered", world.prefix);
-    let channel = conn.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            world.exchange().as_str().into(),
-            "ordered.event".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
+    let (channel, queue) = world.bound_queue(&conn, "ordered", "ordered.event").await;
     let mut db = world.db.connect();
     let now = world.store.now();
     for i in 0..300u32 {
@@ -482,26 +494,7 @@ async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
     assert!(row.attempts >= 2, "retried: {}", row.attempts);
     assert!(row.last_error.unwrap().contains("unroutable"));
     // Once something is bound for it, the retry goes through.
-    let channel = conn.create_channel().await.unwrap();
-    let queue = format!("{}nowhere", world.prefix);
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            world.exchange().as_str().into(),
-            "usage.nowhere".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
+    let (channel, queue) = world.bound_queue(&conn, "nowhere", "usage.nowhere").await;
     assert!(eventually(Duration::from_secs(30), || world.unpublished() == 0).await);
     shutdown.cancel();
     consuming.await.unwrap().unwrap();
