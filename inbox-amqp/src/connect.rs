@@ -1,10 +1,11 @@
 //! What the consumer and the relay share about their broker connection: connecting
 //! with a name, the reconnect backoff, and why a session ended.
 
+use std::future::Future;
 use std::time::Duration;
 
 use lapin::types::LongString;
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use inbox_core::redact_url;
@@ -38,6 +39,32 @@ pub(crate) async fn connect(url: &str, name: Option<&str>) -> Result<Connection>
             url: redact_url(url),
             source,
         })
+}
+
+/// The longest wait for the broker to acknowledge a goodbye (a cancel or a close). A
+/// connection that dies while it is being closed may never answer (lapin can send the
+/// close after its I/O loop has stopped); such a connection is dropped, not waited on.
+const GOODBYE_WAIT: Duration = Duration::from_secs(2);
+
+/// Runs a goodbye for at most [`GOODBYE_WAIT`]; its outcome does not matter.
+pub(crate) async fn goodbye<T>(what: &str, fut: impl Future<Output = T>) {
+    if tokio::time::timeout(GOODBYE_WAIT, fut).await.is_err() {
+        tracing::debug!(what, "the broker did not answer in time; giving up on it");
+    }
+}
+
+/// Closes a connection politely if it is still open.
+pub(crate) async fn close_connection(conn: &Connection, text: &str) {
+    if conn.status().connected() {
+        goodbye("connection close", conn.close(200, text.into())).await;
+    }
+}
+
+/// Closes a channel politely if it is still open.
+pub(crate) async fn close_channel(channel: &Channel, text: &str) {
+    if channel.status().connected() {
+        goodbye("channel close", channel.close(200, text.into())).await;
+    }
 }
 
 /// Waits out the backoff (or the shutdown), then doubles it up to `max`.

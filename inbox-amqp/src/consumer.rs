@@ -16,7 +16,9 @@ use tracing::Instrument;
 
 use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore};
 
-use crate::connect::{check_backoff, connect, pause, SessionEnd};
+use crate::connect::{
+    check_backoff, close_channel, close_connection, connect, goodbye, pause, SessionEnd,
+};
 use crate::delivery::{self, Malformed};
 use crate::stats::{ConsumerStats, Counter};
 use crate::{Error, Result, Topology};
@@ -227,7 +229,7 @@ impl<S: InboxStore> Consumer<S> {
             backoff = settings.backoff_min;
 
             let end = shared.session(&conn, &shutdown).await;
-            let _ = conn.close(200, "inbox consumer stopping".into()).await;
+            close_connection(&conn, "inbox consumer stopping").await;
             match end {
                 Ok(()) => return Ok(()),
                 Err(SessionEnd::Fatal(err)) => return Err(err),
@@ -333,10 +335,12 @@ impl<S: InboxStore> Shared<S> {
         }
         // Graceful stop: no new deliveries; what was prefetched and not handled goes
         // back to the queue when the channel closes.
-        let _ = channel
-            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-            .await;
-        let _ = channel.close(200, "inbox worker stopping".into()).await;
+        goodbye(
+            "consumer cancel",
+            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
+        )
+        .await;
+        close_channel(&channel, "inbox worker stopping").await;
         Ok(())
     }
 
@@ -611,9 +615,7 @@ impl<S: InboxStore> Shared<S> {
                 }
             }
         }
-        let _ = channel
-            .close(200, "inbox dead-letter reader stopping".into())
-            .await;
+        close_channel(&channel, "inbox dead-letter reader stopping").await;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use inbox_core::{OutboxRow, OutboxStore};
 
-use crate::connect::{check_backoff, connect, pause, SessionEnd};
+use crate::connect::{check_backoff, close_connection, connect, pause, SessionEnd};
 use crate::{Error, Result, TENANT_HEADER};
 
 /// How a [`Relay`] runs.
@@ -242,7 +242,7 @@ impl<O: OutboxStore> Relay<O> {
             connected_before = true;
             backoff = self.settings.backoff_min;
             let end = self.session(&channel, &shutdown).await;
-            let _ = conn.close(200, "relay stopping".into()).await;
+            close_connection(&conn, "relay stopping").await;
             match end {
                 Ok(()) => return Ok(()),
                 Err(SessionEnd::Fatal(err)) => return Err(err),
@@ -337,7 +337,21 @@ impl<O: OutboxStore> Relay<O> {
                 tracing::warn!(relay = %s.relay_id, "lease expired before publishing");
                 continue;
             }
-            let (published, failed) = publish(channel, &lease.rows).await?;
+            // Confirms are awaited only while the lease holds: past it the rows may be
+            // another relay's, and a broker that has not confirmed by then is treated
+            // as lost (the rows are leased and published again).
+            let left = (lease.until - self.store.now())
+                .to_std()
+                .unwrap_or_default();
+            let (published, failed) =
+                match tokio::time::timeout(left, publish(channel, &lease.rows)).await {
+                    Ok(done) => done?,
+                    Err(_) => {
+                        return Err(SessionEnd::Lost(
+                            "no publisher confirms before the lease expired".to_owned(),
+                        ))
+                    }
+                };
             let returned = failed.iter().filter(|f| f.returned).count() as u64;
             let nacked = failed.len() as u64 - returned;
 

@@ -10,6 +10,7 @@ use lapin::{Connection, ExchangeKind};
 
 use inbox_core::{ConsumerGroup, RetryLadder};
 
+use crate::connect::close_channel;
 use crate::{Error, Result};
 
 /// One consumer group's queues.
@@ -242,7 +243,7 @@ impl Topology {
                     .await?;
             }
         }
-        let _ = channel.close(200, "declared".into()).await;
+        close_channel(&channel, "declared").await;
         Ok(())
     }
 }
@@ -276,7 +277,7 @@ impl Topology {
                 ExchangeDeleteOptions::default(),
             )
             .await?;
-        let _ = channel.close(200, "deleted".into()).await;
+        close_channel(&channel, "deleted").await;
         Ok(())
     }
 }
@@ -305,7 +306,7 @@ async fn declare_queue(connection: &Connection, name: &str, args: FieldTable) ->
         )
         .await
         .map_err(|e| conflict(name, e))?;
-    let _ = channel.close(200, "declared".into()).await;
+    close_channel(&channel, "declared").await;
     Ok(())
 }
 

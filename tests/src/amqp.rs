@@ -133,6 +133,18 @@ pub async fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool
     done()
 }
 
+/// How a test cuts the connections through a [`Proxy`].
+#[derive(Clone, Copy, Debug)]
+pub enum Cuts {
+    /// One cut, then new connections are refused for a while.
+    Once {
+        /// How long new connections are refused.
+        refuse_for: Duration,
+    },
+    /// This many cuts at varied points (see [`Proxy::cut_repeatedly`]).
+    Repeatedly(u64),
+}
+
 /// A TCP proxy on 127.0.0.1 in front of the broker. `cut()` drops every connection
 /// through it (the client sees its connection die); new connections keep working.
 pub struct Proxy {
@@ -163,6 +175,10 @@ impl Proxy {
                     let Ok(server) = TcpStream::connect(&target).await else {
                         return;
                     };
+                    // Without this, Nagle's algorithm meets delayed acks and every
+                    // small frame (an ack, a confirm) waits tens of milliseconds.
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
                     let (mut cr, mut cw) = client.into_split();
                     let (mut sr, mut sw) = server.into_split();
                     tokio::select! {
@@ -179,6 +195,33 @@ impl Proxy {
     /// Drops every open connection through the proxy.
     pub fn cut(&self) {
         self.cut.send_modify(|n| *n += 1);
+    }
+
+    /// Cuts every connection as `cuts` says.
+    pub async fn cut_as(&self, cuts: Cuts) {
+        match cuts {
+            Cuts::Once { refuse_for } => self.cut_refusing_for(refuse_for).await,
+            Cuts::Repeatedly(times) => self.cut_repeatedly(times).await,
+        }
+    }
+
+    /// Cuts every connection and refuses new ones for `refuse_for`.
+    pub async fn cut_refusing_for(&self, refuse_for: Duration) {
+        self.block(true);
+        self.cut();
+        tokio::time::sleep(refuse_for).await;
+        self.block(false);
+    }
+
+    /// Cuts every connection `times` times, 150 to 350 ms apart, each time refusing
+    /// new connections for 0 to 300 ms: the cuts land at varied points of whatever the
+    /// clients are doing (publishing, waiting for confirms, reconnecting, closing).
+    pub async fn cut_repeatedly(&self, times: u64) {
+        for i in 0..times {
+            tokio::time::sleep(Duration::from_millis(150 + (i * 37) % 200)).await;
+            self.cut_refusing_for(Duration::from_millis((i * 53) % 300))
+                .await;
+        }
     }
 
     /// Refuses new connections (`true`) or accepts them again (`false`).

@@ -22,7 +22,7 @@ use inbox_core::{
 };
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
-use inbox_test_support::amqp::{self, amqp_url, eventually, Proxy};
+use inbox_test_support::amqp::{self, amqp_url, eventually, Cuts, Proxy};
 use inbox_test_support::{unique_name, Fixture, PgFixture};
 
 fn ms(n: u64) -> Duration {
@@ -509,8 +509,10 @@ async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
     world.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_connection_cut_for_seconds_then_everything_is_published() {
+/// Writers commit `rows` events while a relay publishes them through a proxy that
+/// cuts its connection as `cuts` says once `cut_after` are published: the relay
+/// reconnects, never stalls, and the consumer applies every event exactly once.
+async fn relay_through_cuts(rows: u64, cut_after: u64, cuts: Cuts) {
     let Some(world) = World::new() else { return };
     world
         .topology
@@ -530,7 +532,7 @@ async fn relay_connection_cut_for_seconds_then_everything_is_published() {
         let world = Arc::clone(&world);
         tokio::task::spawn_blocking(move || {
             let mut conn = world.db.connect();
-            for n in 0..1_500 {
+            for n in 0..rows {
                 world.record_usage(&mut conn, &format!("ledger-{n}"), &event(n), true);
                 if n % 100 == 0 {
                     std::thread::sleep(ms(20));
@@ -540,33 +542,43 @@ async fn relay_connection_cut_for_seconds_then_everything_is_published() {
     };
     assert!(
         eventually(Duration::from_secs(60), || relayed.snapshot().published
-            >= 200)
+            >= cut_after)
         .await
     );
-    proxy.block(true);
-    proxy.cut();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    proxy.block(false);
+    proxy.cut_as(cuts).await;
     writer.await.unwrap();
     assert!(
         eventually(Duration::from_secs(90), || world.unpublished() == 0).await,
-        "{:?}",
+        "the relay stalled: {:?}",
         relayed.snapshot()
     );
     assert!(
         eventually(Duration::from_secs(60), || consumed.snapshot().processed
-            >= 1_500)
+            >= rows)
         .await
     );
     shutdown.cancel();
     consuming.await.unwrap().unwrap();
     relaying.await.unwrap().unwrap();
-    assert!(
-        relayed.snapshot().reconnects >= 1,
-        "{:?}",
-        relayed.snapshot()
-    );
-    assert_eq!(consumed.snapshot().processed, 1_500);
+    // Cuts during a reconnect's backoff find no connection to cut.
+    let least = if let Cuts::Repeatedly(_) = cuts { 3 } else { 1 };
+    let s = relayed.snapshot();
+    assert!(s.reconnects >= least, "{s:?}");
+    assert_eq!(consumed.snapshot().processed, rows);
     assert_eq!(world.projection(), world.ledger_totals());
     world.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_connection_cut_for_seconds_then_everything_is_published() {
+    let refuse_for = Duration::from_secs(2);
+    relay_through_cuts(1_500, 200, Cuts::Once { refuse_for }).await;
+}
+
+/// Twenty cuts land wherever the relay happens to be: publishing, waiting for
+/// confirms, reconnecting or closing a connection that is already dead. It must never
+/// wait forever on a connection that will not answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_cut_again_and_again_mid_publish_never_stalls() {
+    relay_through_cuts(4_000, 50, Cuts::Repeatedly(20)).await;
 }
