@@ -143,14 +143,18 @@ pub enum Cuts {
     },
     /// This many cuts at varied points (see [`Proxy::cut_repeatedly`]).
     Repeatedly(u64),
+    /// No cut: the open connections fall silent (see [`Proxy::freeze`]).
+    Freeze,
 }
 
 /// A TCP proxy on 127.0.0.1 in front of the broker. `cut()` drops every connection
-/// through it (the client sees its connection die); new connections keep working.
+/// through it (the client sees its connection die); `freeze()` silences them; new
+/// connections keep working.
 pub struct Proxy {
     /// The proxy's address.
     pub addr: SocketAddr,
     cut: watch::Sender<u64>,
+    freeze: watch::Sender<u64>,
     blocked: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -160,8 +164,10 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("addr");
         let (cut, _) = watch::channel(0u64);
+        let (freeze, _) = watch::channel(0u64);
         let blocked = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cuts = cut.clone();
+        let freezes = freeze.clone();
         let refuse = Arc::clone(&blocked);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -171,6 +177,7 @@ impl Proxy {
                 }
                 let target = target.clone();
                 let mut cut_rx = cuts.subscribe();
+                let mut freeze_rx = freezes.subscribe();
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(&target).await else {
                         return;
@@ -181,15 +188,25 @@ impl Proxy {
                     let _ = server.set_nodelay(true);
                     let (mut cr, mut cw) = client.into_split();
                     let (mut sr, mut sw) = server.into_split();
-                    tokio::select! {
-                        _ = tokio::io::copy(&mut cr, &mut sw) => {}
-                        _ = tokio::io::copy(&mut sr, &mut cw) => {}
-                        _ = cut_rx.changed() => {}
+                    let frozen = tokio::select! {
+                        _ = tokio::io::copy(&mut cr, &mut sw) => false,
+                        _ = tokio::io::copy(&mut sr, &mut cw) => false,
+                        _ = cut_rx.changed() => false,
+                        _ = freeze_rx.changed() => true,
+                    };
+                    if frozen {
+                        // Open but silent both ways until a cut or the proxy's end.
+                        let _ = cut_rx.changed().await;
                     }
                 });
             }
         });
-        Self { addr, cut, blocked }
+        Self {
+            addr,
+            cut,
+            freeze,
+            blocked,
+        }
     }
 
     /// Drops every open connection through the proxy.
@@ -197,11 +214,19 @@ impl Proxy {
         self.cut.send_modify(|n| *n += 1);
     }
 
+    /// Silences every open connection through the proxy without closing it, as a
+    /// network partition does: nothing passes either way and neither side is told.
+    /// New connections work.
+    pub fn freeze(&self) {
+        self.freeze.send_modify(|n| *n += 1);
+    }
+
     /// Cuts every connection as `cuts` says.
     pub async fn cut_as(&self, cuts: Cuts) {
         match cuts {
             Cuts::Once { refuse_for } => self.cut_refusing_for(refuse_for).await,
             Cuts::Repeatedly(times) => self.cut_repeatedly(times).await,
+            Cuts::Freeze => self.freeze(),
         }
     }
 

@@ -371,11 +371,9 @@ fn consume_through_cuts(per_event: Duration, count: usize, cut_after: u64, cuts:
     let url = scene.url.clone();
     let stats = scene.runtime.block_on(async {
         let proxy = Proxy::start(amqp::host_port(&url)).await;
-        let consumer = consumer(
-            &proxy.url_for(&url),
-            Arc::clone(&scene.store),
-            &scene.prefix,
-        );
+        // A 2 s heartbeat: a silent connection is noticed after 4 s.
+        let through_proxy = format!("{}?heartbeat=2", proxy.url_for(&url));
+        let consumer = consumer(&through_proxy, Arc::clone(&scene.store), &scene.prefix);
         let stats = consumer.stats();
         let shutdown = CancellationToken::new();
         let running = tokio::spawn(consumer.run(shutdown.clone()));
@@ -421,6 +419,13 @@ fn connection_cut_mid_stream_reconnects_and_applies_everything_once() {
 #[test]
 fn connection_cut_again_and_again_never_stalls_and_applies_everything_once() {
     consume_through_cuts(Duration::from_millis(2), 3_000, 100, Cuts::Repeatedly(20));
+}
+
+/// The broker falls silent without closing anything, as in a network partition: the
+/// missed heartbeats end the connection and the consumer reconnects.
+#[test]
+fn connection_fallen_silent_is_noticed_by_heartbeats_and_everything_applied_once() {
+    consume_through_cuts(Duration::from_millis(1), 2_000, 300, Cuts::Freeze);
 }
 
 #[test]

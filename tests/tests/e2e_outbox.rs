@@ -582,3 +582,11 @@ async fn relay_connection_cut_for_seconds_then_everything_is_published() {
 async fn relay_cut_again_and_again_mid_publish_never_stalls() {
     relay_through_cuts(4_000, 50, Cuts::Repeatedly(20)).await;
 }
+
+/// The broker falls silent mid-stream without closing anything, as in a network
+/// partition: no confirm ever comes. The relay gives up when its lease runs out (5 s
+/// here), long before a missed heartbeat would tell it, and publishes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_whose_broker_falls_silent_publishes_again_after_its_lease() {
+    relay_through_cuts(1_500, 200, Cuts::Freeze).await;
+}
