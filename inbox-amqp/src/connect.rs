@@ -26,19 +26,25 @@ impl From<lapin::Error> for SessionEnd {
     }
 }
 
-/// Connects, naming the connection; the error keeps lapin's cause and hides the
-/// password.
-pub(crate) async fn connect(url: &str, name: Option<&str>) -> Result<Connection> {
+/// Connects, naming the connection, and gives up when the AMQP handshake has not
+/// finished `within` (a peer that accepts the connection and never answers would
+/// otherwise hold it forever: heartbeats only start after the handshake). The error
+/// keeps lapin's cause and hides the password.
+pub(crate) async fn connect(url: &str, name: Option<&str>, within: Duration) -> Result<Connection> {
     let mut props = ConnectionProperties::default();
     if let Some(name) = name {
         props = props.with_connection_name(LongString::from(name));
     }
-    Connection::connect(url, props)
-        .await
-        .map_err(|source| Error::Connect {
+    match tokio::time::timeout(within, Connection::connect(url, props)).await {
+        Ok(connected) => connected.map_err(|source| Error::Connect {
             url: redact_url(url),
             source,
-        })
+        }),
+        Err(_) => Err(Error::ConnectTimeout {
+            url: redact_url(url),
+            after: within,
+        }),
+    }
 }
 
 /// The longest wait for the broker to acknowledge a goodbye (a cancel or a close). A
@@ -74,6 +80,25 @@ pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, 
         () = shutdown.cancelled() => {}
     }
     *backoff = (*backoff * 2).min(max);
+}
+
+/// The message of a configuration error; panics on anything else.
+#[cfg(test)]
+pub(crate) fn config_error(checked: Result<()>) -> String {
+    match checked {
+        Err(Error::Config(msg)) => msg,
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
+/// Refuses a connect timeout of zero.
+pub(crate) fn check_connect_timeout(within: Duration) -> Result<()> {
+    if within.is_zero() {
+        return Err(Error::Config(
+            "the connect timeout must be greater than zero".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses a backoff that is zero or whose minimum exceeds its maximum.

@@ -17,7 +17,8 @@ use tracing::Instrument;
 use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore};
 
 use crate::connect::{
-    check_backoff, close_channel, close_connection, connect, goodbye, pause, SessionEnd,
+    check_backoff, check_connect_timeout, close_channel, close_connection, connect, goodbye, pause,
+    SessionEnd,
 };
 use crate::delivery::{self, Malformed};
 use crate::stats::{ConsumerStats, Counter};
@@ -44,6 +45,9 @@ pub struct ConsumerSettings {
     pub backoff_max: Duration,
     /// The connection's name, shown by `rabbitmqctl list_connections`.
     pub connection_name: Option<String>,
+    /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
+    /// accepts the connection and never answers is then tried again after backoff.
+    pub connect_timeout: Duration,
 }
 
 impl Default for ConsumerSettings {
@@ -57,6 +61,7 @@ impl Default for ConsumerSettings {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             connection_name: None,
+            connect_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -100,6 +105,12 @@ impl ConsumerSettings {
         self
     }
 
+    /// Sets the longest wait for a connection's AMQP handshake.
+    pub fn connect_timeout(mut self, within: Duration) -> Self {
+        self.connect_timeout = within;
+        self
+    }
+
     fn check(&self) -> Result<()> {
         if self.workers == 0 || self.batch_size == 0 {
             return Err(Error::Config(
@@ -113,6 +124,7 @@ impl ConsumerSettings {
             )));
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
+        check_connect_timeout(self.connect_timeout)?;
         Ok(())
     }
 }
@@ -200,7 +212,7 @@ impl<S: InboxStore> Consumer<S> {
                 return Ok(());
             }
             let connected = tokio::select! {
-                c = connect(&self.url, settings.connection_name.as_deref()) => c,
+                c = connect(&self.url, settings.connection_name.as_deref(), settings.connect_timeout) => c,
                 () = shutdown.cancelled() => return Ok(()),
             };
             let conn = match connected {
@@ -617,5 +629,25 @@ impl<S: InboxStore> Shared<S> {
         }
         close_channel(&channel, "inbox dead-letter reader stopping").await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::connect::config_error;
+
+    #[test]
+    fn settings_out_of_range_are_refused_by_name() {
+        let refused = |settings: ConsumerSettings| config_error(settings.check());
+        let ms = Duration::from_millis;
+        assert!(ConsumerSettings::default().check().is_ok());
+        assert!(refused(ConsumerSettings::default().workers(0)).contains("workers"));
+        let thin = ConsumerSettings::default().prefetch(10).batch(20, ms(5));
+        assert!(refused(thin).contains("prefetch (10) must be at least batch_size (20)"));
+        let inverted = ConsumerSettings::default().backoff(ms(9), ms(1));
+        assert!(refused(inverted).contains("backoff"));
+        let no_wait = ConsumerSettings::default().connect_timeout(Duration::ZERO);
+        assert!(refused(no_wait).contains("connect timeout"));
     }
 }

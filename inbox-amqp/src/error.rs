@@ -13,6 +13,15 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// The broker accepted the connection but did not finish the AMQP handshake in
+    /// time.
+    #[error("could not connect to {url}: no AMQP handshake within {after:?}")]
+    ConnectTimeout {
+        /// The URL, password redacted.
+        url: String,
+        /// How long the handshake was given.
+        after: std::time::Duration,
+    },
     /// A queue or exchange exists with other arguments than the ones declared.
     #[error("topology conflict on {name}: {detail}")]
     TopologyConflict {

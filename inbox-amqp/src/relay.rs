@@ -9,7 +9,9 @@ use tokio_util::sync::CancellationToken;
 
 use inbox_core::{OutboxRow, OutboxStore};
 
-use crate::connect::{check_backoff, close_connection, connect, pause, SessionEnd};
+use crate::connect::{
+    check_backoff, check_connect_timeout, close_connection, connect, pause, SessionEnd,
+};
 use crate::{Error, Result, TENANT_HEADER};
 
 /// How a [`Relay`] runs.
@@ -38,6 +40,9 @@ pub struct RelaySettings {
     pub backoff_max: Duration,
     /// The connection's name, shown by `rabbitmqctl list_connections`.
     pub connection_name: Option<String>,
+    /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
+    /// accepts the connection and never answers is then tried again after backoff.
+    pub connect_timeout: Duration,
 }
 
 impl Default for RelaySettings {
@@ -57,6 +62,7 @@ impl Default for RelaySettings {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             connection_name: None,
+            connect_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -106,6 +112,12 @@ impl RelaySettings {
         self
     }
 
+    /// Sets the longest wait for a connection's AMQP handshake.
+    pub fn connect_timeout(mut self, within: Duration) -> Self {
+        self.connect_timeout = within;
+        self
+    }
+
     fn check(&self) -> Result<()> {
         if self.batch_size == 0 || self.relay_id.is_empty() {
             return Err(Error::Config(
@@ -118,6 +130,7 @@ impl RelaySettings {
             ));
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
+        check_connect_timeout(self.connect_timeout)?;
         Ok(())
     }
 }
@@ -255,7 +268,8 @@ impl<O: OutboxStore> Relay<O> {
     }
 
     async fn connect(&self) -> Result<(Connection, Channel)> {
-        let conn = connect(&self.url, self.settings.connection_name.as_deref()).await?;
+        let s = &self.settings;
+        let conn = connect(&self.url, s.connection_name.as_deref(), s.connect_timeout).await?;
         let channel = conn.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -491,6 +505,7 @@ async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::connect::config_error;
 
     #[test]
     fn failed_rows_back_off_and_cap() {
@@ -499,5 +514,18 @@ mod tests {
         assert_eq!(backoff_for(s, 3), 8 * s);
         assert_eq!(backoff_for(s, 40), Duration::from_secs(60));
         assert_eq!(backoff_for(s, -1), s);
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_by_name() {
+        let refused = |settings: RelaySettings| config_error(settings.check());
+        let ms = Duration::from_millis;
+        assert!(RelaySettings::default().check().is_ok());
+        assert!(refused(RelaySettings::default().lease(0, ms(10))).contains("batch size"));
+        assert!(refused(RelaySettings::default().relay_id("")).contains("non-empty id"));
+        assert!(refused(RelaySettings::default().lease(5, Duration::ZERO)).contains("lease"));
+        assert!(refused(RelaySettings::default().backoff(ms(9), ms(1))).contains("backoff"));
+        let no_wait = RelaySettings::default().connect_timeout(Duration::ZERO);
+        assert!(refused(no_wait).contains("connect timeout"));
     }
 }

@@ -145,6 +145,12 @@ pub enum Cuts {
     Repeatedly(u64),
     /// No cut: the open connections fall silent (see [`Proxy::freeze`]).
     Freeze,
+    /// One cut, then new connections are accepted and never answered for a while
+    /// (see [`Proxy::stall`]).
+    Stalling {
+        /// How long new connections stall.
+        stall_for: Duration,
+    },
 }
 
 /// A TCP proxy on 127.0.0.1 in front of the broker. `cut()` drops every connection
@@ -156,6 +162,7 @@ pub struct Proxy {
     cut: watch::Sender<u64>,
     freeze: watch::Sender<u64>,
     blocked: Arc<std::sync::atomic::AtomicBool>,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Proxy {
@@ -166,13 +173,24 @@ impl Proxy {
         let (cut, _) = watch::channel(0u64);
         let (freeze, _) = watch::channel(0u64);
         let blocked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cuts = cut.clone();
         let freezes = freeze.clone();
         let refuse = Arc::clone(&blocked);
+        let stall = Arc::clone(&stalled);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if refuse.load(std::sync::atomic::Ordering::SeqCst) {
                     drop(client);
+                    continue;
+                }
+                if stall.load(std::sync::atomic::Ordering::SeqCst) {
+                    // Accepted, then silence: held open until a cut or the proxy's end.
+                    let mut cut_rx = cuts.subscribe();
+                    tokio::spawn(async move {
+                        let _held = client;
+                        let _ = cut_rx.changed().await;
+                    });
                     continue;
                 }
                 let target = target.clone();
@@ -206,6 +224,7 @@ impl Proxy {
             cut,
             freeze,
             blocked,
+            stalled,
         }
     }
 
@@ -221,12 +240,25 @@ impl Proxy {
         self.freeze.send_modify(|n| *n += 1);
     }
 
+    /// Accepts new connections and then says nothing on them (`true`), as a broker
+    /// that hangs mid-handshake; or forwards them again (`false`).
+    pub fn stall(&self, stalled: bool) {
+        self.stalled
+            .store(stalled, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Cuts every connection as `cuts` says.
     pub async fn cut_as(&self, cuts: Cuts) {
         match cuts {
             Cuts::Once { refuse_for } => self.cut_refusing_for(refuse_for).await,
             Cuts::Repeatedly(times) => self.cut_repeatedly(times).await,
             Cuts::Freeze => self.freeze(),
+            Cuts::Stalling { stall_for } => {
+                self.stall(true);
+                self.cut();
+                tokio::time::sleep(stall_for).await;
+                self.stall(false);
+            }
         }
     }
 

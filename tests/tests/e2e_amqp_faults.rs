@@ -87,7 +87,8 @@ fn consumer(
             .workers(2)
             .prefetch(50)
             .batch(20, Duration::from_millis(5))
-            .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+            .backoff(Duration::from_millis(50), Duration::from_millis(500))
+            .connect_timeout(Duration::from_secs(1)),
     )
 }
 
@@ -426,6 +427,19 @@ fn connection_cut_again_and_again_never_stalls_and_applies_everything_once() {
 #[test]
 fn connection_fallen_silent_is_noticed_by_heartbeats_and_everything_applied_once() {
     consume_through_cuts(Duration::from_millis(1), 2_000, 300, Cuts::Freeze);
+}
+
+/// After a cut, the broker accepts new connections for 3 s and never answers them:
+/// each reconnect gives up at its connect timeout (1 s here) and tries again.
+#[test]
+fn reconnect_stalled_mid_handshake_is_given_up_and_tried_again() {
+    let stall_for = Duration::from_secs(3);
+    consume_through_cuts(
+        Duration::from_millis(1),
+        2_000,
+        300,
+        Cuts::Stalling { stall_for },
+    );
 }
 
 #[test]

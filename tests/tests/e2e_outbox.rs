@@ -183,7 +183,8 @@ impl World {
                 .lease(200, Duration::from_secs(5))
                 .poll_interval(ms(100))
                 .retry_after(ms(50))
-                .backoff(ms(50), ms(500)),
+                .backoff(ms(50), ms(500))
+                .connect_timeout(Duration::from_secs(1)),
         )
     }
 
@@ -589,4 +590,12 @@ async fn relay_cut_again_and_again_mid_publish_never_stalls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_whose_broker_falls_silent_publishes_again_after_its_lease() {
     relay_through_cuts(1_500, 200, Cuts::Freeze).await;
+}
+
+/// After a cut, the broker accepts new connections for 3 s and never answers them:
+/// each reconnect gives up at its connect timeout (1 s here) and tries again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_reconnect_stalled_mid_handshake_is_given_up_and_tried_again() {
+    let stall_for = Duration::from_secs(3);
+    relay_through_cuts(1_500, 200, Cuts::Stalling { stall_for }).await;
 }
