@@ -1,5 +1,6 @@
 //! What the consumer and the relay share about their broker connection: connecting
-//! with a name, the reconnect backoff, and why a session ended.
+//! with a name and a bounded handshake, the reconnect backoff, goodbyes that never
+//! wait long on a dead connection, and why a session ended.
 
 use std::future::Future;
 use std::time::Duration;

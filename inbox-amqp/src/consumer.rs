@@ -211,8 +211,9 @@ impl<S: InboxStore> Consumer<S> {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
+            let name = settings.connection_name.as_deref();
             let connected = tokio::select! {
-                c = connect(&self.url, settings.connection_name.as_deref(), settings.connect_timeout) => c,
+                c = connect(&self.url, name, settings.connect_timeout) => c,
                 () = shutdown.cancelled() => return Ok(()),
             };
             let conn = match connected {
