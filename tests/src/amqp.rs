@@ -154,8 +154,9 @@ pub enum Cuts {
 }
 
 /// A TCP proxy on 127.0.0.1 in front of the broker. `cut()` drops every connection
-/// through it (the client sees its connection die); `freeze()` silences them; new
-/// connections keep working.
+/// through it (the client sees its connection die) and `freeze()` silences them, while
+/// new connections keep working; `block` refuses new connections, and `stall` accepts
+/// them and never answers.
 pub struct Proxy {
     /// The proxy's address.
     pub addr: SocketAddr,
