@@ -74,6 +74,14 @@ impl World {
         })
     }
 
+    /// A world whose topology is declared on the broker.
+    async fn declared() -> Option<Self> {
+        let world = Self::new()?;
+        let conn = amqp::connect(&world.url).await;
+        world.topology.declare(&conn).await.unwrap();
+        Some(world)
+    }
+
     fn exchange(&self) -> String {
         self.topology.exchange()
     }
@@ -218,12 +226,9 @@ fn event(i: u64) -> UsageRecorded {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_relays_and_inbox_apply_every_committed_event_once() {
-    let Some(world) = World::new() else { return };
-    world
-        .topology
-        .declare(&amqp::connect(&world.url).await)
-        .await
-        .unwrap();
+    let Some(world) = World::declared().await else {
+        return;
+    };
     let world = Arc::new(world);
     let shutdown = CancellationToken::new();
     let consumer = world.consumer();
@@ -318,12 +323,9 @@ impl OutboxStore for DiesBeforeMarking {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_killed_between_publish_and_mark_publishes_again_and_totals_stay_exact() {
-    let Some(world) = World::new() else { return };
-    world
-        .topology
-        .declare(&amqp::connect(&world.url).await)
-        .await
-        .unwrap();
+    let Some(world) = World::declared().await else {
+        return;
+    };
     let mut conn = world.db.connect();
     for n in 0..300 {
         world.record_usage(&mut conn, &format!("ledger-{n}"), &event(n), true);
@@ -514,12 +516,9 @@ async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
 /// cuts its connection as `cuts` says once `cut_after` are published: the relay
 /// reconnects, never stalls, and the consumer applies every event exactly once.
 async fn relay_through_cuts(rows: u64, cut_after: u64, cuts: Cuts) {
-    let Some(world) = World::new() else { return };
-    world
-        .topology
-        .declare(&amqp::connect(&world.url).await)
-        .await
-        .unwrap();
+    let Some(world) = World::declared().await else {
+        return;
+    };
     let world = Arc::new(world);
     let proxy = Proxy::start(amqp::host_port(&world.url)).await;
     let shutdown = CancellationToken::new();
