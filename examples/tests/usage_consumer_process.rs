@@ -11,6 +11,7 @@ use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
 
 fn database_url() -> Option<String> {
+    inbox_diesel::init_tls();
     let url = std::env::var("DATABASE_URL")
         .ok()
         .filter(|u| u.starts_with("postgres"));
@@ -342,4 +343,49 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
             .unwrap();
         topology.delete(&conn).await.unwrap();
     });
+}
+
+/// Busy threads while the startups run: the exit race showed under load.
+fn busy(stop: &std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<()> {
+    let stop = std::sync::Arc::clone(stop);
+    std::thread::spawn(move || {
+        let mut x = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            std::hint::black_box(x);
+        }
+    })
+}
+
+/// A startup that fails on the broker exits 1 every time, never SIGSEGV: a pool thread
+/// still inside libpq's TLS setup at exit used to race OpenSSL's exit cleanup.
+#[test]
+fn an_unreachable_broker_exits_1_every_time_under_load() {
+    let Some(base) = database_url() else { return };
+    let schema = unique("ex");
+    let url = schema_url(&base, &schema);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..2).map(|_| busy(&stop)).collect();
+    let runs = 30;
+    let mut bad = Vec::new();
+    for run in 0..runs {
+        let out = Command::new(example_binary())
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+            .output()
+            .unwrap();
+        if out.status.code() != Some(1) {
+            bad.push((run, out.status));
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in load {
+        h.join().unwrap();
+    }
+    drop_schema(&base, &schema);
+    assert!(
+        bad.is_empty(),
+        "{} of {runs} startups did not exit 1: {bad:?}",
+        bad.len()
+    );
 }

@@ -9,10 +9,10 @@
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
+use crate::pool::PooledStoreConnection;
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, PooledConnection};
 use diesel::result::QueryResult;
 use diesel::sql_types::{BigInt, Text};
 use diesel::PgConnection;
@@ -92,7 +92,7 @@ impl<C: StoreConnection> AsStoreConnection for C {
     }
 }
 
-impl<C: StoreConnection> AsStoreConnection for PooledConnection<ConnectionManager<C>> {
+impl<C: StoreConnection> AsStoreConnection for PooledStoreConnection<C> {
     type Conn = C;
 
     fn as_store_connection(&mut self) -> &mut C {
@@ -553,9 +553,11 @@ impl Listener {
         let conn = match &mut self.conn {
             Some(conn) => conn,
             None => {
-                let mut conn = PgConnection::establish(url).map_err(|source| Error::Connect {
-                    url: crate::redact(url),
-                    source,
+                let mut conn = <PgConnection as Sealed>::establish_url(url).map_err(|source| {
+                    Error::Connect {
+                        url: crate::redact(url),
+                        source,
+                    }
                 })?;
                 <PgConnection as Sealed>::on_acquire(&mut conn, schema)?;
                 let current: SchemaName =

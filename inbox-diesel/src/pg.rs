@@ -211,6 +211,8 @@ impl Sealed for PgConnection {
     const BACKEND: Backend = Backend::Postgres;
 
     fn establish_url(url: &str) -> ConnectionResult<Self> {
+        // Before libpq's first connection initialises OpenSSL with an exit cleanup.
+        crate::init_tls();
         PgConnection::establish(url)
     }
 

@@ -3,13 +3,14 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use chrono::{DateTime, Utc};
-use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, PooledConnection};
+use diesel::r2d2::{CustomizeConnection, Pool};
 use inbox_core::{
     ClaimKey, Clock, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, DynHandler,
     Envelope, Handler, InboxStore, RetryLadder, SystemClock,
 };
 
 use crate::backend::{valid_schema_name, StoreConnection};
+use crate::pool::{Closer, PooledStoreConnection, StoreManager};
 use crate::{verify, Backend, Error, Result};
 
 /// A claim's state.
@@ -115,7 +116,9 @@ pub(crate) struct Settings {
 }
 
 pub(crate) struct Inner<C: StoreConnection> {
-    pub pool: Pool<ConnectionManager<C>>,
+    pub pool: Pool<StoreManager<C>>,
+    /// Waits for the pool's connecting threads when the store is dropped.
+    pub closer: Closer,
     pub handlers: HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>,
     pub clock: Arc<dyn Clock>,
     pub settings: Settings,
@@ -127,6 +130,14 @@ pub(crate) struct Inner<C: StoreConnection> {
     pub schema: Option<String>,
     /// PostgreSQL: the outbox's LISTEN connection, opened on the first wait.
     pub listener: Mutex<crate::outbox::Listener>,
+}
+
+impl<C: StoreConnection> Drop for Inner<C> {
+    fn drop(&mut self) {
+        // The pool's threads outlive it; none may still be connecting when the
+        // process exits (see the `pool` module).
+        self.closer.close();
+    }
 }
 
 impl<C: StoreConnection> Inner<C> {
@@ -197,12 +208,12 @@ impl<C: StoreConnection> Store<C> {
     }
 
     /// The connection pool (for the application's own queries and tests).
-    pub fn pool(&self) -> &Pool<ConnectionManager<C>> {
+    pub fn pool(&self) -> &Pool<StoreManager<C>> {
         &self.inner.pool
     }
 
     /// A pooled connection, set up like the store's own (search path, pragmas).
-    pub fn connection(&self) -> Result<PooledConnection<ConnectionManager<C>>> {
+    pub fn connection(&self) -> Result<PooledStoreConnection<C>> {
         Ok(self.inner.pool.get()?)
     }
 
@@ -404,6 +415,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
         }
         drop(first);
 
+        let (manager, closer) = StoreManager::<C>::new(C::pool_url(&self.url));
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(1))
@@ -413,10 +425,11 @@ impl<C: StoreConnection> StoreBuilder<C> {
             .connection_customizer(Box::new(Customizer {
                 schema: self.schema.clone(),
             }))
-            .build(ConnectionManager::<C>::new(C::pool_url(&self.url)))?;
+            .build(manager)?;
         Ok(Store {
             inner: Arc::new(Inner {
                 pool,
+                closer,
                 handlers,
                 clock: self.clock,
                 settings: Settings {

@@ -34,6 +34,8 @@ pub fn services_required() -> bool {
 /// From `PG_DATABASE_URL`, then `DATABASE_URL`; with the `testcontainers` feature and
 /// neither set, from a container started for the test process.
 pub fn postgres_url() -> Option<String> {
+    // Before this process's first libpq connection (see `inbox_diesel::init_tls`).
+    inbox_diesel::init_tls();
     #[allow(unused_mut)] // assigned only with the `testcontainers` feature
     let mut url = std::env::var("PG_DATABASE_URL")
         .or_else(|_| std::env::var("DATABASE_URL"))
