@@ -57,23 +57,79 @@ pub trait StoreConnection:
 impl StoreConnection for diesel::PgConnection {}
 impl StoreConnection for diesel::SqliteConnection {}
 
-/// Whether a database error means "run the whole transaction again": a deadlock
-/// (40P01), a serialization failure (40001), or SQLite's busy/locked.
+/// Whose a database error is, which decides what the store does with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ErrorClass {
+    /// A deadlock (40P01), a serialization failure (40001), SQLite's busy/locked: run
+    /// the transaction again.
+    Contention,
+    /// Caused by a delivery's data (SQLSTATE classes 22 and 23, SQLite's constraint,
+    /// too-big and mismatch codes): it does not heal by retrying.
+    Data,
+    /// The store itself is unreachable (a lost connection, a statement the server
+    /// cancelled): nothing is about any delivery.
+    Infrastructure,
+    /// Anything else.
+    Other,
+}
+
+/// Classifies a database error.
 ///
-/// diesel maps 40001 to a kind but not 40P01, so the deadlock is recognised by the
-/// server's message.
-pub(crate) fn is_retryable(err: &diesel::result::Error) -> bool {
-    use diesel::result::{DatabaseErrorKind, Error};
+/// diesel maps 40001 and class 23 to kinds but not 40P01 or class 22, so those are
+/// recognised by the server's message.
+pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
+    use diesel::result::{DatabaseErrorKind as K, Error};
     match err {
-        Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        Error::DatabaseError(K::SerializationFailure, _) => ErrorClass::Contention,
+        Error::DatabaseError(
+            K::UniqueViolation
+            | K::ForeignKeyViolation
+            | K::NotNullViolation
+            | K::CheckViolation
+            | K::RestrictViolation
+            | K::ExclusionViolation,
+            _,
+        ) => ErrorClass::Data,
+        Error::DatabaseError(K::ClosedConnection | K::UnableToSendCommand, _) => {
+            ErrorClass::Infrastructure
+        }
         Error::DatabaseError(_, info) => {
             let msg = info.message();
-            msg.contains("deadlock detected")
+            if msg.contains("deadlock detected")
                 || msg.contains("database is locked")
                 || msg.contains("database table is locked")
+            {
+                ErrorClass::Contention
+            } else if is_data_message(msg) {
+                ErrorClass::Data
+            } else {
+                ErrorClass::Other
+            }
         }
-        _ => false,
+        Error::BrokenTransactionManager => ErrorClass::Infrastructure,
+        _ => ErrorClass::Other,
     }
+}
+
+/// Messages of PostgreSQL's class 22 (data exception) under `lc_messages = 'C'`.
+fn is_data_message(msg: &str) -> bool {
+    const CLASS_22: &[&str] = &[
+        "invalid byte sequence for encoding",
+        "invalid input syntax",
+        "out of range",
+        "division by zero",
+        "value too long for type",
+        "numeric field overflow",
+        "invalid input value for enum",
+        "null character not permitted",
+        "unsupported Unicode escape sequence",
+    ];
+    CLASS_22.iter().any(|m| msg.contains(m))
+}
+
+/// Whether a database error means "run the whole transaction again".
+pub(crate) fn is_retryable(err: &diesel::result::Error) -> bool {
+    classify(err) == ErrorClass::Contention
 }
 
 /// Quotes an identifier already checked to be `[a-z_][a-z0-9_]*`.
