@@ -229,12 +229,23 @@ impl HandlerError {
         Self::with_kind(HandlerErrorKind::Permanent, cause)
     }
 
-    /// A failure to retry after `delay`.
+    /// A failure to retry after `delay`, at most [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)
+    /// (a longer delay saturates to it).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_core::{HandlerError, HandlerErrorKind, MAX_RETRY_DELAY};
+    /// let e = HandlerError::retry_after(Duration::MAX, "rate limited");
+    /// assert_eq!(e.kind(), HandlerErrorKind::RetryAfter(MAX_RETRY_DELAY));
+    /// ```
     pub fn retry_after(
         delay: Duration,
         cause: impl Into<Box<dyn StdError + Send + Sync + 'static>>,
     ) -> Self {
-        Self::with_kind(HandlerErrorKind::RetryAfter(delay), cause)
+        Self::with_kind(
+            HandlerErrorKind::RetryAfter(delay.min(crate::MAX_RETRY_DELAY)),
+            cause,
+        )
     }
 
     fn with_kind(

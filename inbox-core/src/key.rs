@@ -159,6 +159,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn refuses_a_nul_byte() {
+        assert!(matches!(
+            MessageKey::new("order\0-17"),
+            Err(Error::InvalidMessageKey(msg)) if msg.contains("NUL byte")
+        ));
+    }
+
+    #[test]
     fn key_length_bounds() {
         assert!(MessageKey::new("k").is_ok());
         assert!(MessageKey::new("k".repeat(255)).is_ok());

@@ -51,7 +51,7 @@ pub use handler::{
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{relay_in_process, EnqueueOutcome, Lease, OutboxMessage, OutboxRow, OutboxStore};
-pub use retry::{RetryLadder, RetryPolicy};
+pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::redact_url;

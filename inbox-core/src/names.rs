@@ -34,7 +34,8 @@ pub fn check_group_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks a message key: 1 to 255 bytes.
+/// Checks a message key: 1 to 255 bytes, no NUL byte (PostgreSQL's TEXT cannot hold
+/// one, so a key with one could never be claimed).
 pub fn check_message_key(key: &str) -> Result<(), String> {
     if key.is_empty() {
         return Err("message key must not be empty".to_owned());
@@ -43,6 +44,11 @@ pub fn check_message_key(key: &str) -> Result<(), String> {
         return Err(format!(
             "message key must be at most {MAX_KEY_LEN} bytes, found {} bytes",
             key.len()
+        ));
+    }
+    if let Some(at) = key.find('\0') {
+        return Err(format!(
+            "message key must not contain a NUL byte, found one at byte {at}"
         ));
     }
     Ok(())

@@ -24,10 +24,17 @@ pub struct RetryPolicy {
     max: Duration,
 }
 
+/// The longest retry delay the framework waits (a year): a longer one would overflow
+/// the clock arithmetic of a store or a transport. [`RetryPolicy::new`] and
+/// [`RetryLadder::new`] refuse more; [`HandlerError::retry_after`](crate::HandlerError::retry_after)
+/// saturates to it.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 impl RetryPolicy {
     /// A policy of at most `max_attempts` tries with backoff from `initial` to `max`.
     ///
-    /// Rejects `max_attempts` of 0, a zero `initial` delay, and `initial > max`.
+    /// Rejects `max_attempts` of 0, a zero `initial` delay, `initial > max`, and a
+    /// `max` above [`MAX_RETRY_DELAY`].
     pub fn new(max_attempts: u32, initial: Duration, max: Duration) -> Result<Self, Error> {
         if max_attempts == 0 {
             return Err(Error::InvalidRetryPolicy(
@@ -42,6 +49,11 @@ impl RetryPolicy {
         if initial > max {
             return Err(Error::InvalidRetryPolicy(format!(
                 "initial backoff ({initial:?}) must not exceed max backoff ({max:?})"
+            )));
+        }
+        if max > MAX_RETRY_DELAY {
+            return Err(Error::InvalidRetryPolicy(format!(
+                "max backoff must be at most {MAX_RETRY_DELAY:?}, found {max:?}"
             )));
         }
         Ok(Self {
@@ -101,6 +113,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn refuses_delays_past_the_cap() {
+        let s = Duration::from_secs(1);
+        assert!(RetryPolicy::new(3, s, MAX_RETRY_DELAY).is_ok());
+        assert!(matches!(
+            RetryPolicy::new(3, s, Duration::MAX),
+            Err(Error::InvalidRetryPolicy(_))
+        ));
+        assert!(matches!(
+            RetryLadder::new([s, MAX_RETRY_DELAY + s]),
+            Err(Error::InvalidRetryPolicy(_))
+        ));
+        let policy = RetryPolicy::new(64, s, MAX_RETRY_DELAY).unwrap_or_default();
+        assert_eq!(policy.delay_after(64), MAX_RETRY_DELAY);
+    }
+
+    #[test]
     fn rejects_invalid_settings() {
         let s = Duration::from_secs(1);
         assert!(RetryPolicy::new(0, s, s).is_err());
@@ -152,6 +180,11 @@ impl RetryLadder {
             return Err(Error::InvalidRetryPolicy(
                 "a retry ladder needs at least one tier".to_owned(),
             ));
+        }
+        if let Some(bad) = tiers.iter().find(|d| **d > MAX_RETRY_DELAY) {
+            return Err(Error::InvalidRetryPolicy(format!(
+                "a retry tier must be at most {MAX_RETRY_DELAY:?}, found {bad:?}"
+            )));
         }
         if let Some(bad) = tiers
             .iter()
