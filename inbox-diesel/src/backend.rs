@@ -38,6 +38,12 @@ pub(crate) mod private {
 
         /// Takes projection locks (id, exclusive), for the rest of the transaction.
         fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()>;
+
+        /// The server's identity of the open transaction (PostgreSQL: its transaction
+        /// id), or `None` where the backend cannot tell. Read again after a handler
+        /// call, it fails if the handler left the transaction aborted, and differs if
+        /// the handler ended or restarted it.
+        fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>>;
     }
 }
 
@@ -63,9 +69,14 @@ pub(crate) enum ErrorClass {
     /// A deadlock (40P01), a serialization failure (40001), SQLite's busy/locked: run
     /// the transaction again.
     Contention,
-    /// Caused by a delivery's data (SQLSTATE classes 22 and 23, SQLite's constraint,
-    /// too-big and mismatch codes): it does not heal by retrying.
+    /// A data exception (SQLSTATE class 22: a NUL byte, a value out of range, a bad
+    /// date; SQLite's too-big and mismatch codes): caused by the values written, it
+    /// does not heal by retrying.
     Data,
+    /// An integrity constraint refused the write (SQLSTATE class 23: unique, foreign
+    /// key, not null, check, exclusion). From a handler, the message's data; from the
+    /// store's own statements, a schema that does not match what the store verified.
+    Integrity,
     /// The store itself is unreachable (a lost connection, a statement the server
     /// cancelled): nothing is about any delivery.
     Infrastructure,
@@ -89,7 +100,7 @@ pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
             | K::RestrictViolation
             | K::ExclusionViolation,
             _,
-        ) => ErrorClass::Data,
+        ) => ErrorClass::Integrity,
         Error::DatabaseError(K::ClosedConnection | K::UnableToSendCommand, _) => {
             ErrorClass::Infrastructure
         }

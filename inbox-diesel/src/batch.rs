@@ -9,7 +9,6 @@
 //!    failure recorded by the same claim key.
 //! 5. Commit once; the transport acts on the decisions.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,11 +19,11 @@ use chrono::{DateTime, Utc};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use inbox_core::{
     delta, ClaimInvariantViolated, ClaimKey, ConsumerGroup, DeadLetterOutcome, DeadLetterReason,
-    Decision, DynHandler, Envelope, HandlerErrorKind, HandlerFailure, MessageContext, MessageKey,
-    RetryPolicy,
+    Decision, DynHandler, Envelope, HandlerError, HandlerErrorKind, HandlerFailure, MessageContext,
+    MessageKey, RetryPolicy, MAX_RETRY_DELAY,
 };
 
-use crate::backend::{is_retryable, StoreConnection};
+use crate::backend::{classify, is_retryable, ErrorClass, StoreConnection};
 use crate::ops::{ClaimRow, FailureUpdate, NewDeadLetter};
 use crate::store::{ClaimStatus, Inner};
 use crate::{Error, Result};
@@ -70,16 +69,27 @@ enum TxError {
     /// the failing delivery is known (by index), its failure is recorded as is
     /// instead of calling its handler a second time.
     Isolate(Option<(usize, HandlerFailure)>),
+    /// One of the store's own statements failed on a delivery's data (a data
+    /// exception, SQLSTATE class 22): split the batch until the delivery is alone.
+    Data(diesel::result::Error),
+    /// A handler ended or restarted the store's transaction itself (named): what it
+    /// committed cannot be isolated any more.
+    Ended(String),
     /// Anything else: nothing committed, the transport acks nothing.
     Fatal(Error),
 }
 
 impl From<diesel::result::Error> for TxError {
     fn from(err: diesel::result::Error) -> Self {
-        if is_retryable(&err) {
-            Self::Retryable(err)
-        } else {
-            Self::Fatal(Error::Database(err))
+        match classify(&err) {
+            ErrorClass::Contention => Self::Retryable(err),
+            ErrorClass::Data => Self::Data(err),
+            // On the store's own statements a constraint error is the schema's fault
+            // (a unique index the store did not verify, say), never a delivery's: fail
+            // loudly and ack nothing rather than dead-letter innocent messages.
+            ErrorClass::Integrity | ErrorClass::Infrastructure | ErrorClass::Other => {
+                Self::Fatal(Error::Database(err))
+            }
         }
     }
 }
@@ -93,11 +103,70 @@ impl From<Error> for TxError {
     }
 }
 
+/// A handler returned `Ok` although a statement of its own had failed: PostgreSQL
+/// aborted the transaction, and a `COMMIT` would silently have rolled everything back.
+#[derive(Debug, thiserror::Error)]
+#[error("the handler returned Ok after a database error it did not propagate (the transaction was aborted)")]
+struct SwallowedDatabaseError(#[source] diesel::result::Error);
+
+/// What the store finds of its transaction after a handler call.
+enum TxCheck {
+    /// Still its own, and usable.
+    Ours,
+    /// Aborted by an error the handler swallowed.
+    Aborted(diesel::result::Error),
+    /// Ended or restarted by the handler.
+    Replaced,
+}
+
+/// Checks, after a handler call, that the transaction is still usable and still the
+/// store's own: before the store decides, never after a `COMMIT` that PostgreSQL
+/// turned into a rollback.
+fn check_transaction<C: StoreConnection>(
+    conn: &mut C,
+    token: Option<&str>,
+) -> std::result::Result<TxCheck, TxError> {
+    let Some(token) = token else {
+        return Ok(TxCheck::Ours);
+    };
+    match C::transaction_token(conn) {
+        Ok(Some(now)) if now == token => Ok(TxCheck::Ours),
+        Ok(_) => Ok(TxCheck::Replaced),
+        Err(err) if classify(&err) == ErrorClass::Infrastructure => Err(err.into()),
+        Err(err) => Ok(TxCheck::Aborted(err)),
+    }
+}
+
 /// A handler as the store holds it.
 type SharedHandler<C> = Arc<dyn DynHandler<C>>;
 
 /// One handler's share of an optimistic run: (delivery index, context) each.
 type HandlerRun<'h, 'e, C> = (&'h Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'e>)>);
+
+/// What a batch's handler run works on: the owned deliveries (with the attempts
+/// before this one), the batch's `now`, and the transaction's token.
+struct Run<'r, 'd, 'e, C> {
+    group: &'r ConsumerGroup,
+    mine: &'r [(&'d Delivery<'e, C>, i32)],
+    now: DateTime<Utc>,
+    token: Option<&'r str>,
+    /// Set when a handler ended the transaction: the rollbacks that follow can fail
+    /// and replace the error, so the finding is kept here.
+    ended: &'r std::cell::Cell<Option<String>>,
+}
+
+impl<C: 'static> Run<'_, '_, '_, C> {
+    fn ended_by(&self, handler: &dyn DynHandler<C>) -> TxError {
+        let name = handler_name(handler);
+        self.ended.set(Some(name.clone()));
+        TxError::Ended(name)
+    }
+}
+
+/// A handler's name for an error line: its group and message type.
+fn handler_name<C: 'static>(handler: &dyn DynHandler<C>) -> String {
+    format!("{}/{}", handler.group(), handler.message_type())
+}
 
 /// The outcome of one handler call inside its savepoint.
 enum SavepointError {
@@ -114,7 +183,11 @@ impl From<diesel::result::Error> for SavepointError {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Optimistic,
-    Isolated,
+    /// A savepoint per message; with `count_contention`, contention raised inside a
+    /// handler is recorded as its failure instead of rerunning the batch.
+    Isolated {
+        count_contention: bool,
+    },
 }
 
 fn depth<C: StoreConnection>(conn: &mut C) -> std::result::Result<u32, TxError> {
@@ -159,6 +232,35 @@ fn failure_is_retryable(failure: &HandlerFailure) -> bool {
             .downcast_ref::<diesel::result::Error>()
             .is_some_and(is_retryable),
         _ => false,
+    }
+}
+
+/// Whether a handler's failure is a data error the database raised (SQLSTATE classes
+/// 22 and 23): permanent.
+fn failure_is_data_error(err: &HandlerError) -> bool {
+    err.downcast_ref::<diesel::result::Error>()
+        .is_some_and(|db| matches!(classify(db), ErrorClass::Data | ErrorClass::Integrity))
+}
+
+/// What of a delivery the stores cannot hold: PostgreSQL's TEXT rejects the NUL byte
+/// (the key cannot hold one: `MessageKey::new` refuses it).
+fn unstorable_field(env: &Envelope) -> Option<String> {
+    if env.message_type.contains('\0') {
+        return Some("the message type contains a NUL byte".to_owned());
+    }
+    if env.tenant.as_deref().is_some_and(|t| t.contains('\0')) {
+        return Some("the tenant contains a NUL byte".to_owned());
+    }
+    None
+}
+
+/// A text the stores can hold: NUL bytes (and the backslash, so the escape is
+/// unambiguous) escaped.
+fn escape_text(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains(['\0', '\\']) {
+        text.replace('\\', "\\\\").replace('\0', "\\0").into()
+    } else {
+        text.into()
     }
 }
 
@@ -265,12 +367,6 @@ impl<C: StoreConnection> Inner<C> {
         let span = tracing::debug_span!("inbox.batch", group = %group, size = batch.len());
         let _entered = span.enter();
 
-        let mut first_copy: HashMap<&MessageKey, usize> = HashMap::new();
-        let mut copies = Vec::new();
-        let mut fresh = Vec::new();
-        let mut redelivered = Vec::new();
-        // The handler of each message type, looked up once per batch.
-        let mut by_type: Vec<(&str, Option<&SharedHandler<C>>)> = Vec::new();
         let spans: Vec<tracing::Span> = batch
             .iter()
             .map(|env| {
@@ -283,6 +379,10 @@ impl<C: StoreConnection> Inner<C> {
                 )
             })
             .collect();
+        // The handler of each message type, looked up once per batch.
+        let mut by_type: Vec<(&str, Option<&SharedHandler<C>>)> = Vec::new();
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut unstorable = Vec::new();
         for (idx, env) in batch.iter().enumerate() {
             let handler = match by_type.iter().find(|(t, _)| *t == env.message_type) {
                 Some(&(_, handler)) => handler,
@@ -301,69 +401,52 @@ impl<C: StoreConnection> Inner<C> {
                 handler,
                 span: spans[idx].clone(),
             };
-            match first_copy.entry(&env.message_key) {
-                // A multi-row upsert cannot touch a row twice: claim each key once.
-                Entry::Occupied(first) => copies.push((delivery, *first.get())),
-                Entry::Vacant(slot) => {
-                    slot.insert(idx);
-                    if env.redelivered {
-                        redelivered.push(delivery);
-                    } else {
-                        fresh.push(delivery);
-                    }
-                }
+            match unstorable_field(env) {
+                Some(why) => unstorable.push((delivery, why)),
+                None => pending.push(delivery),
             }
         }
 
         let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
-        if !fresh.is_empty() {
-            for (idx, decision) in self.run_with_retries(group, &fresh)? {
-                decisions[idx] = Some(decision);
-            }
+        for (d, why) in &unstorable {
+            decisions[d.idx] = Some(self.dead_letter_malformed(group, d.env, why)?);
         }
-        for delivery in &redelivered {
-            let decision = self.run_redelivered(group, delivery)?;
-            decisions[delivery.idx] = Some(decision);
-        }
-
-        let mut collisions = Vec::new();
-        let mut copied = Vec::new();
-        for (copy, first) in copies {
-            if copy.digest == batch[first].payload_digest() {
-                decisions[copy.idx] = decisions[first].as_ref().map(copy_decision);
-                copied.extend(decisions[copy.idx].clone());
-            } else {
-                collisions.push(copy);
-            }
-        }
-        record_metrics(group, &copied);
-        if !collisions.is_empty() {
-            let now = self.clock.now();
-            let mut conn = self.pool.get()?;
-            C::write_transaction(&mut conn, |conn| {
-                for copy in &collisions {
-                    self.dead_letter_collision(
-                        conn,
-                        group,
-                        copy,
-                        now,
-                        "an earlier copy in the same batch",
-                    )?;
+        // Rounds: each key once per round (a multi-row upsert cannot touch a row
+        // twice). A later copy with the owner's digest takes the owner's decision; one
+        // with another digest waits for the next round, where it is judged against the
+        // stored claim like any delivery, so an impostor that comes first never takes
+        // the real retry down with it.
+        while !pending.is_empty() {
+            let mut owner_of: HashMap<&MessageKey, usize> = HashMap::new();
+            let mut owners = Vec::new();
+            let mut copies = Vec::new();
+            let mut later = Vec::new();
+            for d in pending {
+                match owner_of.get(&d.env.message_key) {
+                    None => {
+                        owner_of.insert(&d.env.message_key, owners.len());
+                        owners.push(d);
+                    }
+                    Some(&o) if owners[o].digest == d.digest => copies.push((d, owners[o].idx)),
+                    Some(_) => later.push(d),
                 }
-                Ok::<_, Error>(())
-            })?;
-            let collided = Decision::DeadLettered(DeadLetterReason::KeyCollision);
-            record_metrics(group, std::iter::repeat_n(&collided, collisions.len()));
-            for copy in &collisions {
-                decisions[copy.idx] = Some(collided.clone());
             }
+            self.run_round(group, &owners, &mut decisions)?;
+            let copied: Vec<Decision> = copies
+                .iter()
+                .filter_map(|(copy, owner)| {
+                    let decision = decisions[*owner].as_ref().map(copy_decision);
+                    decisions[copy.idx].clone_from(&decision);
+                    decision
+                })
+                .collect();
+            record_metrics(group, &copied);
+            pending = later;
         }
 
         let decisions: Vec<Decision> = decisions
             .into_iter()
-            .map(|d| {
-                d.ok_or_else(|| Error::Config("a delivery was left without a decision".to_owned()))
-            })
+            .map(|d| d.ok_or(Error::Internal("a delivery was left without a decision")))
             .collect::<Result<_>>()?;
         for (span, decision) in spans.iter().zip(&decisions) {
             span.record("outcome", tracing::field::debug(decision));
@@ -371,27 +454,67 @@ impl<C: StoreConnection> Inner<C> {
         Ok(decisions)
     }
 
-    /// Runs a batch transaction, again after a deadlock (bounded), then split in halves.
+    /// One round: deliveries with distinct keys. First deliveries go together;
+    /// redeliveries one at a time through the crash-loop slot.
+    fn run_round(
+        &self,
+        group: &ConsumerGroup,
+        owners: &[Delivery<'_, C>],
+        decisions: &mut [Option<Decision>],
+    ) -> Result<()> {
+        let (redelivered, fresh): (Vec<&Delivery<'_, C>>, Vec<&Delivery<'_, C>>) =
+            owners.iter().partition(|d| d.env.redelivered);
+        if !fresh.is_empty() {
+            for (idx, decision) in self.run_with_retries(group, &fresh)? {
+                decisions[idx] = Some(decision);
+            }
+        }
+        for delivery in redelivered {
+            decisions[delivery.idx] = Some(self.run_redelivered(group, delivery)?);
+        }
+        Ok(())
+    }
+
+    /// Runs a batch transaction; after contention again (bounded), then split in
+    /// halves; a delivery alone whose free reruns are spent runs once more with a
+    /// contention error inside its handler counted as an attempt. A data error on the
+    /// store's own statements splits the batch until the delivery is alone, which is
+    /// then dead-lettered as `malformed`: no single delivery fails its batch forever.
     fn run_with_retries(
         &self,
         group: &ConsumerGroup,
-        items: &[Delivery<'_, C>],
+        items: &[&Delivery<'_, C>],
     ) -> Result<Vec<(usize, Decision)>> {
         let mut tries = 0;
+        let mut count_contention = false;
         loop {
             let mut conn = self.pool.get()?;
-            let err = match self.run_transaction(&mut conn, group, items) {
+            let outcome = self.run_transaction(&mut conn, group, items, count_contention);
+            drop(conn);
+            let err = match outcome {
                 Ok(decisions) => {
                     record_metrics(group, decisions.iter().map(|(_, d)| d));
                     return Ok(decisions);
                 }
                 Err(TxError::Fatal(err)) => return Err(err),
                 Err(TxError::Retryable(err)) => err,
+                Err(TxError::Data(err)) => return self.split_on_data_error(group, items, &err),
+                Err(TxError::Ended(handler)) => {
+                    let detail = format!(
+                        "handler {handler} ended or restarted the store's transaction itself; \
+                         claims and effects of its batch may have committed without their decisions"
+                    );
+                    let decisions: Vec<(usize, Decision)> = items
+                        .iter()
+                        .map(|d| (d.idx, phantom(group, &d.env.message_key, &detail)))
+                        .collect();
+                    record_metrics(group, decisions.iter().map(|(_, d)| d));
+                    return Ok(decisions);
+                }
                 Err(TxError::Isolate(_)) => {
-                    return Err(Error::Config("isolation requested twice".to_owned()))
+                    return Err(Error::Internal("isolation requested by an isolated run"))
                 }
             };
-            drop(conn);
             tries += 1;
             metrics::counter!("inbox_batch_conflicts_total", "group" => group.to_string())
                 .increment(1);
@@ -406,8 +529,15 @@ impl<C: StoreConnection> Inner<C> {
                 decisions.extend(self.run_with_retries(group, right)?);
                 return Ok(decisions);
             }
-            // Alone and still conflicting: try later; it is not the message's fault,
-            // so no attempt is counted.
+            if !count_contention {
+                // Alone, free reruns spent: once more, and this time contention raised
+                // inside the handler is its failure (an attempt), so a message that
+                // always conflicts climbs the retry ladder instead of looping forever.
+                count_contention = true;
+                continue;
+            }
+            // Still conflicting on the store's own statements: not the message's
+            // fault, so no attempt is counted.
             let decisions: Vec<(usize, Decision)> = items
                 .iter()
                 .map(|d| (d.idx, Decision::RetryAfter(CONTENDED_RETRY)))
@@ -417,20 +547,67 @@ impl<C: StoreConnection> Inner<C> {
         }
     }
 
+    /// A data error on the store's own statements: halves until the delivery is
+    /// alone, then its dead letter (`malformed`), with what could not be stored kept.
+    fn split_on_data_error(
+        &self,
+        group: &ConsumerGroup,
+        items: &[&Delivery<'_, C>],
+        err: &diesel::result::Error,
+    ) -> Result<Vec<(usize, Decision)>> {
+        match items {
+            [d] => {
+                let why = format!("the store could not write the delivery: {err}");
+                Ok(vec![(
+                    d.idx,
+                    self.dead_letter_malformed(group, d.env, &why)?,
+                )])
+            }
+            _ => {
+                tracing::warn!(group = %group, size = items.len(), error = %err, "a delivery's data failed its batch: splitting");
+                let (left, right) = items.split_at(items.len() / 2);
+                let mut decisions = self.run_with_retries(group, left)?;
+                decisions.extend(self.run_with_retries(group, right)?);
+                Ok(decisions)
+            }
+        }
+    }
+
     fn run_transaction(
         &self,
         conn: &mut C,
         group: &ConsumerGroup,
-        items: &[Delivery<'_, C>],
+        items: &[&Delivery<'_, C>],
+        count_contention: bool,
     ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
         let started = Instant::now();
         let now = self.clock.now();
-        let decisions = match self.attempt(conn, group, items, now, Mode::Optimistic, None) {
-            Err(TxError::Isolate(known)) => {
-                self.attempt(conn, group, items, now, Mode::Isolated, known)?
-            }
-            other => other?,
+        // Counting contention needs a savepoint per message (a deadlock aborts the
+        // transaction), so that run is isolated from the start.
+        let first = if count_contention {
+            Mode::Isolated { count_contention }
+        } else {
+            Mode::Optimistic
         };
+        let ended = std::cell::Cell::new(None);
+        let outcome = match self.attempt(conn, group, items, now, first, None, &ended) {
+            Err(TxError::Isolate(known)) => self.attempt(
+                conn,
+                group,
+                items,
+                now,
+                Mode::Isolated {
+                    count_contention: false,
+                },
+                known,
+                &ended,
+            ),
+            other => other,
+        };
+        if let Some(handler) = ended.take() {
+            return Err(TxError::Ended(handler));
+        }
+        let decisions = outcome?;
         let left = depth(conn)?;
         if left != 0 {
             return Err(TxError::Fatal(Error::TransactionDepth {
@@ -443,14 +620,18 @@ impl<C: StoreConnection> Inner<C> {
         Ok(decisions)
     }
 
+    // The batch's context travels as arguments until the state machine is split into
+    // its steps (one home per rule).
+    #[allow(clippy::too_many_arguments)]
     fn attempt(
         &self,
         conn: &mut C,
         group: &ConsumerGroup,
-        items: &[Delivery<'_, C>],
+        items: &[&Delivery<'_, C>],
         now: DateTime<Utc>,
         mode: Mode,
         known: Option<(usize, HandlerFailure)>,
+        ended: &std::cell::Cell<Option<String>>,
     ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
         C::write_transaction(conn, |conn| {
             // Lock before claim: a projection rebuild holds the lock exclusively, so
@@ -467,7 +648,7 @@ impl<C: StoreConnection> Inner<C> {
             C::take_locks(conn, &locks)?;
 
             // Claims in key order, so concurrent batches lock rows in the same order.
-            let mut sorted: Vec<&Delivery<'_, C>> = items.iter().collect();
+            let mut sorted: Vec<&Delivery<'_, C>> = items.to_vec();
             sorted.sort_by(|a, b| a.key().cmp(b.key()));
             let rows: Vec<ClaimRow<'_>> = sorted.iter().map(|d| d.row()).collect();
             let owned: HashMap<String, i32> =
@@ -531,11 +712,24 @@ impl<C: StoreConnection> Inner<C> {
                 decisions.push((d.idx, decision));
             }
 
-            // Handlers run only after every claim of the batch is taken.
+            // Handlers run only after every claim of the batch is taken. The token
+            // is read once here and again after each handler call.
+            let token = if mine.iter().any(|(d, _)| d.handler.is_some()) {
+                C::transaction_token(conn)?
+            } else {
+                None
+            };
+            let run = Run {
+                group,
+                mine: &mine,
+                now,
+                token: token.as_deref(),
+                ended,
+            };
             match mode {
-                Mode::Optimistic => self.run_optimistic(conn, group, &mine, now, &mut decisions)?,
-                Mode::Isolated => {
-                    self.run_isolated(conn, group, &mine, now, known, &mut decisions)?
+                Mode::Optimistic => self.run_optimistic(conn, &run, &mut decisions)?,
+                Mode::Isolated { count_contention } => {
+                    self.run_isolated(conn, &run, known, count_contention, &mut decisions)?
                 }
             }
             Ok(decisions)
@@ -546,13 +740,12 @@ impl<C: StoreConnection> Inner<C> {
     fn run_optimistic(
         &self,
         conn: &mut C,
-        group: &ConsumerGroup,
-        mine: &[(&Delivery<'_, C>, i32)],
-        now: DateTime<Utc>,
+        run: &Run<'_, '_, '_, C>,
         decisions: &mut Vec<(usize, Decision)>,
     ) -> std::result::Result<(), TxError> {
+        let (group, now) = (run.group, run.now);
         let mut per_handler: Vec<HandlerRun<'_, '_, C>> = Vec::new();
-        for (d, attempts) in mine {
+        for (d, attempts) in run.mine {
             let attempt = attempt_number(*attempts);
             d.span.record("attempt", attempt);
             let Some(handler) = d.handler else {
@@ -573,9 +766,14 @@ impl<C: StoreConnection> Inner<C> {
             let before = depth(conn)?;
             let outcome = catch_unwind(AssertUnwindSafe(|| handler.handle_all(conn, &ctxs)));
             match outcome {
-                Ok(Ok(())) => {
-                    decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)))
-                }
+                Ok(Ok(())) => match check_transaction(conn, run.token)? {
+                    TxCheck::Ours => {
+                        decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)))
+                    }
+                    // Which message's call swallowed the error shows in isolation.
+                    TxCheck::Aborted(_) => return Err(TxError::Isolate(None)),
+                    TxCheck::Replaced => return Err(run.ended_by(&**handler)),
+                },
                 Ok(Err((at, failure))) => {
                     restore_depth(conn, before)?;
                     if failure_is_retryable(&failure) {
@@ -599,13 +797,13 @@ impl<C: StoreConnection> Inner<C> {
     fn run_isolated(
         &self,
         conn: &mut C,
-        group: &ConsumerGroup,
-        mine: &[(&Delivery<'_, C>, i32)],
-        now: DateTime<Utc>,
+        run: &Run<'_, '_, '_, C>,
         mut known: Option<(usize, HandlerFailure)>,
+        count_contention: bool,
         decisions: &mut Vec<(usize, Decision)>,
     ) -> std::result::Result<(), TxError> {
-        for (d, attempts) in mine {
+        let (group, now) = (run.group, run.now);
+        for (d, attempts) in run.mine {
             let Some(handler) = d.handler else {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
@@ -622,6 +820,7 @@ impl<C: StoreConnection> Inner<C> {
             d.span.record("attempt", attempt);
             let ctx = MessageContext::new(d.env, group, attempt, now);
             let _entered = d.span.enter();
+            let mut replaced = false;
             let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
                 let before = depth(conn).map_err(|e| match e {
                     TxError::Retryable(db) => SavepointError::Db(db),
@@ -631,7 +830,24 @@ impl<C: StoreConnection> Inner<C> {
                 })?;
                 let result = catch_unwind(AssertUnwindSafe(|| handler.handle_payload(conn, &ctx)));
                 let failure = match result {
-                    Ok(Ok(())) => return Ok(()),
+                    Ok(Ok(())) => match check_transaction(conn, run.token) {
+                        Ok(TxCheck::Ours) => return Ok(()),
+                        // Rolling back to the savepoint makes the transaction usable.
+                        Ok(TxCheck::Aborted(err)) => HandlerFailure::Handler(
+                            HandlerError::transient(SwallowedDatabaseError(err)),
+                        ),
+                        Ok(TxCheck::Replaced) => {
+                            replaced = true;
+                            return Err(SavepointError::Db(
+                                diesel::result::Error::RollbackTransaction,
+                            ));
+                        }
+                        Err(_) => {
+                            return Err(SavepointError::Db(
+                                diesel::result::Error::BrokenTransactionManager,
+                            ))
+                        }
+                    },
                     Ok(Err(failure)) => failure,
                     Err(payload) => HandlerFailure::Panic(panic_message(&*payload)),
                 };
@@ -642,11 +858,16 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 Err(SavepointError::Failed(failure))
             });
+            // Before anything else: the savepoint's own rollback may have failed too,
+            // once the handler ended the transaction it lived in.
+            if replaced {
+                return Err(run.ended_by(&**handler));
+            }
             let decision = match outcome {
                 Ok(()) => Decision::Processed,
                 Err(SavepointError::Db(err)) => return Err(err.into()),
                 Err(SavepointError::Failed(failure)) => {
-                    if failure_is_retryable(&failure) {
+                    if failure_is_retryable(&failure) && !count_contention {
                         return Err(TxError::Retryable(retryable_cause(failure)));
                     }
                     // The savepoint is rolled back; the claim row is still ours.
@@ -688,6 +909,9 @@ impl<C: StoreConnection> Inner<C> {
             Some(f @ HandlerFailure::Handler(e)) => {
                 let outcome = match e.kind() {
                     HandlerErrorKind::Permanent => Err(DeadLetterReason::Permanent),
+                    // A data error of the database (class 22 or 23) does not heal by
+                    // retrying: dead-letter at once instead of climbing the ladder.
+                    _ if failure_is_data_error(e) => Err(DeadLetterReason::Permanent),
                     _ if exhausted => Err(DeadLetterReason::MaxAttempts),
                     HandlerErrorKind::RetryAfter(delay) => Ok(delay),
                     _ => Ok(policy.delay_after(attempts.unsigned_abs())),
@@ -707,7 +931,7 @@ impl<C: StoreConnection> Inner<C> {
         // Record the delay the transport will really wait: its tier, not the policy's.
         let outcome = outcome.map(|delay| match &self.settings.ladder {
             Some(ladder) => ladder.tier_for(delay),
-            None => delay,
+            None => delay.min(MAX_RETRY_DELAY),
         });
         let update = FailureUpdate {
             status: if outcome.is_ok() {
@@ -715,7 +939,10 @@ impl<C: StoreConnection> Inner<C> {
             } else {
                 ClaimStatus::Dead
             },
-            next_attempt_at: outcome.as_ref().ok().map(|delay| now + delta(*delay)),
+            next_attempt_at: outcome.as_ref().ok().map(|delay| {
+                now.checked_add_signed(delta(*delay))
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC)
+            }),
             last_error: &last_error,
             // Kept only while a retry is pending, so the message can be redriven.
             payload: outcome.is_ok().then_some(d.env.payload.as_slice()),
@@ -824,18 +1051,74 @@ impl<C: StoreConnection> Inner<C> {
         Ok(outcome)
     }
 
+    /// A dead letter (`malformed`) for a delivery the store cannot write as it is:
+    /// its type and tenant escaped, the raw values kept in headers
+    /// (`inbox-raw-message-type`, `inbox-raw-tenant`; JSON keeps a NUL byte), the key
+    /// and payload as delivered. No claim is written: there is none the delivery could
+    /// take, and its batch-mates go on.
+    fn dead_letter_malformed(
+        &self,
+        group: &ConsumerGroup,
+        env: &Envelope,
+        why: &str,
+    ) -> Result<Decision> {
+        let mut headers: std::collections::BTreeMap<String, String> = env
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        headers.insert(
+            "inbox-raw-message-type".to_owned(),
+            env.message_type.clone(),
+        );
+        if let Some(tenant) = &env.tenant {
+            headers.insert("inbox-raw-tenant".to_owned(), tenant.clone());
+        }
+        let message_type = escape_text(&env.message_type);
+        let tenant = env.tenant.as_deref().map(escape_text);
+        let last_error = truncate(escape_text(why).into_owned());
+        let now = self.clock.now();
+        let row = NewDeadLetter {
+            group: group.as_str(),
+            key: env.message_key.as_str(),
+            message_type: &message_type,
+            tenant: tenant.as_deref(),
+            payload: &env.payload,
+            headers: serde_json::to_string(&headers).unwrap_or_else(|_| "{}".to_owned()),
+            attempts: 0,
+            reason: DeadLetterReason::Malformed.as_str(),
+            last_error: Some(&last_error),
+            now,
+        };
+        let mut conn = self.pool.get()?;
+        C::write_transaction(&mut conn, |conn| C::insert_dead_letter(conn, &row))?;
+        tracing::error!(group = %group, key = %env.message_key, error = %last_error, "delivery dead-lettered as malformed");
+        let decision = Decision::DeadLettered(DeadLetterReason::Malformed);
+        record_metrics(group, [&decision]);
+        Ok(decision)
+    }
+
     /// A redelivered message: one at a time per group in this process, first a
     /// committed start mark (under the claim's own conflict condition), then the
     /// normal path. Too many unfinished starts dead-letter it as a crash loop.
     fn run_redelivered(&self, group: &ConsumerGroup, d: &Delivery<'_, C>) -> Result<Decision> {
         let slot = self.slot(group);
         let _one_at_a_time = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let claim_key = ClaimKey::new(group.clone(), d.env.message_key.clone());
+        // This process's last start of the message ended in a store error, not a
+        // crash: its mark stays, and this start adds none (only a death counts).
+        let errored = self
+            .errored_starts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&claim_key);
+        let increment = if errored { 0 } else { 1 };
         let mut tries = 0;
         let crashed = loop {
             let now = self.clock.now();
             let mut conn = self.pool.get()?;
             let marked = C::write_transaction(&mut conn, |conn| {
-                let Some(starts) = C::mark_start(conn, group, &d.row(), now)? else {
+                let Some(starts) = C::mark_start(conn, group, &d.row(), increment, now)? else {
                     return Ok(None);
                 };
                 let limit = i32::try_from(self.settings.crash_limit).unwrap_or(i32::MAX);
@@ -890,28 +1173,41 @@ impl<C: StoreConnection> Inner<C> {
                     return Ok(decision);
                 }
                 Err(TxError::Fatal(err)) => return Err(err),
-                Err(TxError::Isolate(_)) => {
-                    return Err(Error::Config(
-                        "isolation requested by a start mark".to_owned(),
-                    ))
+                Err(TxError::Data(err)) => {
+                    let why = format!("the store could not write the delivery: {err}");
+                    return self.dead_letter_malformed(group, d.env, &why);
+                }
+                Err(TxError::Isolate(_) | TxError::Ended(_)) => {
+                    return Err(Error::Internal("a start mark ran no handler"))
                 }
             }
         };
-        match crashed {
+        let decision = match crashed {
             Some(decision) => {
                 record_metrics(group, [&decision]);
-                Ok(decision)
+                decision
             }
-            None => {
-                let mut decisions = self.run_with_retries(group, std::slice::from_ref(d))?;
-                decisions
+            None => match self.run_with_retries(group, std::slice::from_ref(&d)) {
+                Ok(mut decisions) => decisions
                     .pop()
                     .map(|(_, decision)| decision)
-                    .ok_or_else(|| {
-                        Error::Config("a delivery was left without a decision".to_owned())
-                    })
-            }
+                    .ok_or(Error::Internal("a delivery was left without a decision"))?,
+                Err(err) => {
+                    self.errored_starts
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(claim_key);
+                    return Err(err);
+                }
+            },
+        };
+        if errored {
+            self.errored_starts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&claim_key);
         }
+        Ok(decision)
     }
 }
 

@@ -58,6 +58,9 @@ pub enum Error {
         /// The depth found.
         found: u32,
     },
+    /// An invariant of the store's own code was broken (a bug in this crate).
+    #[error("internal error: {0}")]
+    Internal(&'static str),
     /// An `inbox-core` error (invalid key, invariant violation, ...).
     #[error(transparent)]
     Core(#[from] inbox_core::Error),

@@ -132,12 +132,14 @@ pub trait ClaimOps: Sized {
     /// Looks up claims by the same claim key the claim statement used.
     fn lookup(conn: &mut Self, group: &ConsumerGroup, keys: &[&str]) -> QueryResult<Vec<Stored>>;
 
-    /// Commits-to-be a `started` mark under the claim's own conflict condition;
-    /// returns the unfinished starts, or `None` when the row takes no mark.
+    /// Commits-to-be a `started` mark under the claim's own conflict condition,
+    /// adding `increment` (0 or 1) to an existing row's starts; returns the unfinished
+    /// starts, or `None` when the row takes no mark.
     fn mark_start(
         conn: &mut Self,
         group: &ConsumerGroup,
         row: &ClaimRow<'_>,
+        increment: i32,
         now: DateTime<Utc>,
     ) -> QueryResult<Option<i32>>;
 
@@ -266,6 +268,7 @@ macro_rules! claim_ops {
                 conn: &mut Self,
                 group: &ConsumerGroup,
                 row: &ClaimRow<'_>,
+                increment: i32,
                 now: DateTime<Utc>,
             ) -> QueryResult<Option<i32>> {
                 use diesel::query_dsl::methods::FilterDsl;
@@ -289,7 +292,7 @@ macro_rules! claim_ops {
                     .do_update()
                     .set((
                         status.eq(ClaimStatus::Started.as_str()),
-                        starts.eq(starts + 1),
+                        starts.eq(starts + increment),
                         payload.eq(excluded(payload)),
                         updated_at.eq(now),
                     ))

@@ -329,4 +329,16 @@ impl Sealed for PgConnection {
         }
         Ok(())
     }
+
+    fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {
+        let row: Token =
+            diesel::sql_query("SELECT pg_current_xact_id()::text AS token").get_result(conn)?;
+        Ok(Some(row.token))
+    }
+}
+
+#[derive(QueryableByName)]
+struct Token {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    token: String,
 }

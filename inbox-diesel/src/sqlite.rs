@@ -136,4 +136,10 @@ impl Sealed for SqliteConnection {
         // One writer at a time already: the immediate transaction is the lock.
         Ok(())
     }
+
+    fn transaction_token(_conn: &mut Self) -> QueryResult<Option<String>> {
+        // SQLite has no transaction id diesel can read, and an error a handler
+        // swallowed does not abort an SQLite transaction.
+        Ok(None)
+    }
 }

@@ -124,6 +124,9 @@ pub(crate) struct Inner<C: StoreConnection> {
     pub settings: Settings,
     /// One crash-detection slot per consumer group in this process.
     pub slots: Mutex<HashMap<ConsumerGroup, Arc<Mutex<()>>>>,
+    /// Redelivered messages whose start mark this process committed and whose
+    /// processing then failed on a store error: their next start is not a crash.
+    pub errored_starts: Mutex<std::collections::HashSet<ClaimKey>>,
     /// The URL and schema the store was built with (the outbox's LISTEN connection
     /// opens its own connection, outside the pool). The URL is never printed.
     pub url: String,
@@ -438,6 +441,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                     ladder: self.ladder,
                 },
                 slots: Mutex::new(HashMap::new()),
+                errored_starts: Mutex::default(),
                 url: self.url,
                 schema: self.schema,
                 listener: Mutex::default(),

@@ -284,6 +284,15 @@ pub enum Outcome {
     Panic,
     /// Open a nested transaction, write, and panic inside it.
     PanicInNestedTransaction,
+    /// Record the effect, run this SQL and ignore its result, return `Ok`: the
+    /// careless handler that swallows a database error (or ends the transaction).
+    IgnoreSql(&'static str),
+    /// Run this SQL and propagate its error (`?`).
+    Sql(&'static str),
+    /// Fail as if a statement had raised a database error of this kind.
+    DbError(diesel::result::DatabaseErrorKind, &'static str),
+    /// Fail with a retry-after of this delay.
+    RetryAfter(std::time::Duration),
 }
 
 /// A handler that records an effect per message and counts its calls.
@@ -292,6 +301,7 @@ pub struct Recorder {
     message_type: String,
     policy: RetryPolicy,
     behaviour: Box<Behaviour>,
+    lock: Option<inbox_core::ProjectionLock>,
     /// Keys of every call, in order.
     pub calls: Arc<Mutex<Vec<String>>>,
 }
@@ -304,8 +314,15 @@ impl Recorder {
             message_type: "usage.recorded".to_owned(),
             policy: RetryPolicy::default(),
             behaviour: Box::new(|_, _| Outcome::Apply),
+            lock: None,
             calls: Arc::default(),
         }
+    }
+
+    /// Declares a projection lock, taken before the batch claims.
+    pub fn lock(mut self, lock: inbox_core::ProjectionLock) -> Self {
+        self.lock = Some(lock);
+        self
     }
 
     /// Sets the retry policy.
@@ -344,6 +361,10 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
         self.policy
     }
 
+    fn lock(&self) -> Option<inbox_core::ProjectionLock> {
+        self.lock
+    }
+
     fn handle(
         &self,
         conn: &mut C,
@@ -362,6 +383,24 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
             }
             Outcome::Permanent => return Err(HandlerError::permanent(format!("{key} is invalid"))),
             Outcome::Panic => panic!("handler panicked on {key}"),
+            Outcome::IgnoreSql(sql) => {
+                conn.record_effect(key, msg.amount)?;
+                let _ = conn.batch_execute(sql);
+            }
+            Outcome::Sql(sql) => conn.batch_execute(sql)?,
+            Outcome::DbError(kind, message) => {
+                return Err(diesel::result::Error::DatabaseError(
+                    kind,
+                    Box::new(message.to_owned()),
+                )
+                .into())
+            }
+            Outcome::RetryAfter(delay) => {
+                return Err(HandlerError::retry_after(
+                    delay,
+                    format!("{key} asks to wait"),
+                ))
+            }
             Outcome::PanicInNestedTransaction => {
                 let _ = conn.transaction::<(), diesel::result::Error, _>(|conn| {
                     conn.record_effect(key, msg.amount)?;
