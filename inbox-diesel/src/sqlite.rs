@@ -103,6 +103,9 @@ impl Sealed for SqliteConnection {
                 name: row.name,
                 unique: row.is_unique != 0,
                 partial: row.is_partial != 0,
+                // Only foreign keys can be deferred; indexes are always live.
+                deferrable: false,
+                valid: true,
                 columns: cols.into_iter().map(|c| c.name).collect(),
                 loose_collations,
             });
