@@ -213,6 +213,31 @@ fn refusal<C: inbox_diesel::StoreConnection>(store: &Store<C>) -> (SchemaProblem
     }
 }
 
+/// SQLite: the lookup compares under the column's declared collation, which a
+/// byte-wise index naming its own collation does not show.
+#[test]
+fn sqlite_refuses_a_case_folding_key_column() {
+    let fx = SqliteFixture::new();
+    let store = fx.builder().build().expect("store");
+    fx.execute(&format!(
+        "{}CREATE UNIQUE INDEX bytes ON inbox_claims
+             (consumer_group, message_key COLLATE BINARY);",
+        SQLITE_TABLE.replace(
+            "message_key TEXT NOT NULL,",
+            "message_key TEXT NOT NULL COLLATE NOCASE,"
+        )
+    ));
+    let (problem, msg) = refusal(&store);
+    assert_eq!(problem, SchemaProblem::ColumnCollation, "{msg}");
+    assert!(
+        msg.contains(
+            "expected NOT NULL column message_key comparing bytes, \
+             found column message_key collate NOCASE"
+        ),
+        "{msg}"
+    );
+}
+
 /// `ON CONFLICT` refuses a deferrable arbiter, initially deferred or immediate, even
 /// beside a non-deferrable one: every claim would fail.
 #[test]
