@@ -29,6 +29,8 @@ pub enum Error {
     /// The live schema does not enforce the claim key the store uses.
     #[error("claim index mismatch: expected {expected}, found {found} on {table}")]
     SchemaMismatch {
+        /// Which requirement the schema breaks.
+        problem: SchemaProblem,
         /// What the store needs.
         expected: String,
         /// What the catalog says.
@@ -64,6 +66,33 @@ pub enum Error {
     /// An `inbox-core` error (invalid key, invariant violation, ...).
     #[error(transparent)]
     Core(#[from] inbox_core::Error),
+}
+
+/// Which requirement of the claim table a [`Error::SchemaMismatch`] found broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SchemaProblem {
+    /// There is no claim table (the migrations did not run).
+    MissingTable,
+    /// A claim-key column is missing.
+    MissingColumn,
+    /// A claim-key column is nullable.
+    NullableColumn,
+    /// A claim-key column's own collation lets values that differ in bytes compare
+    /// equal, so the lookup by key would find a row the insert did not conflict with.
+    ColumnCollation,
+    /// No unique index covers exactly the claim key: a subset, a superset, a
+    /// predicate, an expression or a case-folding collation, or no unique index.
+    NoClaimIndex,
+    /// A unique index on exactly the claim-key columns is deferrable (initially
+    /// deferred or immediate): `ON CONFLICT` refuses it as an arbiter, so every
+    /// claim would fail.
+    DeferrableIndex,
+    /// The only index on exactly the claim key is invalid or not ready (a failed
+    /// `CREATE INDEX CONCURRENTLY`, a concurrent drop): `ON CONFLICT` cannot use it.
+    InvalidIndex,
+    /// Another unique index can reject a claim the claim key allows.
+    ExtraUniqueIndex,
 }
 
 /// `Result` with this crate's [`Error`].

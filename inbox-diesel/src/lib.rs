@@ -17,7 +17,7 @@ mod url;
 mod verify;
 
 pub use backend::StoreConnection;
-pub use error::{Error, Result};
+pub use error::{Error, Result, SchemaProblem};
 pub use outbox::{enqueue, AsStoreConnection, OUTBOX_CHANNEL};
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use retention::Retention;

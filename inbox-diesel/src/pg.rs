@@ -29,6 +29,10 @@ struct IndexRow {
     is_unique: bool,
     #[diesel(sql_type = Bool)]
     is_partial: bool,
+    #[diesel(sql_type = Bool)]
+    is_deferrable: bool,
+    #[diesel(sql_type = Bool)]
+    is_valid: bool,
     #[diesel(sql_type = Array<Nullable<Text>>)]
     columns: Vec<Option<String>>,
     #[diesel(sql_type = Array<Nullable<Text>>)]
@@ -265,9 +269,16 @@ impl Sealed for PgConnection {
             });
         }
         // Key columns only (not INCLUDE columns), in index order; 0 is an expression.
+        // A deferrable constraint's index checks at commit (NOT indimmediate, whether
+        // initially deferred or not); an index that a failed CREATE INDEX CONCURRENTLY
+        // or a concurrent drop left behind is not valid, ready or live.
         let indexes: Vec<IndexRow> = diesel::sql_query(format!(
             "SELECT ic.relname::text AS name, i.indisunique AS is_unique, \
                     (i.indpred IS NOT NULL) AS is_partial, \
+                    (NOT i.indimmediate OR EXISTS (SELECT 1 FROM pg_constraint con \
+                         WHERE con.conindid = i.indexrelid AND con.conrelid = i.indrelid \
+                           AND con.condeferrable)) AS is_deferrable, \
+                    (i.indisvalid AND i.indisready AND i.indislive) AS is_valid, \
                     ARRAY(SELECT a.attname::text \
                           FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
                           LEFT JOIN pg_attribute a \
@@ -300,6 +311,8 @@ impl Sealed for PgConnection {
                     name: i.name,
                     unique: i.is_unique,
                     partial: i.is_partial,
+                    deferrable: i.is_deferrable,
+                    valid: i.is_valid,
                     columns: i.columns,
                     loose_collations: i.loose_collations,
                 })

@@ -1,5 +1,7 @@
 //! SQLite specifics.
 
+mod collation;
+
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Nullable, Text};
@@ -29,6 +31,12 @@ struct IndexColumnRow {
     name: Option<String>,
     #[diesel(sql_type = Text)]
     coll: String,
+}
+
+#[derive(QueryableByName)]
+struct TableSqlRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    sql: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -103,10 +111,27 @@ impl Sealed for SqliteConnection {
                 name: row.name,
                 unique: row.is_unique != 0,
                 partial: row.is_partial != 0,
+                // Only foreign keys can be deferred; indexes are always live.
+                deferrable: false,
+                valid: true,
                 columns: cols.into_iter().map(|c| c.name).collect(),
                 loose_collations,
             });
         }
+        // The lookup by key compares under the column's own collation, which only
+        // the table's CREATE statement records.
+        let create: Option<TableSqlRow> = diesel::sql_query(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'inbox_claims' \
+             COLLATE NOCASE",
+        )
+        .get_result(conn)
+        .optional()?;
+        let declared = collation::declared(
+            create
+                .as_ref()
+                .and_then(|c| c.sql.as_deref())
+                .unwrap_or_default(),
+        );
         Ok(Catalog {
             table,
             exists: true,
@@ -114,9 +139,14 @@ impl Sealed for SqliteConnection {
             columns: columns
                 .into_iter()
                 .map(|c| ColumnInfo {
+                    loose_collation: declared
+                        .iter()
+                        .find(|(column, _)| column.eq_ignore_ascii_case(&c.name))
+                        .map(|(_, collation)| collation)
+                        .filter(|collation| !collation.eq_ignore_ascii_case("BINARY"))
+                        .cloned(),
                     name: c.name,
                     not_null: c.not_null != 0,
-                    loose_collation: None,
                 })
                 .collect(),
         })

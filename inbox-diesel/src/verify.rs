@@ -2,7 +2,7 @@
 
 use inbox_core::ClaimKey;
 
-use crate::{Error, Result};
+use crate::{Error, Result, SchemaProblem};
 
 /// One index of the claim table, as the live catalog describes it.
 #[derive(Debug)]
@@ -10,6 +10,12 @@ pub struct IndexInfo {
     pub name: String,
     pub unique: bool,
     pub partial: bool,
+    /// The constraint behind it is deferrable, initially deferred or not (on
+    /// PostgreSQL, `NOT indimmediate`; SQLite has no deferrable unique constraints).
+    pub deferrable: bool,
+    /// Usable by queries and maintained by writes (on PostgreSQL `indisvalid`,
+    /// `indisready` and `indislive`; an SQLite index always is).
+    pub valid: bool,
     /// Key columns in index order; `None` for an expression.
     pub columns: Vec<Option<String>>,
     /// Per key column, in the same order: the collation under which values that
@@ -24,8 +30,9 @@ pub struct ColumnInfo {
     pub name: String,
     pub not_null: bool,
     /// The column's collation when values that differ in bytes compare equal under
-    /// it (the lookup by key compares under it). Read on PostgreSQL; on SQLite an
-    /// index inherits its column's collation, which the index check sees.
+    /// it (the lookup by key compares under it): a non-deterministic one on
+    /// PostgreSQL, the declared `COLLATE` other than BINARY on SQLite. An index may
+    /// name its own collation, so this is checked apart from the indexes'.
     pub loose_collation: Option<String>,
 }
 
@@ -55,7 +62,9 @@ fn describe(index: &IndexInfo) -> String {
         })
         .collect();
     format!(
-        "{}unique ({}) [{}]",
+        "{}{}{}unique ({}) [{}]",
+        if index.valid { "" } else { "invalid " },
+        if index.deferrable { "deferrable " } else { "" },
         if index.partial { "partial " } else { "" },
         cols.join(", "),
         index.name
@@ -73,6 +82,12 @@ fn covers_key(index: &IndexInfo) -> bool {
         .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
 }
 
+/// Whether the index's plain columns are the claim-key columns, in any order: the
+/// indexes `ON CONFLICT (consumer_group, message_key)` takes as its arbiters.
+fn same_columns(index: &IndexInfo) -> bool {
+    index.columns.len() == ClaimKey::COLUMNS.len() && covers_key(index)
+}
+
 /// Whether the index compares a claim-key column under a loose collation: it would
 /// refuse a key that the lookup, comparing bytes, tells apart from another.
 fn folds_key(index: &IndexInfo) -> bool {
@@ -86,24 +101,23 @@ fn folds_key(index: &IndexInfo) -> bool {
 }
 
 /// Whether the index is exactly the claim key: unique, not partial, no expression,
-/// the same column set, keys equal only when their bytes are.
+/// the same column set (not a superset), keys equal only when their bytes are.
 fn is_claim_key(index: &IndexInfo) -> bool {
-    index.unique
-        && !index.partial
-        && !folds_key(index)
-        && index.columns.len() == ClaimKey::COLUMNS.len()
-        && covers_key(index)
+    index.unique && !index.partial && !folds_key(index) && same_columns(index)
 }
 
 /// Refuses a claim table whose unique indexes do not enforce exactly the claim key.
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
-    let mismatch = |expected: String, found: String| Error::SchemaMismatch {
-        expected,
-        found,
-        table: catalog.table.clone(),
-    };
+    let mismatch =
+        |problem: SchemaProblem, expected: String, found: String| Error::SchemaMismatch {
+            problem,
+            expected,
+            found,
+            table: catalog.table.clone(),
+        };
     if !catalog.exists {
         return Err(mismatch(
+            SchemaProblem::MissingTable,
             format!("table with unique {}", key_list()),
             "no such table (were the migrations run?)".to_owned(),
         ));
@@ -111,15 +125,26 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
     for key in ClaimKey::COLUMNS {
         let expected = || format!("NOT NULL column {key} comparing bytes");
         match catalog.columns.iter().find(|c| c.name == *key) {
-            None => return Err(mismatch(expected(), "no such column".to_owned())),
+            None => {
+                return Err(mismatch(
+                    SchemaProblem::MissingColumn,
+                    expected(),
+                    "no such column".to_owned(),
+                ))
+            }
             Some(c) if !c.not_null => {
-                return Err(mismatch(expected(), format!("nullable column {key}")))
+                return Err(mismatch(
+                    SchemaProblem::NullableColumn,
+                    expected(),
+                    format!("nullable column {key}"),
+                ))
             }
             Some(ColumnInfo {
                 loose_collation: Some(collation),
                 ..
             }) => {
                 return Err(mismatch(
+                    SchemaProblem::ColumnCollation,
                     expected(),
                     format!("column {key} collate {collation}"),
                 ))
@@ -139,8 +164,26 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
                 .join(", ")
         }
     };
-    if !unique.iter().any(|i| is_claim_key(i)) {
+    // `ON CONFLICT` takes every unique index on the claim-key columns as an arbiter
+    // and refuses a deferrable one, even initially immediate and beside a good one.
+    if let Some(deferrable) = unique.iter().find(|i| i.deferrable && same_columns(i)) {
         return Err(mismatch(
+            SchemaProblem::DeferrableIndex,
+            format!("non-deferrable unique {}", key_list()),
+            describe(deferrable),
+        ));
+    }
+    // An invalid index is no arbiter either (a failed CREATE INDEX CONCURRENTLY).
+    if !unique.iter().any(|i| is_claim_key(i) && i.valid) {
+        if let Some(invalid) = unique.iter().find(|i| is_claim_key(i)) {
+            return Err(mismatch(
+                SchemaProblem::InvalidIndex,
+                format!("valid unique {}", key_list()),
+                describe(invalid),
+            ));
+        }
+        return Err(mismatch(
+            SchemaProblem::NoClaimIndex,
             format!(
                 "unique {} without predicate, expression or non-deterministic collation",
                 key_list()
@@ -154,6 +197,7 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
     // the insert's conflict and the lookup would disagree.
     if let Some(extra) = unique.iter().find(|i| !covers_key(i) || folds_key(i)) {
         return Err(mismatch(
+            SchemaProblem::ExtraUniqueIndex,
             format!(
                 "no unique index other than on {} or a superset of it",
                 key_list()
@@ -173,6 +217,8 @@ mod tests {
             name: name.into(),
             unique: true,
             partial,
+            deferrable: false,
+            valid: true,
             columns: cols
                 .iter()
                 .map(|c| (*c != "<expr>").then(|| c.to_string()))
@@ -253,6 +299,87 @@ mod tests {
         wide.loose_collations[2] = Some("NOCASE".into());
         let pk = index("pk", &["message_key", "consumer_group"], false);
         check(&catalog(vec![pk, wide])).unwrap();
+    }
+
+    fn refusal(catalog: &Catalog) -> (SchemaProblem, String) {
+        match check(catalog) {
+            Err(err @ Error::SchemaMismatch { problem, .. }) => (problem, err.to_string()),
+            other => panic!("expected a schema mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn refuses_a_lone_superset_of_the_key() {
+        // ON CONFLICT (consumer_group, message_key) has no arbiter on a wider index.
+        let wide = index("wide", &["consumer_group", "message_key", "tenant"], false);
+        let (problem, err) = refusal(&catalog(vec![wide]));
+        assert_eq!(problem, SchemaProblem::NoClaimIndex, "{err}");
+        assert!(
+            err.contains("found unique (consumer_group, message_key, tenant) [wide]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_deferrable_key_alone_or_beside_a_good_one() {
+        let mut deferred = index(
+            "inbox_claims_pkey",
+            &["consumer_group", "message_key"],
+            false,
+        );
+        deferred.deferrable = true;
+        let (problem, err) = refusal(&catalog(vec![deferred]));
+        assert_eq!(problem, SchemaProblem::DeferrableIndex, "{err}");
+        assert_eq!(
+            err,
+            "claim index mismatch: expected non-deferrable unique (consumer_group, \
+             message_key), found deferrable unique (consumer_group, message_key) \
+             [inbox_claims_pkey] on s.inbox_claims"
+        );
+        // ON CONFLICT takes both as arbiters and refuses the deferrable one.
+        let mut beside = index("d", &["message_key", "consumer_group"], false);
+        beside.deferrable = true;
+        let pk = index("pk", &["consumer_group", "message_key"], false);
+        let (problem, err) = refusal(&catalog(vec![pk, beside]));
+        assert_eq!(problem, SchemaProblem::DeferrableIndex, "{err}");
+        assert!(err.contains("found deferrable unique (message_key, consumer_group) [d]"));
+        // A deferrable superset is no arbiter and cannot reject what the key allows.
+        let mut wide = index("wide", &["consumer_group", "message_key", "tenant"], false);
+        wide.deferrable = true;
+        let pk = index("pk", &["consumer_group", "message_key"], false);
+        check(&catalog(vec![pk, wide])).unwrap();
+    }
+
+    #[test]
+    fn refuses_an_invalid_key_index() {
+        let mut invalid = index("claim", &["consumer_group", "message_key"], false);
+        invalid.valid = false;
+        let (problem, err) = refusal(&catalog(vec![invalid]));
+        assert_eq!(problem, SchemaProblem::InvalidIndex, "{err}");
+        assert!(
+            err.contains(
+                "expected valid unique (consumer_group, message_key), \
+                 found invalid unique (consumer_group, message_key) [claim]"
+            ),
+            "{err}"
+        );
+        // A leftover invalid copy beside a valid key index is no arbiter and harmless.
+        let mut leftover = index("claim_ccnew", &["consumer_group", "message_key"], false);
+        leftover.valid = false;
+        let pk = index("pk", &["message_key", "consumer_group"], false);
+        check(&catalog(vec![pk, leftover])).unwrap();
+    }
+
+    #[test]
+    fn refuses_a_case_folding_key_column() {
+        let mut folded = catalog(vec![index("pk", &["consumer_group", "message_key"], false)]);
+        folded.columns[1].loose_collation = Some("NOCASE".into());
+        let (problem, err) = refusal(&folded);
+        assert_eq!(problem, SchemaProblem::ColumnCollation, "{err}");
+        assert!(
+            err.contains("found column message_key collate NOCASE"),
+            "{err}"
+        );
     }
 
     #[test]

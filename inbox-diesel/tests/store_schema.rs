@@ -3,8 +3,9 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
+use diesel::connection::SimpleConnection;
 use inbox_core::{Decision, InProcessTransport, InboxStore};
-use inbox_diesel::{ClaimStatus, Error, Store};
+use inbox_diesel::{ClaimStatus, Error, SchemaProblem, Store};
 use inbox_test_support::{group, usage, Fixture, PgFixture, Recorder, SqliteFixture, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
@@ -15,6 +16,7 @@ struct Sabotage {
     postgres: &'static str,
     sqlite: &'static str,
     found: &'static str,
+    problem: SchemaProblem,
 }
 
 /// SQLite cannot drop a primary key: its sabotages rebuild the table.
@@ -32,6 +34,7 @@ const SABOTAGES: &[Sabotage] = &[
                    CREATE UNIQUE INDEX by_tenant ON inbox_claims (tenant, message_key);",
         sqlite: "CREATE UNIQUE INDEX by_tenant ON inbox_claims (tenant, message_key);",
         found: "found unique (tenant, message_key) [by_tenant]",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "unique (message_key) alone",
@@ -39,6 +42,7 @@ const SABOTAGES: &[Sabotage] = &[
                    CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);",
         sqlite: "CREATE UNIQUE INDEX by_key ON inbox_claims (message_key);",
         found: "found unique (message_key) [by_key]",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "partial unique (consumer_group, message_key)",
@@ -48,6 +52,16 @@ const SABOTAGES: &[Sabotage] = &[
         sqlite: "CREATE UNIQUE INDEX live ON inbox_claims (consumer_group, message_key)
                  WHERE status <> 'dead';",
         found: "found partial unique (consumer_group, message_key) [live]",
+        problem: SchemaProblem::NoClaimIndex,
+    },
+    Sabotage {
+        // ON CONFLICT (consumer_group, message_key) has no arbiter on a wider index.
+        name: "unique (consumer_group, message_key, tenant) alone",
+        postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+                   CREATE UNIQUE INDEX wide ON inbox_claims (consumer_group, message_key, tenant);",
+        sqlite: "CREATE UNIQUE INDEX wide ON inbox_claims (consumer_group, message_key, tenant);",
+        found: "found unique (consumer_group, message_key, tenant) [wide]",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "nullable key column",
@@ -63,18 +77,21 @@ const SABOTAGES: &[Sabotage] = &[
                  CREATE UNIQUE INDEX claim ON inbox_claims (consumer_group, message_key);",
         found: "expected NOT NULL column consumer_group comparing bytes, \
                 found nullable column consumer_group",
+        problem: SchemaProblem::NullableColumn,
     },
     Sabotage {
         name: "no unique index",
         postgres: "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;",
         sqlite: "",
         found: "found no unique index",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "primary key plus unique (message_key)",
         postgres: "CREATE UNIQUE INDEX also_key ON inbox_claims (message_key);",
         sqlite: "CREATE UNIQUE INDEX also_key ON inbox_claims (message_key);",
         found: "found unique (message_key) [also_key]",
+        problem: SchemaProblem::ExtraUniqueIndex,
     },
     Sabotage {
         name: "expression index",
@@ -82,6 +99,7 @@ const SABOTAGES: &[Sabotage] = &[
                    CREATE UNIQUE INDEX lowered ON inbox_claims (consumer_group, lower(message_key));",
         sqlite: "CREATE UNIQUE INDEX lowered ON inbox_claims (consumer_group, lower(message_key));",
         found: "found unique (consumer_group, <expression>) [lowered]",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "case-insensitive collation",
@@ -93,6 +111,7 @@ const SABOTAGES: &[Sabotage] = &[
         sqlite: "CREATE UNIQUE INDEX folded ON inbox_claims
                      (consumer_group, message_key COLLATE NOCASE);",
         found: "found unique (consumer_group, message_key collate ",
+        problem: SchemaProblem::NoClaimIndex,
     },
     Sabotage {
         name: "primary key plus a case-insensitive unique index",
@@ -103,6 +122,7 @@ const SABOTAGES: &[Sabotage] = &[
         sqlite: "CREATE UNIQUE INDEX folded ON inbox_claims
                      (consumer_group, message_key COLLATE NOCASE);",
         found: "found unique (consumer_group, message_key collate ",
+        problem: SchemaProblem::ExtraUniqueIndex,
     },
 ];
 
@@ -115,9 +135,10 @@ fn refuses_each_sabotage<F: Fixture>(new: impl Fn() -> F, sql: impl Fn(&Sabotage
         let err = store.verify_schema().expect_err(sabotage.name);
         let msg = err.to_string();
         assert!(
-            matches!(err, Error::SchemaMismatch { .. }),
-            "{}: {msg}",
-            sabotage.name
+            matches!(err, Error::SchemaMismatch { problem, .. } if problem == sabotage.problem),
+            "{}: expected {:?}, got {msg}",
+            sabotage.name,
+            sabotage.problem
         );
         assert!(msg.contains(sabotage.found), "{}: {msg}", sabotage.name);
         if !sabotage.found.starts_with("expected") {
@@ -152,6 +173,7 @@ fn sqlite_refuses_sabotaged_claim_indexes() {
         // The shipped table's primary key is the claim key: rebuild it first.
         "unique (tenant, message_key)"
         | "unique (message_key) alone"
+        | "unique (consumer_group, message_key, tenant) alone"
         | "partial unique (consumer_group, message_key)"
         | "no unique index"
         | "expression index"
@@ -181,6 +203,125 @@ fn postgres_refuses_a_case_folding_key_column() {
         ),
         "{msg}"
     );
+}
+
+/// The refusal `verify_schema` gave, with its message.
+fn refusal<C: inbox_diesel::StoreConnection>(store: &Store<C>) -> (SchemaProblem, String) {
+    match store.verify_schema() {
+        Err(err @ Error::SchemaMismatch { problem, .. }) => (problem, err.to_string()),
+        other => panic!("expected a schema mismatch, got {other:?}"),
+    }
+}
+
+/// SQLite: the lookup compares under the column's declared collation, which a
+/// byte-wise index naming its own collation does not show.
+#[test]
+fn sqlite_refuses_a_case_folding_key_column() {
+    let fx = SqliteFixture::new();
+    let store = fx.builder().build().expect("store");
+    fx.execute(&format!(
+        "{}CREATE UNIQUE INDEX bytes ON inbox_claims
+             (consumer_group, message_key COLLATE BINARY);",
+        SQLITE_TABLE.replace(
+            "message_key TEXT NOT NULL,",
+            "message_key TEXT NOT NULL COLLATE NOCASE,"
+        )
+    ));
+    let (problem, msg) = refusal(&store);
+    assert_eq!(problem, SchemaProblem::ColumnCollation, "{msg}");
+    assert!(
+        msg.contains(
+            "expected NOT NULL column message_key comparing bytes, \
+             found column message_key collate NOCASE"
+        ),
+        "{msg}"
+    );
+}
+
+/// `ON CONFLICT` refuses a deferrable arbiter, initially deferred or immediate, even
+/// beside a non-deferrable one: every claim would fail.
+#[test]
+fn postgres_refuses_a_deferrable_claim_key() {
+    if inbox_test_support::postgres_url().is_none() {
+        return;
+    }
+    for (name, sql, index) in [
+        (
+            "deferrable primary key, initially deferred",
+            "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+             ALTER TABLE inbox_claims ADD CONSTRAINT inbox_claims_pkey
+                 PRIMARY KEY (consumer_group, message_key) DEFERRABLE INITIALLY DEFERRED;",
+            "(consumer_group, message_key) [inbox_claims_pkey]",
+        ),
+        (
+            "deferrable primary key, initially immediate",
+            "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+             ALTER TABLE inbox_claims ADD CONSTRAINT inbox_claims_pkey
+                 PRIMARY KEY (consumer_group, message_key) DEFERRABLE INITIALLY IMMEDIATE;",
+            "(consumer_group, message_key) [inbox_claims_pkey]",
+        ),
+        (
+            "primary key plus a deferrable unique constraint on the key",
+            "ALTER TABLE inbox_claims ADD CONSTRAINT also_key
+                 UNIQUE (message_key, consumer_group) DEFERRABLE INITIALLY IMMEDIATE;",
+            "(message_key, consumer_group) [also_key]",
+        ),
+    ] {
+        let fx = PgFixture::new().expect("postgres");
+        let store = fx.builder().build().expect("shipped schema is accepted");
+        fx.execute(sql);
+        let (problem, msg) = refusal(&store);
+        assert_eq!(problem, SchemaProblem::DeferrableIndex, "{name}: {msg}");
+        assert!(
+            msg.contains(&format!(
+                "expected non-deferrable unique (consumer_group, message_key), \
+                 found deferrable unique {index}"
+            )),
+            "{name}: {msg}"
+        );
+        assert!(fx.builder().build().is_err(), "{name}");
+        // Why: past the check, the claim statement itself fails.
+        let unchecked = fx
+            .builder()
+            .handler(Recorder::new(GROUP))
+            .build_unchecked()
+            .unwrap();
+        fx.connect().create_effects().unwrap();
+        let outcome = unchecked.process_batch(&group(GROUP), &[usage("k", 1)]);
+        assert!(
+            matches!(outcome, Err(Error::Database(_))),
+            "{name}: {outcome:?}"
+        );
+    }
+}
+
+/// A failed `CREATE UNIQUE INDEX CONCURRENTLY` leaves an index that is no arbiter.
+#[test]
+fn postgres_refuses_an_invalid_claim_index() {
+    let Some(fx) = PgFixture::new() else { return };
+    let store = fx.builder().build().expect("store");
+    fx.execute(
+        "ALTER TABLE inbox_claims DROP CONSTRAINT inbox_claims_pkey;
+         INSERT INTO inbox_claims (consumer_group, message_key, message_type, payload_digest,
+                                   status, first_seen_at, updated_at)
+         SELECT 'g', 'k', 't', '\\x00', 'done', now(), now() FROM generate_series(1, 2);",
+    );
+    let mut conn = fx.connect();
+    let failed = conn.batch_execute(
+        "CREATE UNIQUE INDEX CONCURRENTLY claim ON inbox_claims (consumer_group, message_key)",
+    );
+    assert!(failed.is_err(), "the duplicate makes the build fail");
+    fx.execute("DELETE FROM inbox_claims;");
+    let (problem, msg) = refusal(&store);
+    assert_eq!(problem, SchemaProblem::InvalidIndex, "{msg}");
+    assert!(
+        msg.contains(
+            "expected valid unique (consumer_group, message_key), \
+             found invalid unique (consumer_group, message_key) [claim]"
+        ),
+        "{msg}"
+    );
+    assert!(fx.builder().build().is_err());
 }
 
 #[test]
