@@ -44,7 +44,8 @@ use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::{
-    ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RetryPolicy,
+    ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RedactedError,
+    RetryPolicy,
 };
 use inbox_diesel::Store;
 use inbox_examples::bench::{env_or, service_urls};
@@ -117,7 +118,8 @@ impl Bench {
 
     fn fresh_schema(&self, name: &str) -> (String, PgConnection) {
         let schema = self.schema(name);
-        let mut conn = PgConnection::establish(&self.db_url).expect("connect");
+        let mut conn = PgConnection::establish(&self.db_url)
+            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &self.db_url)));
         conn.batch_execute(&format!(
             "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; SET search_path TO {schema};"
         ))
@@ -180,7 +182,7 @@ impl Bench {
     async fn declare_and_fill(&self, consumer: &Consumer<Store<PgConnection>>) -> Connection {
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
-            .expect("amqp");
+            .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, &self.amqp_url)));
         consumer.topology().declare(&conn).await.expect("declare");
         self.fill(&conn, &consumer.topology().exchange(), MESSAGE_TYPE)
             .await;
@@ -272,7 +274,7 @@ impl Bench {
         setup.create_daily_usage().expect("table");
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
-            .expect("amqp");
+            .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, &self.amqp_url)));
         let queue = format!("{}.{name}", self.run);
         let channel = conn.create_channel().await.expect("channel");
         let mut args = FieldTable::default();
@@ -301,7 +303,9 @@ impl Bench {
         let mut tasks = Vec::new();
         for _ in 0..self.workers {
             let db = if database {
-                let mut c = PgConnection::establish(&self.db_url).expect("connect");
+                let mut c = PgConnection::establish(&self.db_url).unwrap_or_else(|e| {
+                    panic!("connect: {}", RedactedError::new(&e, &self.db_url))
+                });
                 c.batch_execute(&format!("SET search_path TO {schema}"))
                     .expect("path");
                 Some(Arc::new(Mutex::new(c)))
@@ -701,7 +705,8 @@ async fn main() {
         runtime_peak_kib: Mutex::new(0),
     };
     {
-        let mut conn = PgConnection::establish(&bench.db_url).expect("connect");
+        let mut conn = PgConnection::establish(&bench.db_url)
+            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &bench.db_url)));
         #[derive(QueryableByName)]
         struct Setting {
             #[diesel(sql_type = Text)]

@@ -17,7 +17,7 @@ use diesel::connection::SimpleConnection;
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Relay, RelaySettings};
-use inbox_core::{MessageKey, OutboxMessage, OutboxStore};
+use inbox_core::{MessageKey, OutboxMessage, OutboxStore, RedactedError};
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::bench::{env_or, service_urls};
 use lapin::options::{
@@ -36,7 +36,8 @@ struct Bench {
 impl Bench {
     fn store(&self, name: &str) -> Arc<Store<PgConnection>> {
         let schema = format!("{}_{name}", self.run);
-        let mut conn = PgConnection::establish(&self.db_url).expect("connect");
+        let mut conn = PgConnection::establish(&self.db_url)
+            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &self.db_url)));
         conn.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
             .expect("schema");
         Arc::new(
@@ -123,7 +124,7 @@ impl Bench {
         let store = self.store(&name);
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
-            .expect("amqp");
+            .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, &self.amqp_url)));
         let (exchange, queue) = self.destination(&conn, &name).await;
         {
             let mut db = store.connection().expect("db");
@@ -175,7 +176,7 @@ impl Bench {
         let store = self.store(name);
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
-            .expect("amqp");
+            .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, &self.amqp_url)));
         let (exchange, queue) = self.destination(&conn, name).await;
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();

@@ -56,8 +56,14 @@ fn main() -> ExitCode {
 fn reset_schema(url: &str) -> Result<(), String> {
     use diesel::connection::SimpleConnection;
     use diesel::Connection;
-    let mut conn = diesel::PgConnection::establish(url)
-        .map_err(|e| format!("could not connect to {}: {e}", inbox_diesel::redact(url)))?;
+    let mut conn = diesel::PgConnection::establish(url).map_err(|e| {
+        // libpq's message can quote the password back: redact it too.
+        format!(
+            "could not connect to {}: {}",
+            inbox_diesel::redact(url),
+            inbox_core::RedactedError::new(&e, url)
+        )
+    })?;
     conn.batch_execute("DROP SCHEMA IF EXISTS inbox_quickstart CASCADE")
         .map_err(|e| e.to_string())
 }

@@ -37,10 +37,7 @@ pub(crate) async fn connect(url: &str, name: Option<&str>, within: Duration) -> 
         props = props.with_connection_name(LongString::from(name));
     }
     match tokio::time::timeout(within, Connection::connect(url, props)).await {
-        Ok(connected) => connected.map_err(|source| Error::Connect {
-            url: redact_url(url),
-            source,
-        }),
+        Ok(connected) => connected.map_err(|source| Error::connect(url, &source)),
         Err(_) => Err(Error::ConnectTimeout {
             url: redact_url(url),
             after: within,
@@ -110,4 +107,57 @@ pub(crate) fn check_backoff(min: Duration, max: Duration) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Display of every level of the chain, and Debug of the top.
+    fn everything_printed(err: &Error) -> Vec<String> {
+        let mut printed = vec![format!("{err:?}")];
+        let mut level: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = level {
+            printed.push(e.to_string());
+            level = e.source();
+        }
+        printed
+    }
+
+    /// URLs lapin refuses before any I/O (or that find nothing listening), and the
+    /// password each must not print.
+    #[test]
+    fn connect_errors_print_no_password() {
+        let cases = [
+            // Not a base URL: amq-protocol-uri quotes it back whole.
+            ("amqp:guest:s3cret@127.0.0.1", "s3cret"),
+            ("amqp:guest:s3cret@127.0.0.1/%2f", "s3cret"),
+            // '?', '#' or '/' end the authority: the head of the password is a port.
+            ("amqp://guest:qu?es-s3cret@127.0.0.1:1/%2f", "qu?es-s3cret"),
+            ("amqp://guest:ha#sh-s3cret@127.0.0.1:1/%2f", "ha#sh-s3cret"),
+            ("amqp://guest:sl4sh/s3cret@127.0.0.1:1/%2f", "sl4sh"),
+            // Percent-encoded: neither form is printed.
+            ("amqp://guest:p%40ss%3Fw@127.0.0.1:1/%2f", "p%40ss%3Fw"),
+            ("amqp://guest:p%40ss%3Fw@127.0.0.1:1/%2f", "p@ss?w"),
+            // Invalid UTF-8 once decoded.
+            ("amqp://guest:p%FFs3cret@127.0.0.1:1/%2f", "p%FFs3cret"),
+            ("amqp://guest:at@s3cret@127.0.0.1:1/%2f", "at@s3cret"),
+            ("amqps://guest:tls-s3cret@127.0.0.1:1/%2f", "tls-s3cret"),
+            ("http://guest:http-s3cret@127.0.0.1:1/", "http-s3cret"),
+        ];
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        for (url, password) in cases {
+            let err = match runtime.block_on(connect(url, None, Duration::from_secs(5))) {
+                Ok(_) => panic!("connected to {}", redact_url(url)),
+                Err(err) => err,
+            };
+            assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+            for text in everything_printed(&err) {
+                assert!(!text.contains(password), "{url}: {text}");
+            }
+        }
+    }
 }

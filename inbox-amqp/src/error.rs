@@ -4,14 +4,15 @@ use inbox_core::ClaimInvariantViolated;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The broker could not be reached.
+    /// The broker could not be reached; lapin's error is kept, as text with every
+    /// password of the URL taken out (a URL lapin cannot parse is quoted back whole).
     #[error("could not connect to {url}: {source}")]
     Connect {
         /// The URL, password redacted.
         url: String,
-        /// lapin's error.
+        /// lapin's error and its causes, passwords redacted.
         #[source]
-        source: lapin::Error,
+        source: inbox_core::RedactedError,
     },
     /// The broker accepted the connection but did not finish the AMQP handshake in
     /// time.
@@ -42,6 +43,17 @@ pub enum Error {
     /// A setting was rejected.
     #[error("invalid configuration: {0}")]
     Config(String),
+}
+
+impl Error {
+    /// The error of a failed connection to `url`: neither the URL nor lapin's error
+    /// (nor any cause below it) keeps a password of `url`.
+    pub(crate) fn connect(url: &str, source: &lapin::Error) -> Self {
+        Self::Connect {
+            url: inbox_core::redact_url(url),
+            source: inbox_core::RedactedError::new(source, url),
+        }
+    }
 }
 
 /// `Result` with this crate's [`Error`].

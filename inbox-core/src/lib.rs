@@ -54,4 +54,4 @@ pub use outbox::{relay_in_process, EnqueueOutcome, Lease, OutboxMessage, OutboxR
 pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};
-pub use url::redact_url;
+pub use url::{redact_message, redact_url, RedactedError};

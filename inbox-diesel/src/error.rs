@@ -8,14 +8,16 @@ pub enum Error {
         /// The URL, password redacted.
         url: String,
     },
-    /// The database could not be reached; the driver's own error is kept.
+    /// The database could not be reached; the driver's own error is kept, as text
+    /// with every password of the URL taken out (libpq quotes parts of the URL back,
+    /// a bad percent escape of the password among them).
     #[error("could not connect to {url}: {source}")]
     Connect {
         /// The URL, password redacted.
         url: String,
-        /// The driver's error.
+        /// The driver's error and its causes, passwords redacted.
         #[source]
-        source: diesel::ConnectionError,
+        source: inbox_core::RedactedError,
     },
     /// The connection pool failed.
     #[error("connection pool error: {0}")]
@@ -95,6 +97,17 @@ pub enum SchemaProblem {
     ExtraUniqueIndex,
 }
 
+impl Error {
+    /// The error of a failed connection to `url`: neither the URL nor the driver's
+    /// error (nor any cause below it) keeps a password of `url`.
+    pub(crate) fn connect(url: &str, source: &diesel::ConnectionError) -> Self {
+        Self::Connect {
+            url: crate::redact(url),
+            source: inbox_core::RedactedError::new(source, url),
+        }
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -104,5 +117,86 @@ impl From<Error> for inbox_core::Error {
             Error::Core(core) => core,
             other => inbox_core::Error::Store(Box::new(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    /// Display of every level of the chain, and Debug of the top.
+    fn everything_printed(err: &Error) -> Vec<String> {
+        let mut printed = vec![format!("{err:?}")];
+        let mut level: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = level {
+            printed.push(e.to_string());
+            level = e.source();
+        }
+        printed
+    }
+
+    #[test]
+    fn connect_errors_hold_no_password_at_any_level() {
+        let cases = [
+            (
+                "postgres://app:pa%zzss@db/x",
+                diesel::ConnectionError::BadConnection(
+                    "invalid percent-encoded token: \"pa%zzss\"".to_owned(),
+                ),
+                "pa%zzss",
+            ),
+            (
+                "postgres://app:s3cret@[::1/x",
+                diesel::ConnectionError::BadConnection(
+                    "end of string reached when looking for matching \"]\" in IPv6 host address in URI: \"postgres://app:s3cret@[::1/x\"".to_owned(),
+                ),
+                "s3cret",
+            ),
+            (
+                "postgres://app@db/x?password=s3cret",
+                diesel::ConnectionError::InvalidConnectionUrl(
+                    "postgres://app@db/x?password=s3cret".to_owned(),
+                ),
+                "s3cret",
+            ),
+            (
+                // The NulError keeps the URL's bytes, and Debug prints them.
+                "postgres://app:s3cret@db/x\0",
+                diesel::ConnectionError::InvalidCString(
+                    std::ffi::CString::new("postgres://app:s3cret@db/x\0").unwrap_err(),
+                ),
+                "s3cret",
+            ),
+            (
+                "postgres://app:s3cret@db/x",
+                diesel::ConnectionError::CouldntSetupConfiguration(
+                    diesel::result::Error::QueryBuilderError(
+                        "postgres://app:s3cret@db/x".into(),
+                    ),
+                ),
+                "s3cret",
+            ),
+        ];
+        for (url, driver, password) in cases {
+            let err = Error::connect(url, &driver);
+            assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+            for text in everything_printed(&err) {
+                assert!(!text.contains(password), "{url}: {text}");
+            }
+            assert!(err.source().is_some(), "the driver's error is kept");
+        }
+    }
+
+    #[test]
+    fn the_driver_message_is_kept() {
+        let err = Error::connect(
+            "postgres://app:s3cret@db/x",
+            &diesel::ConnectionError::BadConnection("connection refused".to_owned()),
+        );
+        assert_eq!(
+            err.to_string(),
+            "could not connect to postgres://app:***@db/x: connection refused"
+        );
     }
 }

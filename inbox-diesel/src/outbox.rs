@@ -553,12 +553,8 @@ impl Listener {
         let conn = match &mut self.conn {
             Some(conn) => conn,
             None => {
-                let mut conn = <PgConnection as Sealed>::establish_url(url).map_err(|source| {
-                    Error::Connect {
-                        url: crate::redact(url),
-                        source,
-                    }
-                })?;
+                let mut conn = <PgConnection as Sealed>::establish_url(url)
+                    .map_err(|source| Error::connect(url, &source))?;
                 <PgConnection as Sealed>::on_acquire(&mut conn, schema)?;
                 let current: SchemaName =
                     diesel::sql_query("SELECT coalesce(current_schema(), '') AS name")

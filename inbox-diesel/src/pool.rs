@@ -26,10 +26,22 @@ struct Gate {
 
 /// The r2d2 manager of a store's pool: diesel's [`ConnectionManager`] behind a gate
 /// that the store closes when its last clone is dropped.
-#[derive(Debug)]
 pub struct StoreManager<C: R2D2Connection + 'static> {
     inner: ConnectionManager<C>,
     gate: Arc<Gate>,
+    /// To redact the driver's errors: r2d2 logs them and keeps the last one in its
+    /// time-out error. Never printed.
+    url: String,
+}
+
+impl<C: R2D2Connection + 'static> std::fmt::Debug for StoreManager<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreManager")
+            .field("inner", &self.inner)
+            .field("gate", &self.gate)
+            .field("url", &crate::redact(&self.url))
+            .finish()
+    }
 }
 
 /// A connection checked out of a store's pool.
@@ -41,8 +53,9 @@ impl<C: R2D2Connection + Send + 'static> StoreManager<C> {
         let closer = Closer(Arc::clone(&gate));
         (
             Self {
-                inner: ConnectionManager::new(url),
+                inner: ConnectionManager::new(url.clone()),
                 gate,
+                url,
             },
             closer,
         )
@@ -67,7 +80,14 @@ impl<C: R2D2Connection + Send + 'static> ManageConnection for StoreManager<C> {
             }
             state.1 += 1;
         }
-        let conn = self.inner.connect();
+        let conn = self.inner.connect().map_err(|err| match err {
+            diesel::r2d2::Error::ConnectionError(source) => {
+                diesel::r2d2::Error::ConnectionError(ConnectionError::BadConnection(
+                    inbox_core::RedactedError::new(&source, &self.url).to_string(),
+                ))
+            }
+            other => other,
+        });
         let mut state = self
             .gate
             .state
@@ -114,5 +134,28 @@ impl Closer {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_connect_errors_hold_no_password() {
+        crate::init_tls();
+        // libpq quotes a bad percent escape back; the pool keeps and logs that text.
+        let url = "postgres://app:pa%zzss@127.0.0.1/x?password=s3%zzcret";
+        let (manager, _closer) = StoreManager::<diesel::PgConnection>::new(url.to_owned());
+        let Err(err) = manager.connect() else {
+            panic!("connected with a bad percent escape");
+        };
+        for text in [err.to_string(), format!("{err:?}"), format!("{manager:?}")] {
+            assert!(
+                !text.contains("pa%zzss") && !text.contains("s3%zzcret"),
+                "{text}"
+            );
+        }
+        assert!(err.to_string().contains("percent"), "{err}");
     }
 }

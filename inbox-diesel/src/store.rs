@@ -402,10 +402,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
 
         // Connect once by hand: the driver's own error says why ("connection refused"),
         // which a pool's time-out would not.
-        let mut first = C::establish_url(&self.url).map_err(|source| Error::Connect {
-            url: crate::redact(&self.url),
-            source,
-        })?;
+        let mut first =
+            C::establish_url(&self.url).map_err(|source| Error::connect(&self.url, &source))?;
         C::on_acquire(&mut first, self.schema.as_deref())?;
         if self.migrate {
             C::migrate(&mut first, self.schema.as_deref())?;

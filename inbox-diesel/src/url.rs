@@ -76,11 +76,46 @@ mod tests {
     }
 
     #[test]
+    fn redacts_passwords_with_delimiters_and_in_the_query() {
+        for (url, redacted) in [
+            ("postgres://app:pa?ss@db/x", "postgres://app:***@db/x"),
+            ("postgres://app:pa#ss@db/x", "postgres://app:***@db/x"),
+            ("postgres://app:pa/ss@db/x", "postgres://app:***@db/x"),
+            ("postgres://app:pa:ss@db/x", "postgres://app:***@db/x"),
+            ("postgres://app:pa%zzss@db/x", "postgres://app:***@db/x"),
+            (
+                "postgres://app@db/x?password=s3cret",
+                "postgres://app@db/x?password=***",
+            ),
+            ("host=db password=s3cret", "host=db password=***"),
+            (
+                "amqp://guest:p%3Fss@rabbit/%2f",
+                "amqp://guest:***@rabbit/%2f",
+            ),
+            (
+                "amqp://guest:p?ss@rabbit/%2f",
+                "amqp://guest:***@rabbit/%2f",
+            ),
+        ] {
+            assert_eq!(redact(url), redacted, "{url}");
+        }
+    }
+
+    #[test]
     fn unsupported_url_error_hides_the_password() {
-        let err = Backend::from_url("mysql://root:hunter2@db/x")
-            .unwrap_err()
-            .to_string();
-        assert!(!err.contains("hunter2"), "{err}");
-        assert!(err.contains("mysql://root:***@db/x"), "{err}");
+        for (url, password) in [
+            ("mysql://root:hunter2@db/x", "hunter2"),
+            ("mysql://root:hun?ter2@db/x", "hun?ter2"),
+            ("MYSQL://root:hun@ter2@db/x", "hun@ter2"),
+            ("mysql://root@db/x?password=hunter2", "hunter2"),
+        ] {
+            let err = Backend::from_url(url).unwrap_err();
+            assert!(matches!(err, Error::UnsupportedUrl { .. }), "{err:?}");
+            for text in [err.to_string(), format!("{err:?}")] {
+                assert!(!text.contains(password), "{text}");
+            }
+        }
+        let err = Backend::from_url("mysql://root:hunter2@db/x").unwrap_err();
+        assert!(err.to_string().contains("mysql://root:***@db/x"), "{err}");
     }
 }
