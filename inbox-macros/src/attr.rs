@@ -279,6 +279,17 @@ impl Attrs {
                         cx.error_spanned_by(lit, "initial backoff must be greater than zero");
                     }
                 }
+                PolicyProblem::MaxAboveCap => {
+                    if let Some((_, lit)) = &backoff.max {
+                        cx.error_spanned_by(
+                            lit,
+                            format!(
+                                "max backoff must be at most 8760h (a year), found {}",
+                                Shown(max)
+                            ),
+                        );
+                    }
+                }
                 PolicyProblem::InitialAboveMax => {
                     let default = |given: &Option<(Duration, LitStr)>| {
                         if given.is_some() {

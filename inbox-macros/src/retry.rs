@@ -14,6 +14,9 @@ pub(crate) const DEFAULT_INITIAL: Duration = Duration::from_secs(1);
 /// `RetryPolicy::default().max()`.
 pub(crate) const DEFAULT_MAX: Duration = Duration::from_secs(300);
 
+/// `inbox_core::MAX_RETRY_DELAY`: the longest delay a policy may have (a year).
+pub(crate) const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 /// What is wrong with a retry policy's settings.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum PolicyProblem {
@@ -23,6 +26,8 @@ pub(crate) enum PolicyProblem {
     ZeroInitial,
     /// The initial backoff is longer than the max.
     InitialAboveMax,
+    /// The max backoff is longer than [`MAX_DELAY`].
+    MaxAboveCap,
 }
 
 /// Every rule `RetryPolicy::new` would reject these settings by (all of them, so
@@ -41,6 +46,9 @@ pub(crate) fn policy_problems(
     }
     if initial > max {
         problems.push(PolicyProblem::InitialAboveMax);
+    }
+    if max > MAX_DELAY {
+        problems.push(PolicyProblem::MaxAboveCap);
     }
     problems
 }
@@ -148,7 +156,12 @@ mod tests {
         let durations = [0, 1, 2, 999, 1_000, 60_000, 300_000, 3_600_000]
             .map(Duration::from_millis)
             .into_iter()
-            .chain([Duration::from_nanos(1), Duration::MAX]);
+            .chain([
+                Duration::from_nanos(1),
+                MAX_DELAY,
+                MAX_DELAY + Duration::from_secs(1),
+                Duration::MAX,
+            ]);
         let durations: Vec<Duration> = durations.collect();
         for max_attempts in [0, 1, 2, 8, u32::MAX] {
             for &initial in &durations {
