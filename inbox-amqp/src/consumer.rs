@@ -387,7 +387,7 @@ impl<S: InboxStore> Shared<S> {
         let g = group.clone();
         // The store's spans (its batch, each delivery) open inside this batch's span.
         let parent = span.clone();
-        let (malformed_done, decided) = tokio::task::spawn_blocking(move || {
+        let (malformed_done, decided, envelopes) = tokio::task::spawn_blocking(move || {
             let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
                 .into_iter()
@@ -405,7 +405,7 @@ impl<S: InboxStore> Shared<S> {
             } else {
                 store.process_batch(&g, &envelopes)
             };
-            (malformed_done, decided)
+            (malformed_done, decided, envelopes)
         })
         .await
         .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
@@ -436,7 +436,7 @@ impl<S: InboxStore> Shared<S> {
 
         let mut stop = None;
         let mut retries = Vec::new();
-        for (decision, &i) in decisions.into_iter().zip(&positions) {
+        for ((decision, &i), envelope) in decisions.into_iter().zip(&positions).zip(&envelopes) {
             actions[i] = match decision {
                 Decision::Processed => {
                     stats.add(Counter::Processed, 1);
@@ -451,7 +451,7 @@ impl<S: InboxStore> Shared<S> {
                     Action::Ack
                 }
                 Decision::RetryAfter(delay) => {
-                    retries.push((i, delay));
+                    retries.push((i, delay, envelope.message_type.clone()));
                     Action::Hold
                 }
                 Decision::Stop(violation) => {
@@ -464,8 +464,11 @@ impl<S: InboxStore> Shared<S> {
 
         // A retry copy must be confirmed in its tier before the original is acked.
         let mut pending = Vec::with_capacity(retries.len());
-        for (i, delay) in retries {
+        for (i, delay, message_type) in retries {
             let d = &deliveries[i];
+            // The copy comes back from its tier under the group queue's name as routing
+            // key: the type must travel in the `type` property.
+            let properties = d.properties.clone().with_type(message_type.as_str().into());
             let tier = self.topology.retry_ladder().tier_for(delay);
             let queue = self.topology.retry_queue(group, delay);
             let published = channel
@@ -477,7 +480,7 @@ impl<S: InboxStore> Shared<S> {
                         ..BasicPublishOptions::default()
                     },
                     &d.data,
-                    d.properties.clone(),
+                    properties,
                 )
                 .await;
             pending.push((i, tier, queue, published));

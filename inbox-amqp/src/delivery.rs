@@ -63,17 +63,57 @@ fn delivery_count(table: Option<&FieldTable>) -> Option<u32> {
     }
 }
 
-/// Reads a delivery. `message_id` is the message key, `type` (else the routing key)
-/// the message type; headers `tenant` and `occurred_at`; `redelivered` and
-/// `x-delivery-count` are hints.
-pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box<Malformed>> {
+/// The routing key a message was first published with, from the `x-death` entry of
+/// the first queue that dead-lettered it (`x-first-death-queue`): once the broker has
+/// dead-lettered a message, its routing key is the dead-letter queue's name.
+fn original_routing_key(table: Option<&FieldTable>) -> Option<String> {
+    let table = table?.inner();
+    let first_queue = match table.get("x-first-death-queue")? {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        _ => return None,
+    };
+    let AMQPValue::FieldArray(deaths) = table.get("x-death")? else {
+        return None;
+    };
+    deaths.as_slice().iter().find_map(|death| {
+        let AMQPValue::FieldTable(death) = death else {
+            return None;
+        };
+        let death = death.inner();
+        let queue = death.get("queue").and_then(value_to_string)?;
+        if queue != first_queue {
+            return None;
+        }
+        let AMQPValue::FieldArray(keys) = death.get("routing-keys")? else {
+            return None;
+        };
+        keys.as_slice()
+            .first()
+            .and_then(value_to_string)
+            .filter(|k| !k.is_empty())
+    })
+}
+
+/// The message type: the `type` property; without one, the routing key the message
+/// was published with (the original one, when the broker dead-lettered it on the way).
+pub(crate) fn message_type(delivery: &Delivery) -> String {
     let props = &delivery.properties;
-    let message_type = props
+    props
         .kind()
         .as_ref()
         .map(|k| k.as_str().to_owned())
         .filter(|k| !k.is_empty())
-        .unwrap_or_else(|| delivery.routing_key.as_str().to_owned());
+        .or_else(|| original_routing_key(props.headers().as_ref()))
+        .unwrap_or_else(|| delivery.routing_key.as_str().to_owned())
+}
+
+/// Reads a delivery. `message_id` is the message key, the message type is
+/// [`message_type`]; headers `tenant` and `occurred_at`; `redelivered` and
+/// `x-delivery-count` are hints.
+pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box<Malformed>> {
+    let props = &delivery.properties;
+    let message_type = message_type(delivery);
     let headers = headers(props.headers().as_ref());
     let tenant = headers.get(TENANT_HEADER).cloned();
     let occurred_at = headers

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, StatsSnapshot, Topology};
-use inbox_core::{ConsumerGroup, RetryLadder, RetryPolicy};
+use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryLadder, RetryPolicy};
 use inbox_diesel::{ClaimStatus, Store, StoreBuilder};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{
@@ -397,15 +397,13 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
         day: NaiveDate::from_ymd_opt(2026, 11, 30).unwrap(),
         amount: 12,
     });
-    publish(
+    // Without a `type` property: the type must survive the broker's dead-lettering,
+    // which replaces the routing key with the dead-letter queue's name.
+    publish_untyped(
         &channel,
         &topology.exchange(),
-        &Outgoing {
-            message_id: Some("returned-again-and-again"),
-            message_type: MESSAGE_TYPE,
-            body: &event,
-            tenant: None,
-        },
+        "returned-again-and-again",
+        &event,
     )
     .await;
     wait_for_confirms(&channel).await;
@@ -462,6 +460,7 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].key, "returned-again-and-again");
     assert_eq!(dead[0].reason, "delivery_limit");
+    assert_eq!(dead[0].message_type, MESSAGE_TYPE);
     assert_eq!(dead[0].payload, event);
     // The broker's own reason, from the x-first-death-reason header it set.
     assert!(
@@ -543,5 +542,89 @@ async fn each_delivery_is_traced_inside_its_batch() {
         let worker = &spans[amqp_batch.parent_index.expect("a parent")];
         assert_eq!(worker.name, "inbox.amqp.worker");
     }
+    setup.cleanup().await;
+}
+
+/// The usage projection, failing transiently the first time it sees each user.
+struct FailsOnceEach {
+    group: ConsumerGroup,
+    failed: std::sync::Mutex<std::collections::BTreeSet<i64>>,
+}
+
+impl Handler<PgConnection> for FailsOnceEach {
+    type Message = UsageRecorded;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        MESSAGE_TYPE
+    }
+
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: UsageRecorded,
+        _: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        if self.failed.lock().unwrap().insert(msg.user_id) {
+            return Err(HandlerError::transient(std::io::Error::other(
+                "first try fails",
+            )));
+        }
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+}
+
+/// Publishes with routing key = the message type and no `type` property, as the
+/// contract allows.
+async fn publish_untyped(channel: &lapin::Channel, exchange: &str, id: &str, body: &[u8]) {
+    channel
+        .basic_publish(
+            exchange.into(),
+            MESSAGE_TYPE.into(),
+            lapin::options::BasicPublishOptions::default(),
+            body,
+            lapin::BasicProperties::default()
+                .with_message_id(id.into())
+                .with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_without_a_type_property_keeps_its_type_through_a_retry_tier() {
+    let Some(setup) = Setup::new() else { return };
+    let handler = FailsOnceEach {
+        group: setup.group.clone(),
+        failed: Default::default(),
+    };
+    let store = setup.store_builder().handler(handler).build().unwrap();
+    store.connection().unwrap().create_daily_usage().unwrap();
+    let store = Arc::new(store);
+    let consumer = setup.consumer(Arc::clone(&store));
+    let conn = amqp::connect(&setup.url).await;
+    consumer.topology().declare(&conn).await.unwrap();
+    let channel = confirm_channel(&conn).await;
+    let day = NaiveDate::from_ymd_opt(2026, 11, 30).unwrap();
+    let event = body(&UsageRecorded {
+        user_id: 3,
+        day,
+        amount: 9,
+    });
+    publish_untyped(&channel, &consumer.topology().exchange(), "untyped", &event).await;
+    wait_for_confirms(&channel).await;
+
+    let stats = run_until(consumer, Duration::from_secs(30), |s| {
+        s.processed >= 1 || s.dead_lettered >= 1
+    })
+    .await;
+    let dead = store.dead_letters(&setup.group).unwrap();
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
+    assert_eq!((stats.retried, stats.processed), (1, 1), "{stats:?}");
+    assert_eq!(totals(&store), BTreeMap::from([((3, day), 9)]));
     setup.cleanup().await;
 }
