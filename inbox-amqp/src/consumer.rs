@@ -14,7 +14,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, InboxStore};
+use inbox_core::{
+    ClaimInvariantViolated, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision,
+    InboxStore,
+};
 
 use crate::connect::{
     check_backoff, check_connect_timeout, close_channel, close_connection, connect, goodbye, pause,
@@ -136,9 +139,17 @@ impl ConsumerSettings {
 /// batch to the store on a blocking thread, and only then act: ack after commit (one
 /// `multiple` ack when the whole batch may be acked, else one ack each), a retry
 /// published with a confirm to its tier before the original is acked, nothing acked
-/// after a store failure, a `Stop` left unacked while the consumer stops. A task per
-/// group reads the broker's dead-letter queue into the store. A lost connection is
-/// re-established with backoff and the topology declared again.
+/// after a store failure. A task per group reads the broker's dead-letter queue into
+/// the store. A lost connection is re-established with backoff and the topology
+/// declared again.
+///
+/// A `Stop` (a claim invariant violated) halts its consumer group only: the delivery
+/// is left unacked, the group's workers and dead-letter reader stop consuming and hold
+/// what they have until the consumer stops (then it goes back to the queue), an error
+/// is logged, the gauge `inbox_group_halted{group}` is set to 1 and
+/// [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group. The other
+/// groups keep consuming. A halted group stays halted across reconnects; it resumes
+/// when the consumer is started again (after the cause is fixed).
 pub struct Consumer<S> {
     url: String,
     shared: Arc<Shared<S>>,
@@ -152,13 +163,61 @@ struct Shared<S> {
 }
 
 /// What to do with one delivery once the store has decided.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Action {
     Ack,
     /// Put back (requeue): comes back flagged redelivered.
     Requeue,
-    /// Leave unacked: the consumer is stopping because of it.
+    /// Leave unacked: its retry copy is not confirmed yet, or its group halts.
     Hold,
+}
+
+/// Why a consumer group halted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum HaltCause {
+    /// The store found a claim invariant violated.
+    Violation(ClaimInvariantViolated),
+    /// The store decided something this transport does not know how to carry out.
+    UnknownDecision(String),
+}
+
+impl std::fmt::Display for HaltCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Violation(violation) => write!(f, "{violation}"),
+            Self::UnknownDecision(decision) => {
+                write!(f, "a decision this transport does not know: {decision}")
+            }
+        }
+    }
+}
+
+/// How the transport carries out one decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Plan {
+    /// Ack after the commit, counted under this counter.
+    Ack(Counter),
+    /// Publish a retry copy for this delay, then ack.
+    Retry(Duration),
+    /// Leave it unacked and halt the group.
+    Halt(HaltCause),
+}
+
+fn plan(decision: Decision) -> Plan {
+    match decision {
+        Decision::Processed => Plan::Ack(Counter::Processed),
+        Decision::Duplicate | Decision::AlreadyDeadLettered => Plan::Ack(Counter::Duplicates),
+        Decision::DeadLettered(_) => Plan::Ack(Counter::DeadLettered),
+        Decision::RetryAfter(delay) => Plan::Retry(delay),
+        Decision::Stop(violation) => Plan::Halt(HaltCause::Violation(violation)),
+        other => unknown(&other),
+    }
+}
+
+/// A decision added to the store after this transport was written: acking it could
+/// lose a message and requeueing it would loop forever, so the group halts, loudly.
+fn unknown(decision: &Decision) -> Plan {
+    Plan::Halt(HaltCause::UnknownDecision(format!("{decision:?}")))
 }
 
 impl<S: InboxStore> Consumer<S> {
@@ -196,8 +255,8 @@ impl<S: InboxStore> Consumer<S> {
     }
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
-    /// are acked, channels and the connection close) or the store reports a claim
-    /// invariant violation ([`Error::Stopped`]).
+    /// are acked, channels and the connection close). A group whose store reports a
+    /// claim invariant violation halts; the others go on (see [`Consumer`]).
     ///
     /// The first connection and the topology must succeed, so a misconfigured
     /// consumer fails at startup; later losses reconnect with backoff.
@@ -264,17 +323,30 @@ impl<S: InboxStore> Shared<S> {
         let stop = shutdown.child_token();
         let mut tasks = JoinSet::new();
         for group in self.topology.groups() {
+            if self.stats.is_halted(group) {
+                continue;
+            }
+            metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+            let halt = stop.child_token();
             for worker in 0..self.settings.workers {
                 let channel = conn.create_channel().await?;
                 let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
+                let tokens = Tokens {
+                    stop: stop.clone(),
+                    halt: halt.clone(),
+                };
                 tasks.spawn(
                     Arc::clone(self)
-                        .worker(channel, group.clone(), stop.clone())
+                        .worker(channel, group.clone(), tokens)
                         .instrument(span),
                 );
             }
             let channel = conn.create_channel().await?;
-            tasks.spawn(Arc::clone(self).dead_letter_reader(channel, group.clone(), stop.clone()));
+            let tokens = Tokens {
+                stop: stop.clone(),
+                halt,
+            };
+            tasks.spawn(Arc::clone(self).dead_letter_reader(channel, group.clone(), tokens));
         }
         let mut outcome = Ok(());
         while let Some(joined) = tasks.join_next().await {
@@ -298,9 +370,10 @@ impl<S: InboxStore> Shared<S> {
         self: Arc<Self>,
         channel: Channel,
         group: ConsumerGroup,
-        stop: CancellationToken,
+        tokens: Tokens,
     ) -> std::result::Result<(), SessionEnd> {
         let settings = &self.settings;
+        let mut retry_backoff = settings.backoff_min;
         channel
             .basic_qos(settings.prefetch, BasicQosOptions::default())
             .await?;
@@ -320,7 +393,8 @@ impl<S: InboxStore> Shared<S> {
         loop {
             let first = tokio::select! {
                 biased;
-                () = stop.cancelled() => break,
+                () = tokens.stop.cancelled() => break,
+                () = tokens.halt.cancelled() => break,
                 next = consumer.next() => next,
             };
             let mut batch = match first {
@@ -344,17 +418,28 @@ impl<S: InboxStore> Shared<S> {
                     () = tokio::time::sleep_until(deadline) => break,
                 }
             }
-            self.handle_batch(&channel, &group, batch).await?;
+            self.handle_batch(&channel, &group, batch, &tokens, &mut retry_backoff)
+                .await?;
         }
-        // Graceful stop: no new deliveries; what was prefetched and not handled goes
-        // back to the queue when the channel closes.
+        // No new deliveries; what was prefetched and not handled goes back to the
+        // queue when the channel closes.
         goodbye(
             "consumer cancel",
             channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
         )
         .await;
+        tokens.hold_while_halted().await;
         close_channel(&channel, "inbox worker stopping").await;
         Ok(())
+    }
+
+    /// Halts a consumer group (once): logged, counted, and its tasks told.
+    fn halt_group(&self, group: &ConsumerGroup, cause: &HaltCause, halt: &CancellationToken) {
+        if self.stats.halt(group, cause.to_string()) {
+            tracing::error!(group = %group, %cause, "consumer group halted; the other groups go on; restart the consumer once the cause is fixed");
+            metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
+        }
+        halt.cancel();
     }
 
     async fn handle_batch(
@@ -362,6 +447,8 @@ impl<S: InboxStore> Shared<S> {
         channel: &Channel,
         group: &ConsumerGroup,
         deliveries: Vec<Delivery>,
+        tokens: &Tokens,
+        retry_backoff: &mut Duration,
     ) -> std::result::Result<(), SessionEnd> {
         let stats = &self.stats;
         stats.add(Counter::Received, deliveries.len() as u64);
@@ -387,7 +474,7 @@ impl<S: InboxStore> Shared<S> {
         let g = group.clone();
         // The store's spans (its batch, each delivery) open inside this batch's span.
         let parent = span.clone();
-        let (malformed_done, decided) = tokio::task::spawn_blocking(move || {
+        let (malformed_done, decided, envelopes) = tokio::task::spawn_blocking(move || {
             let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
                 .into_iter()
@@ -405,7 +492,7 @@ impl<S: InboxStore> Shared<S> {
             } else {
                 store.process_batch(&g, &envelopes)
             };
-            (malformed_done, decided)
+            (malformed_done, decided, envelopes)
         })
         .await
         .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
@@ -434,38 +521,34 @@ impl<S: InboxStore> Shared<S> {
             }
         };
 
-        let mut stop = None;
+        let mut halt = None;
         let mut retries = Vec::new();
-        for (decision, &i) in decisions.into_iter().zip(&positions) {
-            actions[i] = match decision {
-                Decision::Processed => {
-                    stats.add(Counter::Processed, 1);
+        for ((decision, &i), envelope) in decisions.into_iter().zip(&positions).zip(&envelopes) {
+            actions[i] = match plan(decision) {
+                Plan::Ack(counter) => {
+                    stats.add(counter, 1);
                     Action::Ack
                 }
-                Decision::Duplicate | Decision::AlreadyDeadLettered => {
-                    stats.add(Counter::Duplicates, 1);
-                    Action::Ack
-                }
-                Decision::DeadLettered(_) => {
-                    stats.add(Counter::DeadLettered, 1);
-                    Action::Ack
-                }
-                Decision::RetryAfter(delay) => {
-                    retries.push((i, delay));
+                Plan::Retry(delay) => {
+                    retries.push((i, delay, envelope.message_type.clone()));
                     Action::Hold
                 }
-                Decision::Stop(violation) => {
-                    stop = Some(violation);
+                Plan::Halt(cause) => {
+                    tracing::error!(parent: &span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
+                    halt = Some(cause);
                     Action::Hold
                 }
-                _ => Action::Requeue,
             };
         }
 
         // A retry copy must be confirmed in its tier before the original is acked.
+        let retrying = !retries.is_empty();
         let mut pending = Vec::with_capacity(retries.len());
-        for (i, delay) in retries {
+        for (i, delay, message_type) in retries {
             let d = &deliveries[i];
+            // The copy comes back from its tier under the group queue's name as routing
+            // key: the type must travel in the `type` property.
+            let properties = d.properties.clone().with_type(message_type.as_str().into());
             let tier = self.topology.retry_ladder().tier_for(delay);
             let queue = self.topology.retry_queue(group, delay);
             let published = channel
@@ -477,11 +560,12 @@ impl<S: InboxStore> Shared<S> {
                         ..BasicPublishOptions::default()
                     },
                     &d.data,
-                    d.properties.clone(),
+                    properties,
                 )
                 .await;
             pending.push((i, tier, queue, published));
         }
+        let mut unconfirmed = false;
         for (i, tier, queue, published) in pending {
             let confirmed = match published {
                 Ok(confirm) => match confirm.await {
@@ -496,17 +580,25 @@ impl<S: InboxStore> Shared<S> {
                 tracing::debug!(parent: &span, %queue, "retry scheduled");
                 actions[i] = Action::Ack;
             } else {
-                tracing::warn!(parent: &span, %queue, "retry copy not confirmed; requeueing the original");
+                tracing::warn!(parent: &span, %queue, backoff = ?retry_backoff, "retry copy not confirmed (a full tier refuses it); requeueing the original after a pause");
                 stats.add(Counter::Requeued, 1);
                 actions[i] = Action::Requeue;
+                unconfirmed = true;
             }
+        }
+        if unconfirmed {
+            // A full tier refuses copies until it drains: an original requeued at once
+            // would come straight back, in a loop as fast as the broker answers.
+            pause(&tokens.stop, retry_backoff, self.settings.backoff_max).await;
+        } else if retrying {
+            *retry_backoff = self.settings.backoff_min;
         }
 
         self.settle(channel, &deliveries, &actions).await?;
-        match stop {
-            Some(violation) => Err(SessionEnd::Fatal(Error::Stopped(violation))),
-            None => Ok(()),
+        if let Some(cause) = halt {
+            self.halt_group(group, &cause, &tokens.halt);
         }
+        Ok(())
     }
 
     /// Acks, requeues or holds each delivery. One `multiple` ack covers the batch only
@@ -554,7 +646,7 @@ impl<S: InboxStore> Shared<S> {
         self: Arc<Self>,
         channel: Channel,
         group: ConsumerGroup,
-        stop: CancellationToken,
+        tokens: Tokens,
     ) -> std::result::Result<(), SessionEnd> {
         channel.basic_qos(20, BasicQosOptions::default()).await?;
         let queue = self.topology.dlq(&group);
@@ -570,7 +662,8 @@ impl<S: InboxStore> Shared<S> {
         loop {
             let next = tokio::select! {
                 biased;
-                () = stop.cancelled() => break,
+                () = tokens.stop.cancelled() => break,
+                () = tokens.halt.cancelled() => break,
                 next = consumer.next() => next,
             };
             let d = match next {
@@ -584,18 +677,26 @@ impl<S: InboxStore> Shared<S> {
             };
             let store = Arc::clone(&self.store);
             let g = group.clone();
+            let group_queue = self.topology.queue(&group);
+            let limit = self.topology.group_delivery_limit();
             let recorded = tokio::task::spawn_blocking(move || {
                 let headers = delivery::headers(d.properties.headers().as_ref());
                 let broker_reason = headers
                     .get("x-first-death-reason")
                     .map_or("unknown", String::as_str);
                 let outcome = match delivery::read(&d, usize::MAX) {
-                    Ok(envelope) => store.dead_letter(
-                        &g,
-                        &envelope,
-                        DeadLetterReason::DeliveryLimit,
-                        &format!("the broker dead-lettered the message ({broker_reason})"),
-                    ),
+                    Ok(mut envelope) => {
+                        let table = d.properties.headers().as_ref();
+                        let deliveries = delivery::deliveries_at_limit(table, &group_queue, limit);
+                        envelope.delivery_count = deliveries;
+                        let detail = match envelope.delivery_count {
+                            Some(n) => format!(
+                                "the broker dead-lettered the message ({broker_reason}) after {n} deliveries"
+                            ),
+                            None => format!("the broker dead-lettered the message ({broker_reason})"),
+                        };
+                        store.dead_letter(&g, &envelope, DeadLetterReason::DeliveryLimit, &detail)
+                    }
                     Err(m) => {
                         store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason)
                     }
@@ -628,8 +729,32 @@ impl<S: InboxStore> Shared<S> {
                 }
             }
         }
+        goodbye(
+            "consumer cancel",
+            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
+        )
+        .await;
+        tokens.hold_while_halted().await;
         close_channel(&channel, "inbox dead-letter reader stopping").await;
         Ok(())
+    }
+}
+
+/// What a group's task listens to.
+struct Tokens {
+    /// The session ends (shutdown or a lost connection).
+    stop: CancellationToken,
+    /// The task's group halts.
+    halt: CancellationToken,
+}
+
+impl Tokens {
+    /// A halted group's task keeps its channel, and so its unacked deliveries, until
+    /// the session ends.
+    async fn hold_while_halted(&self) {
+        if self.halt.is_cancelled() {
+            self.stop.cancelled().await;
+        }
     }
 }
 
@@ -637,6 +762,37 @@ impl<S: InboxStore> Shared<S> {
 mod tests {
     use super::*;
     use crate::connect::config_error;
+
+    #[test]
+    fn every_decision_has_a_plan_and_none_is_a_requeue() {
+        let ms = Duration::from_millis;
+        assert_eq!(plan(Decision::Processed), Plan::Ack(Counter::Processed));
+        assert_eq!(plan(Decision::Duplicate), Plan::Ack(Counter::Duplicates));
+        assert_eq!(
+            plan(Decision::AlreadyDeadLettered),
+            Plan::Ack(Counter::Duplicates)
+        );
+        assert_eq!(
+            plan(Decision::DeadLettered(DeadLetterReason::Permanent)),
+            Plan::Ack(Counter::DeadLettered)
+        );
+        assert_eq!(plan(Decision::RetryAfter(ms(5))), Plan::Retry(ms(5)));
+        let violation = ClaimInvariantViolated {
+            group: ConsumerGroup::new("a.b").unwrap(),
+            key: inbox_core::MessageKey::new("k").unwrap(),
+            detail: "phantom".to_owned(),
+        };
+        assert_eq!(
+            plan(Decision::Stop(violation.clone())),
+            Plan::Halt(HaltCause::Violation(violation))
+        );
+        // What the wildcard arm of `plan` does with a decision added to the store
+        // later (none can be built here): halt the group, never requeue it forever.
+        let Plan::Halt(HaltCause::UnknownDecision(named)) = unknown(&Decision::Processed) else {
+            panic!("an unknown decision must halt its group");
+        };
+        assert_eq!(named, "Processed");
+    }
 
     #[test]
     fn settings_out_of_range_are_refused_by_name() {

@@ -63,17 +63,86 @@ fn delivery_count(table: Option<&FieldTable>) -> Option<u32> {
     }
 }
 
-/// Reads a delivery. `message_id` is the message key, `type` (else the routing key)
-/// the message type; headers `tenant` and `occurred_at`; `redelivered` and
-/// `x-delivery-count` are hints.
-pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box<Malformed>> {
+/// The routing key a message was first published with, from the `x-death` entry of
+/// the first queue that dead-lettered it (`x-first-death-queue`): once the broker has
+/// dead-lettered a message, its routing key is the dead-letter queue's name.
+fn original_routing_key(table: Option<&FieldTable>) -> Option<String> {
+    let table = table?.inner();
+    let first_queue = match table.get("x-first-death-queue")? {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        _ => return None,
+    };
+    let AMQPValue::FieldArray(deaths) = table.get("x-death")? else {
+        return None;
+    };
+    deaths.as_slice().iter().find_map(|death| {
+        let AMQPValue::FieldTable(death) = death else {
+            return None;
+        };
+        let death = death.inner();
+        let queue = death.get("queue").and_then(value_to_string)?;
+        if queue != first_queue {
+            return None;
+        }
+        let AMQPValue::FieldArray(keys) = death.get("routing-keys")? else {
+            return None;
+        };
+        keys.as_slice()
+            .first()
+            .and_then(value_to_string)
+            .filter(|k| !k.is_empty())
+    })
+}
+
+/// The message type: the `type` property; without one, the routing key the message
+/// was published with (the original one, when the broker dead-lettered it on the way).
+pub(crate) fn message_type(delivery: &Delivery) -> String {
     let props = &delivery.properties;
-    let message_type = props
+    props
         .kind()
         .as_ref()
         .map(|k| k.as_str().to_owned())
         .filter(|k| !k.is_empty())
-        .unwrap_or_else(|| delivery.routing_key.as_str().to_owned());
+        .or_else(|| original_routing_key(props.headers().as_ref()))
+        .unwrap_or_else(|| delivery.routing_key.as_str().to_owned())
+}
+
+/// How often the broker delivered a message before it dead-lettered it at the
+/// delivery limit `limit` of `queue`: one delivery more than the limit per
+/// `delivery_limit` death from `queue` that `x-death` counts. (The dead-lettered copy
+/// does not keep the group queue's `x-delivery-count`; one it carries is the
+/// dead-letter queue's own.)
+pub(crate) fn deliveries_at_limit(
+    table: Option<&FieldTable>,
+    queue: &str,
+    limit: u32,
+) -> Option<u32> {
+    let AMQPValue::FieldArray(deaths) = table?.inner().get("x-death")? else {
+        return None;
+    };
+    deaths.as_slice().iter().find_map(|death| {
+        let AMQPValue::FieldTable(death) = death else {
+            return None;
+        };
+        let death = death.inner();
+        let from_queue = death.get("queue").and_then(value_to_string)?;
+        let reason = death.get("reason").and_then(value_to_string)?;
+        if from_queue != queue || reason != "delivery_limit" {
+            return None;
+        }
+        let count = death.get("count").and_then(value_to_string)?;
+        let count: u32 = count.parse().ok()?;
+        Some(count.saturating_mul(limit.saturating_add(1)))
+    })
+}
+
+/// Reads a delivery. `message_id` is the message key, the message type is
+/// [`message_type`]; headers `tenant` and `occurred_at`; `redelivered` and
+/// `x-delivery-count` are hints.
+pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box<Malformed>> {
+    let props = &delivery.properties;
+    let message_type = message_type(delivery);
     let headers = headers(props.headers().as_ref());
     let tenant = headers.get(TENANT_HEADER).cloned();
     let occurred_at = headers
@@ -111,4 +180,77 @@ pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box
         occurred_at,
         redelivered: delivery.redelivered,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::{FieldArray, LongString};
+    use lapin::BasicProperties;
+
+    use super::*;
+
+    fn long(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s))
+    }
+
+    /// A delivery from `routing_key` whose `x-death` says it was dead-lettered from
+    /// `queue` for `reason`, `count` times, published with `original`.
+    fn dead_lettered(routing_key: &str, queue: &str, reason: &str, original: &str) -> Delivery {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), long(queue));
+        death.insert("reason".into(), long(reason));
+        death.insert("count".into(), AMQPValue::LongLongInt(2));
+        death.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![long(original)])),
+        );
+        let mut other = FieldTable::default();
+        other.insert("queue".into(), long("elsewhere"));
+        other.insert("reason".into(), long("expired"));
+        other.insert("count".into(), AMQPValue::LongLongInt(9));
+        other.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![long("elsewhere")])),
+        );
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::FieldTable(other),
+                AMQPValue::FieldTable(death),
+            ])),
+        );
+        headers.insert("x-first-death-queue".into(), long(queue));
+        let mut d = Delivery::mock(1, "".into(), routing_key.into(), false, b"{}".to_vec());
+        d.properties = BasicProperties::default()
+            .with_message_id("k".into())
+            .with_headers(headers);
+        d
+    }
+
+    #[test]
+    fn the_type_is_the_type_property_else_the_routing_key_first_published_with() {
+        let d = dead_lettered("g:dlq", "g", "delivery_limit", "usage.recorded");
+        assert_eq!(message_type(&d), "usage.recorded");
+        let mut typed = dead_lettered("g:dlq", "g", "delivery_limit", "usage.recorded");
+        typed.properties = typed.properties.with_type("usage.typed".into());
+        assert_eq!(message_type(&typed), "usage.typed");
+        let plain = Delivery::mock(1, "x".into(), "usage.plain".into(), false, Vec::new());
+        assert_eq!(message_type(&plain), "usage.plain");
+    }
+
+    #[test]
+    fn deliveries_at_the_limit_are_counted_from_x_death() {
+        let d = dead_lettered("g:dlq", "g", "delivery_limit", "usage.recorded");
+        let table = d.properties.headers().as_ref();
+        // Twice dead-lettered from `g` at a limit of 2: three deliveries each time.
+        assert_eq!(deliveries_at_limit(table, "g", 2), Some(6));
+        assert_eq!(deliveries_at_limit(table, "other", 2), None);
+        let expired = dead_lettered("g:dlq", "g", "expired", "usage.recorded");
+        assert_eq!(
+            deliveries_at_limit(expired.properties.headers().as_ref(), "g", 2),
+            None
+        );
+        assert_eq!(deliveries_at_limit(None, "g", 2), None);
+    }
 }

@@ -1,5 +1,3 @@
-use inbox_core::ClaimInvariantViolated;
-
 /// Everything that can go wrong in `inbox-amqp`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -34,9 +32,6 @@ pub enum Error {
     /// An AMQP operation failed.
     #[error("amqp error: {0}")]
     Amqp(#[from] lapin::Error),
-    /// The store reported a claim invariant violation: the consumer group stopped.
-    #[error("consumer group stopped: {0}")]
-    Stopped(ClaimInvariantViolated),
     /// The store failed.
     #[error("store error: {0}")]
     Store(#[source] inbox_core::Error),

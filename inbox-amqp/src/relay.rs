@@ -18,7 +18,9 @@ use crate::{Error, Result, TENANT_HEADER};
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RelaySettings {
-    /// The relay's name, recorded as `leased_by` (default: `relay-<pid>-<n>`).
+    /// The relay's name, recorded as `leased_by` (default:
+    /// `relay-<host>-<pid>-<random>-<n>`, unique across containers where every process
+    /// is pid 1).
     pub relay_id: String,
     /// Most rows leased at once (default 500).
     pub batch_size: usize,
@@ -47,13 +49,8 @@ pub struct RelaySettings {
 
 impl Default for RelaySettings {
     fn default() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
         Self {
-            relay_id: format!(
-                "relay-{}-{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            ),
+            relay_id: default_relay_id(),
             batch_size: 500,
             lease_for: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
@@ -502,10 +499,81 @@ async fn publish(
     Ok((published, failed))
 }
 
+/// `relay-<host>-<pid>-<random>-<n>`: the host name tells an operator where a lease
+/// came from, the random part keeps two processes apart when the host name does not
+/// (containers copied from one image, each with pid 1), `n` two relays of a process.
+fn default_relay_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_default();
+    format!(
+        "relay-{}-{}-{:016x}-{}",
+        host_label(&host),
+        std::process::id(),
+        random_u64(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A host name as a short, printable label (`unknown-host` when there is none).
+fn host_label(host: &str) -> String {
+    let label: String = host
+        .trim()
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '-' => c,
+            _ => '_',
+        })
+        .take(64)
+        .collect();
+    if label.is_empty() {
+        "unknown-host".to_owned()
+    } else {
+        label
+    }
+}
+
+/// 64 random bits without a dependency: std's hasher keys are drawn from the
+/// operating system's randomness once per process, and the clock's nanoseconds vary
+/// them further.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    hasher.write_u128(nanos);
+    hasher.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::connect::config_error;
+
+    #[test]
+    fn the_default_relay_id_names_the_host_and_differs_between_processes() {
+        let id = RelaySettings::default().relay_id;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_default();
+        let prefix = format!("relay-{}-{}-", host_label(&host), std::process::id());
+        let rest = id
+            .strip_prefix(&prefix)
+            .unwrap_or_else(|| panic!("{id:?} does not start with {prefix:?}"));
+        // Two processes with the same host name and pid (containers of one image)
+        // differ in the random part: every draw differs.
+        let (random, _) = rest.split_once('-').expect("a random part, then n");
+        assert_eq!(random.len(), 16, "{id:?}");
+        let draws: std::collections::BTreeSet<u64> = (0..100).map(|_| random_u64()).collect();
+        assert_eq!(draws.len(), 100);
+        assert_eq!(host_label(" web 1\n"), "web_1");
+        assert_eq!(host_label(""), "unknown-host");
+        assert_eq!(host_label(&"h".repeat(300)).len(), 64);
+    }
 
     #[test]
     fn failed_rows_back_off_and_cap() {

@@ -1,7 +1,10 @@
+use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use inbox_core::ConsumerGroup;
 
 /// Counters of a running consumer, shared with whoever holds it.
 #[derive(Debug, Default)]
@@ -17,6 +20,7 @@ pub struct ConsumerStats {
     batches: AtomicU64,
     reconnects: AtomicU64,
     retries_per_tier: Mutex<BTreeMap<Duration, u64>>,
+    halted: Mutex<BTreeMap<String, String>>,
 }
 
 /// A copy of the counters at one moment.
@@ -45,8 +49,12 @@ pub struct StatsSnapshot {
     pub reconnects: u64,
     /// Retries per retry tier.
     pub retries_per_tier: BTreeMap<Duration, u64>,
+    /// The consumer groups that halted, each with why (see
+    /// [`Consumer`](crate::Consumer)).
+    pub halted: BTreeMap<String, String>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Counter {
     Received,
     Processed,
@@ -86,6 +94,26 @@ impl ConsumerStats {
             .or_default() += 1;
     }
 
+    /// Records that `group` halted; whether it had not halted before.
+    pub(crate) fn halt(&self, group: &ConsumerGroup, cause: String) -> bool {
+        let mut halted = self.halted.lock().unwrap_or_else(PoisonError::into_inner);
+        match halted.entry(group.to_string()) {
+            Entry::Occupied(_) => false,
+            Entry::Vacant(entry) => {
+                entry.insert(cause);
+                true
+            }
+        }
+    }
+
+    /// Whether `group` halted.
+    pub(crate) fn is_halted(&self, group: &ConsumerGroup) -> bool {
+        self.halted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(group.as_str())
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -102,6 +130,11 @@ impl ConsumerStats {
             reconnects: get(&self.reconnects),
             retries_per_tier: self
                 .retries_per_tier
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+            halted: self
+                .halted
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),

@@ -158,6 +158,11 @@ impl Topology {
         format!("{}{}", self.prefix, self.exchange)
     }
 
+    /// The broker's `x-delivery-limit` on group queues.
+    pub(crate) fn group_delivery_limit(&self) -> u32 {
+        self.delivery_limit
+    }
+
     /// The group's queue.
     pub fn queue(&self, group: &ConsumerGroup) -> String {
         format!("{}{}", self.prefix, group)

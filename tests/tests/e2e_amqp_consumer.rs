@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, StatsSnapshot, Topology};
-use inbox_core::{ConsumerGroup, RetryLadder, RetryPolicy};
+use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryLadder, RetryPolicy};
 use inbox_diesel::{ClaimStatus, Store, StoreBuilder};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{
@@ -397,15 +397,13 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
         day: NaiveDate::from_ymd_opt(2026, 11, 30).unwrap(),
         amount: 12,
     });
-    publish(
+    // Without a `type` property: the type must survive the broker's dead-lettering,
+    // which replaces the routing key with the dead-letter queue's name.
+    publish_untyped(
         &channel,
         &topology.exchange(),
-        &Outgoing {
-            message_id: Some("returned-again-and-again"),
-            message_type: MESSAGE_TYPE,
-            body: &event,
-            tenant: None,
-        },
+        "returned-again-and-again",
+        &event,
     )
     .await;
     wait_for_confirms(&channel).await;
@@ -462,14 +460,16 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].key, "returned-again-and-again");
     assert_eq!(dead[0].reason, "delivery_limit");
+    assert_eq!(dead[0].message_type, MESSAGE_TYPE);
     assert_eq!(dead[0].payload, event);
-    // The broker's own reason, from the x-first-death-reason header it set.
+    // The broker's own reason, from the x-first-death-reason header it set, and how
+    // often it delivered the message (its limit plus one, per x-death).
     assert!(
         dead[0]
             .last_error
             .as_deref()
             .unwrap()
-            .contains("(delivery_limit)"),
+            .contains("(delivery_limit) after 3 deliveries"),
         "{:?}",
         dead[0].last_error
     );
@@ -544,4 +544,379 @@ async fn each_delivery_is_traced_inside_its_batch() {
         assert_eq!(worker.name, "inbox.amqp.worker");
     }
     setup.cleanup().await;
+}
+
+/// The usage projection, failing transiently the first time it sees each user.
+struct FailsOnceEach {
+    group: ConsumerGroup,
+    failed: std::sync::Mutex<std::collections::BTreeSet<i64>>,
+}
+
+impl Handler<PgConnection> for FailsOnceEach {
+    type Message = UsageRecorded;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        MESSAGE_TYPE
+    }
+
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: UsageRecorded,
+        _: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        if self.failed.lock().unwrap().insert(msg.user_id) {
+            return Err(HandlerError::transient(std::io::Error::other(
+                "first try fails",
+            )));
+        }
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+}
+
+/// Publishes with routing key = the message type and no `type` property, as the
+/// contract allows.
+async fn publish_untyped(channel: &lapin::Channel, exchange: &str, id: &str, body: &[u8]) {
+    channel
+        .basic_publish(
+            exchange.into(),
+            MESSAGE_TYPE.into(),
+            lapin::options::BasicPublishOptions::default(),
+            body,
+            lapin::BasicProperties::default()
+                .with_message_id(id.into())
+                .with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_without_a_type_property_keeps_its_type_through_a_retry_tier() {
+    let Some(setup) = Setup::new() else { return };
+    let handler = FailsOnceEach {
+        group: setup.group.clone(),
+        failed: Default::default(),
+    };
+    let store = setup.store_builder().handler(handler).build().unwrap();
+    store.connection().unwrap().create_daily_usage().unwrap();
+    let store = Arc::new(store);
+    let consumer = setup.consumer(Arc::clone(&store));
+    let conn = amqp::connect(&setup.url).await;
+    consumer.topology().declare(&conn).await.unwrap();
+    let channel = confirm_channel(&conn).await;
+    let day = NaiveDate::from_ymd_opt(2026, 11, 30).unwrap();
+    let event = body(&UsageRecorded {
+        user_id: 3,
+        day,
+        amount: 9,
+    });
+    publish_untyped(&channel, &consumer.topology().exchange(), "untyped", &event).await;
+    wait_for_confirms(&channel).await;
+
+    let stats = run_until(consumer, Duration::from_secs(30), |s| {
+        s.processed >= 1 || s.dead_lettered >= 1
+    })
+    .await;
+    let dead = store.dead_letters(&setup.group).unwrap();
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
+    assert_eq!((stats.retried, stats.processed), (1, 1), "{stats:?}");
+    assert_eq!(totals(&store), BTreeMap::from([((3, day), 9)]));
+    setup.cleanup().await;
+}
+
+/// A store that decides by the key's prefix (`stop-`: a claim invariant violated,
+/// `retry-`: retry in 50 ms unless it came back from a retry tier, else processed) and
+/// remembers every (group, key) it saw: the transport's side of each decision, without
+/// a database.
+#[derive(Default)]
+struct Scripted {
+    seen: std::sync::Mutex<Vec<(String, String)>>,
+}
+
+const HALTING: &str = "scripted.halting";
+const GOING_ON: &str = "scripted.going-on";
+
+impl Scripted {
+    fn seen(&self, group: &str) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|(g, _)| g == group)
+            .map(|(_, k)| k.clone())
+            .collect()
+    }
+}
+
+impl inbox_core::InboxStore for Scripted {
+    fn process_batch(
+        &self,
+        group: &ConsumerGroup,
+        batch: &[inbox_core::Envelope],
+    ) -> inbox_core::Result<Vec<inbox_core::Decision>> {
+        use inbox_core::{ClaimInvariantViolated, Decision};
+        let mut seen = self.seen.lock().unwrap();
+        Ok(batch
+            .iter()
+            .map(|e| {
+                let key = e.message_key.as_str();
+                seen.push((group.to_string(), key.to_owned()));
+                if key.starts_with("stop-") {
+                    Decision::Stop(ClaimInvariantViolated {
+                        group: group.clone(),
+                        key: e.message_key.clone(),
+                        detail: "a phantom conflict, scripted".to_owned(),
+                    })
+                } else if key.starts_with("retry-")
+                    && !e.headers.contains_key("x-first-death-reason")
+                {
+                    Decision::RetryAfter(ms(50))
+                } else {
+                    Decision::Processed
+                }
+            })
+            .collect())
+    }
+
+    fn routes(&self) -> Vec<(ConsumerGroup, String)> {
+        [HALTING, GOING_ON]
+            .map(|g| (ConsumerGroup::new(g).unwrap(), format!("{g}.event")))
+            .into()
+    }
+
+    fn dead_letter(
+        &self,
+        _: &ConsumerGroup,
+        _: &inbox_core::Envelope,
+        _: inbox_core::DeadLetterReason,
+        _: &str,
+    ) -> inbox_core::Result<inbox_core::DeadLetterOutcome> {
+        Ok(inbox_core::DeadLetterOutcome::Recorded)
+    }
+}
+
+/// The values gauges were last set to, by `name{labels}`, from a recorder installed
+/// for the whole test binary (the consumer's tasks run on the runtime's threads).
+fn gauges() -> &'static std::sync::Mutex<BTreeMap<String, f64>> {
+    use metrics::{Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, SharedString, Unit};
+    static GAUGES: std::sync::OnceLock<Arc<std::sync::Mutex<BTreeMap<String, f64>>>> =
+        std::sync::OnceLock::new();
+    struct Cell(String, Arc<std::sync::Mutex<BTreeMap<String, f64>>>);
+    impl GaugeFn for Cell {
+        fn increment(&self, v: f64) {
+            *self.1.lock().unwrap().entry(self.0.clone()).or_default() += v;
+        }
+        fn decrement(&self, v: f64) {
+            *self.1.lock().unwrap().entry(self.0.clone()).or_default() -= v;
+        }
+        fn set(&self, v: f64) {
+            self.1.lock().unwrap().insert(self.0.clone(), v);
+        }
+    }
+    struct Gauges(Arc<std::sync::Mutex<BTreeMap<String, f64>>>);
+    impl metrics::Recorder for Gauges {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            Gauge::from_arc(Arc::new(Cell(name, Arc::clone(&self.0))))
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+    GAUGES.get_or_init(|| {
+        let shared = Arc::default();
+        metrics::set_global_recorder(Gauges(Arc::clone(&shared))).expect("the only recorder");
+        shared
+    })
+}
+
+/// Publishes `keys` to `group`'s message type, in order, and waits for the confirms.
+async fn publish_keys(setup: &Setup, exchange: &str, group: &str, keys: &[&str]) {
+    let conn = amqp::connect(&setup.url).await;
+    let channel = confirm_channel(&conn).await;
+    for key in keys {
+        publish(
+            &channel,
+            exchange,
+            &Outgoing {
+                message_id: Some(key),
+                message_type: &format!("{group}.event"),
+                body: b"{}",
+                tenant: None,
+            },
+        )
+        .await;
+    }
+    wait_for_confirms(&channel).await;
+    let _ = conn.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_halts_its_group_holds_its_delivery_and_the_other_groups_go_on() {
+    let Some(setup) = Setup::new() else { return };
+    let gauges = gauges();
+    let store = Arc::new(Scripted::default());
+    // One worker and a long batch wait: each group's first three messages make one
+    // batch, the stop in the middle of it.
+    let consumer = Consumer::new(
+        setup.url.clone(),
+        Arc::clone(&store),
+        setup.topology.clone(),
+    )
+    .with_settings(
+        ConsumerSettings::default()
+            .workers(1)
+            .prefetch(20)
+            .batch(10, ms(300)),
+    );
+    let topology = consumer.topology().clone();
+    let conn = amqp::connect(&setup.url).await;
+    topology.declare(&conn).await.unwrap();
+    let exchange = topology.exchange();
+    publish_keys(&setup, &exchange, HALTING, &["a-1", "stop-a-2", "a-3"]).await;
+    publish_keys(&setup, &exchange, GOING_ON, &["b-1", "b-2", "b-3"]).await;
+
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    let halted_and_going = eventually(Duration::from_secs(20), || {
+        let s = stats.snapshot();
+        s.halted.contains_key(HALTING) && s.processed >= 4
+    })
+    .await;
+    assert!(halted_and_going, "{:?}", stats.snapshot());
+    // After the halt: the other group takes new messages, the halted one does not.
+    publish_keys(&setup, &exchange, HALTING, &["a-4"]).await;
+    publish_keys(&setup, &exchange, GOING_ON, &["b-4", "b-5"]).await;
+    let went_on = eventually(Duration::from_secs(20), || stats.snapshot().processed >= 6).await;
+    tokio::time::sleep(ms(300)).await;
+    assert!(!running.is_finished(), "the consumer keeps running");
+    shutdown.cancel();
+    running
+        .await
+        .unwrap()
+        .expect("a halted group does not end the consumer");
+    let snapshot = stats.snapshot();
+    assert!(went_on, "{snapshot:?}");
+    assert_eq!(
+        snapshot.processed, 7,
+        "a-1, a-3 and five of the other group"
+    );
+    assert!(
+        snapshot.halted[HALTING].contains("a phantom conflict, scripted"),
+        "{snapshot:?}"
+    );
+    assert_eq!(snapshot.halted.len(), 1, "{snapshot:?}");
+    assert_eq!(store.seen(HALTING), ["a-1", "stop-a-2", "a-3"]);
+    assert_eq!(store.seen(GOING_ON), ["b-1", "b-2", "b-3", "b-4", "b-5"]);
+    // The stop was never acked (a `multiple` ack for a-3 would have covered it): it
+    // is back in the queue with a-4, which the halted group never took.
+    let halting = topology.queue(&ConsumerGroup::new(HALTING).unwrap());
+    assert_eq!(queue_depth(&conn, &halting).await, 2);
+    let going_on = topology.queue(&ConsumerGroup::new(GOING_ON).unwrap());
+    assert_eq!(queue_depth(&conn, &going_on).await, 0);
+    let halted_gauge = gauges
+        .lock()
+        .unwrap()
+        .get(&format!("inbox_group_halted{{group={HALTING}}}"))
+        .copied();
+    assert_eq!(halted_gauge, Some(1.0));
+    topology.delete(&conn).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_retry_tier_is_waited_out_with_backoff_not_hammered() {
+    let Some(setup) = Setup::new() else { return };
+    let store = Arc::new(Scripted::default());
+    let consumer = Consumer::new(
+        setup.url.clone(),
+        Arc::clone(&store),
+        setup.topology.clone(),
+    )
+    .with_settings(
+        ConsumerSettings::default()
+            .workers(1)
+            .prefetch(20)
+            .batch(10, ms(5))
+            .backoff(ms(50), ms(400)),
+    );
+    let topology = consumer.topology().clone();
+    let conn = amqp::connect(&setup.url).await;
+    topology.declare(&conn).await.unwrap();
+    let group = ConsumerGroup::new(GOING_ON).unwrap();
+    let tier = topology.retry_queue(&group, ms(50));
+
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    // Once the consumer has declared its topology and consumes, no copy gets into the
+    // tier: the broker returns it (the tier is gone), the path of a copy the broker
+    // nacks because the tier is full (`x-overflow reject-publish`). A full tier cannot
+    // be held full here: its messages expire.
+    let channel = conn.create_channel().await.unwrap();
+    let queue = topology.queue(&group);
+    let mut consuming = false;
+    for _ in 0..200 {
+        let q = channel
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        if q.consumer_count() > 0 {
+            consuming = true;
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(consuming, "the consumer never consumed from {queue}");
+    channel
+        .queue_delete(tier.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let _ = channel.close(200, "done".into()).await;
+    publish_keys(&setup, &topology.exchange(), GOING_ON, &["retry-1"]).await;
+    // Two seconds against a full tier: backing off from 50 ms to 400 ms, a handful of
+    // tries; requeued at once, as fast as the broker answers (hundreds).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let tries = stats.snapshot().requeued;
+    assert!(
+        (2..=15).contains(&tries),
+        "{tries} tries against a full tier in 2 s: {:?}",
+        stats.snapshot()
+    );
+    assert_eq!(stats.snapshot().retried, 0);
+
+    // Room again: the retry goes through and comes back.
+    topology.declare(&conn).await.unwrap();
+    let done = eventually(Duration::from_secs(20), || stats.snapshot().processed >= 1).await;
+    shutdown.cancel();
+    running.await.unwrap().expect("consumer ends cleanly");
+    let snapshot = stats.snapshot();
+    assert!(done, "{snapshot:?}");
+    assert_eq!(
+        (snapshot.retried, snapshot.processed),
+        (1, 1),
+        "{snapshot:?}"
+    );
+    topology.delete(&conn).await.unwrap();
 }
