@@ -21,8 +21,13 @@ pub(crate) mod private {
         /// The URL the connection pool is given.
         fn pool_url(url: &str) -> String;
 
-        /// Prepares a fresh pooled connection (search path, pragmas).
+        /// Prepares a fresh pooled connection (search path, pragmas, the language of
+        /// the server's messages).
         fn on_acquire(conn: &mut Self, schema: Option<&str>) -> QueryResult<()>;
+
+        /// Whether the server's messages on this connection are the untranslated
+        /// ones the store recognises deadlocks and data errors by.
+        fn recognises_server_errors(conn: &mut Self) -> QueryResult<bool>;
 
         /// Runs the embedded migrations (in `schema`, on PostgreSQL).
         fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()>;
@@ -64,8 +69,17 @@ impl StoreConnection for diesel::PgConnection {}
 impl StoreConnection for diesel::SqliteConnection {}
 
 /// Whose a database error is, which decides what the store does with it.
+///
+/// Also for a handler that wants to tell its own data's fault (fail permanently) from
+/// contention (return the error with `?`: the store runs the batch again).
+///
+/// PostgreSQL's deadlock (40P01) and data exceptions (class 22) reach diesel without
+/// their SQLSTATE, so they are recognised by the server's message in English: the
+/// store sets `lc_messages = 'C'` on its connections where the role may (see
+/// [`Store::recognises_server_errors`](crate::Store::recognises_server_errors)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ErrorClass {
+#[non_exhaustive]
+pub enum ErrorClass {
     /// A deadlock (40P01), a serialization failure (40001), SQLite's busy/locked: run
     /// the transaction again.
     Contention,
@@ -84,10 +98,29 @@ pub(crate) enum ErrorClass {
     Other,
 }
 
+impl ErrorClass {
+    /// Classifies a database error.
+    ///
+    /// ```
+    /// use diesel::result::{DatabaseErrorKind, Error};
+    /// use inbox_diesel::ErrorClass;
+    ///
+    /// let err = Error::DatabaseError(
+    ///     DatabaseErrorKind::Unknown,
+    ///     Box::new("deadlock detected".to_owned()),
+    /// );
+    /// assert_eq!(ErrorClass::of(&err), ErrorClass::Contention);
+    /// ```
+    pub fn of(err: &diesel::result::Error) -> Self {
+        classify(err)
+    }
+}
+
 /// Classifies a database error.
 ///
 /// diesel maps 40001 and class 23 to kinds but not 40P01 or class 22, so those are
-/// recognised by the server's message.
+/// recognised by the server's message (in the C locale the store's connections ask
+/// for).
 pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
     use diesel::result::{DatabaseErrorKind as K, Error};
     match err {
@@ -122,20 +155,77 @@ pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
     }
 }
 
-/// Messages of PostgreSQL's class 22 (data exception) under `lc_messages = 'C'`.
+/// Messages of PostgreSQL's class 22 (data exception) under `lc_messages = 'C'`, by
+/// SQLSTATE. Each phrase was checked against every message of the server's catalog
+/// that contains it: none of those is outside class 22 (a bare "out of range" would
+/// also match configuration errors, F0000).
+const CLASS_22: &[&str] = &[
+    // 22001 string_data_right_truncation
+    "value too long for type",
+    "bit string too long for type",
+    // 22003 numeric_value_out_of_range
+    "numeric field overflow",
+    "integer out of range",
+    "smallint out of range",
+    "bigint out of range",
+    "\"char\" out of range",
+    "OID out of range",
+    "money out of range",
+    "is out of range for type",
+    "value out of range: ",
+    // 22004 null_value_not_allowed
+    "null value not allowed for object key",
+    "cannot be null",
+    // 22007 invalid_datetime_format (to_date, to_timestamp)
+    "invalid value \"",
+    // 22008 datetime_field_overflow
+    "field value out of range",
+    "timestamp out of range",
+    "date out of range",
+    "interval out of range",
+    // 22009 invalid_time_zone_displacement_value
+    "time zone displacement out of range",
+    // 22011 substring_error
+    "negative substring length not allowed",
+    // 22012 division_by_zero
+    "division by zero",
+    // 22021 character_not_in_repertoire (a NUL byte in text, bad UTF-8)
+    "invalid byte sequence for encoding",
+    // 22023 invalid_parameter_value, of bytea's input and decode()
+    "invalid hexadecimal digit",
+    "invalid hexadecimal data",
+    "while decoding base64 sequence",
+    "invalid base64 end sequence",
+    // 22026 string_data_length_mismatch
+    "does not match type bit",
+    // 2202E array_subscript_error
+    "array subscript out of range",
+    // 22P02 invalid_text_representation
+    "invalid input syntax for type",
+    "invalid input value for enum",
+    "malformed array literal",
+    "malformed range literal",
+    "malformed multirange literal",
+    "malformed record literal",
+    // 22P05 untranslatable_character (also jsonb's \u0000)
+    "has no equivalent in encoding",
+    "unsupported Unicode escape sequence",
+];
+
+/// Whether a PostgreSQL message is one of class 22's.
 fn is_data_message(msg: &str) -> bool {
-    const CLASS_22: &[&str] = &[
-        "invalid byte sequence for encoding",
-        "invalid input syntax",
-        "out of range",
-        "division by zero",
-        "value too long for type",
-        "numeric field overflow",
-        "invalid input value for enum",
-        "null character not permitted",
-        "unsupported Unicode escape sequence",
-    ];
     CLASS_22.iter().any(|m| msg.contains(m))
+}
+
+/// Whether an `lc_messages` value gives the server's messages untranslated: C, POSIX,
+/// or an English locale (PostgreSQL ships no English translation). An empty value
+/// takes the server's environment, which the session cannot see.
+pub(crate) fn is_untranslated(lc_messages: &str) -> bool {
+    let lower = lc_messages.to_ascii_lowercase();
+    let language = lower.split(['.', '@']).next().unwrap_or_default();
+    matches!(language, "c" | "posix" | "en" | "english")
+        || language.starts_with("en_")
+        || language.starts_with("english_")
 }
 
 /// Whether a database error means "run the whole transaction again".
@@ -156,4 +246,146 @@ pub(crate) fn valid_schema_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+#[cfg(test)]
+mod tests {
+    use diesel::result::{DatabaseErrorKind, Error};
+
+    use super::*;
+
+    fn unknown(msg: &str) -> ErrorClass {
+        classify(&Error::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(msg.to_owned()),
+        ))
+    }
+
+    /// Real messages of PostgreSQL 15 under `lc_messages = 'C'`, each with its SQLSTATE
+    /// and what raised it: at least one per phrase of [`CLASS_22`].
+    #[rustfmt::skip]
+    const SERVER_CLASS_22: &[(&str, &str, &str)] = &[
+        ("22001", r"B'1111' into varbit(2)", r#"bit string too long for type bit varying(2)"#),
+        ("22001", r"'abcdef' into varchar(3)", r#"value too long for type character varying(3)"#),
+        ("22003", r"1234 into numeric(3,1)", r#"numeric field overflow"#),
+        ("22003", r"2147483647::int + 1", r#"integer out of range"#),
+        ("22003", r"99999::smallint", r#"smallint out of range"#),
+        ("22003", r"9223372036854775807::bigint + 1", r#"bigint out of range"#),
+        ("22003", r#"300::"char""#, r#""char" out of range"#),
+        ("22003", r"4294967296::bigint::oid", r#"OID out of range"#),
+        ("22003", r"92233720368547758::money * 2", r#"money out of range"#),
+        ("22003", r"'99999999999'::int", r#"value "99999999999" is out of range for type integer"#),
+        ("22003", r"1e308::float8 * 10", r#"value out of range: overflow"#),
+        ("22003", r"1e-308::float8 * 1e-308", r#"value out of range: underflow"#),
+        ("22004", r"jsonb_object(array[null, 'a'])", r#"null value not allowed for object key"#),
+        ("22004", r"array_fill(1, null)", r#"dimension array or low bound array cannot be null"#),
+        ("22023", r"json_build_object(null, 1)", r#"argument 1 cannot be null"#),
+        ("22007", r"to_date('2024-xx-01', 'YYYY-MM-DD')", r#"invalid value "xx" for "MM""#),
+        ("22007", r"'garbage'::timestamptz", r#"invalid input syntax for type timestamp with time zone: "garbage""#),
+        ("22008", r"'2024-13-45'::date", r#"date/time field value out of range: "2024-13-45""#),
+        ("22008", r"make_date(2024, 13, 1)", r#"date field value out of range: 2024-13-01"#),
+        ("22008", r"'294277-01-01'::timestamp", r#"timestamp out of range: "294277-01-01""#),
+        ("22008", r"'5874898-01-01'::date", r#"date out of range: "5874898-01-01""#),
+        ("22008", r"'1 year'::interval * 1e300", r#"interval out of range"#),
+        ("22009", r"'12:00+20'::timetz", r#"time zone displacement out of range: "12:00+20""#),
+        ("22011", r"substring('abc', 1, -1)", r#"negative substring length not allowed"#),
+        ("22012", r"1/0", r#"division by zero"#),
+        ("22021", r"convert_from('\xff', 'UTF8')", r#"invalid byte sequence for encoding "UTF8": 0xff"#),
+        ("22021", r"a NUL byte bound as text", r#"invalid byte sequence for encoding "UTF8": 0x00"#),
+        ("22023", r"'\xzz'::bytea", r#"invalid hexadecimal digit: "z""#),
+        ("22023", r"'\x123'::bytea", r#"invalid hexadecimal data: odd number of digits"#),
+        ("22023", r"decode('a=b', 'base64')", r#"unexpected "=" while decoding base64 sequence"#),
+        ("22023", r"decode('a', 'base64')", r#"invalid base64 end sequence"#),
+        ("22026", r"B'111' into bit(2)", r#"bit string length 3 does not match type bit(2)"#),
+        ("2202E", r"a[5][1] := 1 on a 2x2 int[]", r#"array subscript out of range"#),
+        ("22P02", r"'abc'::int", r#"invalid input syntax for type integer: "abc""#),
+        ("22P02", r#"'{"a":'::jsonb"#, r#"invalid input syntax for type json"#),
+        ("22P02", r"'sad'::mood", r#"invalid input value for enum mood: "sad""#),
+        ("22P02", r"'{1,2'::int[]", r#"malformed array literal: "{1,2""#),
+        ("22P02", r"'[1,2'::int4range", r#"malformed range literal: "[1,2""#),
+        ("22P02", r"'{[1,2'::int4multirange", r#"malformed multirange literal: "{[1,2""#),
+        ("22P02", r"'(1'::pair", r#"malformed record literal: "(1""#),
+        ("22P05", r"convert_to('€', 'LATIN1')", r#"character with byte sequence 0xe2 0x82 0xac in encoding "UTF8" has no equivalent in encoding "LATIN1""#),
+        ("22P05", r#"'"\u0000"'::jsonb"#, r#"unsupported Unicode escape sequence"#),
+    ];
+
+    #[test]
+    fn every_class_22_phrase_is_recognised_in_a_real_message() {
+        for (state, raised_by, msg) in SERVER_CLASS_22 {
+            assert_eq!(
+                unknown(msg),
+                ErrorClass::Data,
+                "{state} from {raised_by}: {msg}"
+            );
+        }
+        for phrase in CLASS_22 {
+            assert!(
+                SERVER_CLASS_22
+                    .iter()
+                    .any(|(_, _, msg)| msg.contains(phrase)),
+                "no server message holds {phrase:?}"
+            );
+        }
+    }
+
+    /// Real messages of other classes that share words with class 22's.
+    #[test]
+    fn neighbouring_messages_of_other_classes_are_not_data() {
+        for msg in [
+            // F0000: configuration files.
+            r#"affix flag "x" is out of range"#,
+            r#"time zone offset 99999 is out of range in time zone file "Default", line 3"#,
+            // 54000: chr(0), a limit of the text type.
+            "null character not permitted",
+            // 42601: the statement's own syntax.
+            r#"syntax error at or near "[""#,
+            r#"invalid Unicode escape value at or near "\u0000""#,
+            // 42501, 42883, 0A000.
+            r#"permission denied to set parameter "lc_messages""#,
+            "function row_to_json(integer) does not exist",
+            "cannot convert NaN to integer",
+            // 22023 of a setting: a broken configuration is no delivery's fault.
+            r#"invalid value for parameter "lc_messages": "de_DE.UTF-8""#,
+        ] {
+            assert_ne!(unknown(msg), ErrorClass::Data, "{msg}");
+        }
+    }
+
+    #[test]
+    fn deadlocks_and_data_errors_are_recognised_in_english_only() {
+        assert_eq!(unknown("deadlock detected"), ErrorClass::Contention);
+        // The same errors from a server whose lc_messages is German: why the store
+        // asks for the C locale.
+        assert_eq!(
+            unknown("Verklemmung (Deadlock) entdeckt"),
+            ErrorClass::Other
+        );
+        assert_eq!(unknown("Division durch Null"), ErrorClass::Other);
+    }
+
+    #[test]
+    fn locales_whose_messages_are_untranslated() {
+        for setting in [
+            "C",
+            "POSIX",
+            "C.UTF-8",
+            "C.utf8",
+            "en_US.UTF-8",
+            "en_GB",
+            "en",
+            "English_United States.1252",
+        ] {
+            assert!(is_untranslated(setting), "{setting}");
+        }
+        for setting in [
+            "",
+            "de_DE.UTF-8",
+            "fr_FR",
+            "eng",
+            "ca_ES",
+            "German_Germany.1252",
+        ] {
+            assert!(!is_untranslated(setting), "{setting}");
+        }
+    }
 }

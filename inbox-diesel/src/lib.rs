@@ -16,7 +16,7 @@ mod tls;
 mod url;
 mod verify;
 
-pub use backend::StoreConnection;
+pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use outbox::{enqueue, AsStoreConnection, OUTBOX_CHANNEL};
 pub use pool::{PooledStoreConnection, StoreManager};

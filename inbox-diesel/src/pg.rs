@@ -1,5 +1,7 @@
 //! PostgreSQL specifics.
 
+use std::sync::{Mutex, PoisonError};
+
 use diesel::connection::SimpleConnection;
 use diesel::pg::Pg;
 use diesel::prelude::*;
@@ -11,7 +13,7 @@ use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use chrono::{DateTime, Utc};
 use inbox_core::ConsumerGroup;
 
-use crate::backend::{private::Sealed, quoted};
+use crate::backend::{is_untranslated, private::Sealed, quoted};
 use crate::ops::ClaimRow;
 use crate::verify::{Catalog, ColumnInfo, IndexInfo};
 use crate::{Backend, Error, Result};
@@ -208,6 +210,64 @@ pub(crate) fn claim(
     .load(conn)
 }
 
+/// The session's `lc_messages`, and whose session it is.
+#[derive(QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    value: String,
+    #[diesel(sql_type = Text)]
+    role: String,
+    #[diesel(sql_type = Text)]
+    database: String,
+}
+
+impl Setting {
+    fn read(conn: &mut PgConnection) -> QueryResult<Self> {
+        diesel::sql_query(
+            "SELECT current_setting('lc_messages') AS value, \
+                    current_user::text AS role, current_database()::text AS database",
+        )
+        .get_result(conn)
+    }
+}
+
+/// The roles (on their database) already warned about in this process.
+static WARNED: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+
+/// Asks for the server's messages untranslated, which the store recognises deadlocks
+/// (40P01) and data errors (class 22) by: diesel hands those over without their
+/// SQLSTATE. `lc_messages` is a superuser setting: a role that may not set it (and
+/// whose own setting is translated) keeps the server's language, with one warning
+/// per role and database in the process.
+fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
+    let found = Setting::read(conn)?;
+    if is_untranslated(&found.value) {
+        return Ok(());
+    }
+    // Whatever the error (42501 for a role without the privilege, in the server's
+    // language), the session's setting is as found; a broken connection fails the
+    // next statement.
+    if conn.batch_execute("SET lc_messages = 'C'").is_ok() {
+        return Ok(());
+    }
+    let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = (found.role, found.database);
+    if !warned.contains(&key) {
+        tracing::warn!(
+            role = %key.0,
+            database = %key.1,
+            lc_messages = %found.value,
+            "the server's messages are translated and this role may not set lc_messages: \
+             recognising deadlocks and data errors relies on the server's own language, so \
+             a deadlock in a handler counts as a failed attempt and one in a claim fails \
+             the batch; give the role lc_messages = 'C' (ALTER ROLE ... SET lc_messages = \
+             'C', or GRANT SET ON PARAMETER lc_messages)"
+        );
+        warned.push(key);
+    }
+    Ok(())
+}
+
 /// The claim table of the store's own schema: the first schema of its search path.
 const CLAIMS: &str = "to_regclass(format('%I.%I', current_schema(), 'inbox_claims'))";
 
@@ -225,10 +285,15 @@ impl Sealed for PgConnection {
     }
 
     fn on_acquire(conn: &mut Self, schema: Option<&str>) -> QueryResult<()> {
+        untranslated_messages(conn)?;
         match schema {
             Some(schema) => conn.batch_execute(&format!("SET search_path TO {}", quoted(schema))),
             None => Ok(()),
         }
+    }
+
+    fn recognises_server_errors(conn: &mut Self) -> QueryResult<bool> {
+        Ok(is_untranslated(&Setting::read(conn)?.value))
     }
 
     fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {

@@ -67,6 +67,11 @@ impl Sealed for SqliteConnection {
         )
     }
 
+    fn recognises_server_errors(_conn: &mut Self) -> QueryResult<bool> {
+        // SQLite's messages are never translated.
+        Ok(true)
+    }
+
     fn migrate(conn: &mut Self, _schema: Option<&str>) -> Result<()> {
         conn.run_pending_migrations(MIGRATIONS)
             .map(|_| ())

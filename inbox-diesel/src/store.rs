@@ -253,6 +253,18 @@ impl<C: StoreConnection> Store<C> {
         let mut conn = self.connection()?;
         Ok(C::read_dead_letters(&mut conn, group)?)
     }
+
+    /// Whether the store's connections get the server's messages untranslated, which
+    /// it recognises PostgreSQL's deadlocks and data errors by (see [`ErrorClass`]).
+    /// The store sets `lc_messages = 'C'` where the role may; false means a translated
+    /// server and a role that may not (a warning said so at start-up). Always true on
+    /// SQLite.
+    ///
+    /// [`ErrorClass`]: crate::ErrorClass
+    pub fn recognises_server_errors(&self) -> Result<bool> {
+        let mut conn = self.connection()?;
+        Ok(C::recognises_server_errors(&mut conn)?)
+    }
 }
 
 impl<C: StoreConnection> InboxStore for Store<C> {
