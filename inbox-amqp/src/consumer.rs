@@ -220,6 +220,12 @@ fn unknown(decision: &Decision) -> Plan {
     Plan::Halt(HaltCause::UnknownDecision(format!("{decision:?}")))
 }
 
+/// A worker's backoffs: after a refused retry copy, and after a store failure.
+struct Backoff<'a> {
+    retry: &'a mut Duration,
+    store: &'a mut Duration,
+}
+
 impl<S: InboxStore> Consumer<S> {
     /// A consumer of every route of `store`, through `topology` (whose groups are
     /// completed from the store's routes).
@@ -374,6 +380,7 @@ impl<S: InboxStore> Shared<S> {
     ) -> std::result::Result<(), SessionEnd> {
         let settings = &self.settings;
         let mut retry_backoff = settings.backoff_min;
+        let mut store_backoff = settings.backoff_min;
         channel
             .basic_qos(settings.prefetch, BasicQosOptions::default())
             .await?;
@@ -418,7 +425,11 @@ impl<S: InboxStore> Shared<S> {
                     () = tokio::time::sleep_until(deadline) => break,
                 }
             }
-            self.handle_batch(&channel, &group, batch, &tokens, &mut retry_backoff)
+            let backoff = Backoff {
+                retry: &mut retry_backoff,
+                store: &mut store_backoff,
+            };
+            self.handle_batch(&channel, &group, batch, &tokens, backoff)
                 .await?;
         }
         // No new deliveries; what was prefetched and not handled goes back to the
@@ -448,8 +459,9 @@ impl<S: InboxStore> Shared<S> {
         group: &ConsumerGroup,
         deliveries: Vec<Delivery>,
         tokens: &Tokens,
-        retry_backoff: &mut Duration,
+        backoff: Backoff<'_>,
     ) -> std::result::Result<(), SessionEnd> {
+        let retry_backoff = backoff.retry;
         let stats = &self.stats;
         stats.add(Counter::Received, deliveries.len() as u64);
         stats.add(Counter::Batches, 1);
@@ -474,7 +486,8 @@ impl<S: InboxStore> Shared<S> {
         let g = group.clone();
         // The store's spans (its batch, each delivery) open inside this batch's span.
         let parent = span.clone();
-        let (malformed_done, decided, envelopes) = tokio::task::spawn_blocking(move || {
+        let deadline = self.store.batch_deadline();
+        let task = tokio::task::spawn_blocking(move || {
             let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
                 .into_iter()
@@ -493,9 +506,27 @@ impl<S: InboxStore> Shared<S> {
                 store.process_batch(&g, &envelopes)
             };
             (malformed_done, decided, envelopes)
-        })
-        .await
-        .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
+        });
+        // A batch past twice the store's deadline is abandoned (its handler hangs; the
+        // database has ended its transaction by then): nothing is acked, everything
+        // comes back redelivered, and the worker goes on. The blocking thread is left
+        // to finish on its own.
+        let joined = match deadline {
+            Some(deadline) => match tokio::time::timeout(deadline.saturating_mul(2), task).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    tracing::error!(parent: &span, group = %group, ?deadline, "batch abandoned past its deadline; requeueing it");
+                    stats.add(Counter::Requeued, deliveries.len() as u64);
+                    let actions = vec![Action::Requeue; deliveries.len()];
+                    self.settle(channel, &deliveries, &actions).await?;
+                    pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
+                    return Ok(());
+                }
+            },
+            None => task.await,
+        };
+        let (malformed_done, decided, envelopes) = joined
+            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
 
         let mut actions = vec![Action::Requeue; deliveries.len()];
         for (i, recorded) in malformed_done {
@@ -516,10 +547,13 @@ impl<S: InboxStore> Shared<S> {
                 let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
                 stats.add(Counter::Requeued, requeued as u64);
                 self.settle(channel, &deliveries, &actions).await?;
-                tokio::time::sleep(self.settings.backoff_min).await;
+                // Not any delivery's fault: back off, longer each time, until the
+                // store answers again.
+                pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
                 return Ok(());
             }
         };
+        *backoff.store = self.settings.backoff_min;
 
         let mut halt = None;
         let mut retries = Vec::new();

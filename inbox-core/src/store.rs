@@ -20,6 +20,13 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Every (group, message type) a registered handler takes.
     fn routes(&self) -> Vec<(ConsumerGroup, String)>;
 
+    /// How long a transport waits for [`InboxStore::process_batch`] before it
+    /// abandons the batch (acks nothing, hands the deliveries back so they come back
+    /// redelivered); `None`, the default, waits as long as it takes.
+    fn batch_deadline(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Records a dead letter for a delivery that never reached a handler: one the
     /// transport could not read (`Malformed`, under a key the transport made up; no
     /// claim is touched) or one the broker gave up on (`DeliveryLimit`: the claim is
@@ -52,6 +59,10 @@ impl<S: InboxStore + ?Sized> InboxStore for Arc<S> {
 
     fn routes(&self) -> Vec<(ConsumerGroup, String)> {
         (**self).routes()
+    }
+
+    fn batch_deadline(&self) -> Option<std::time::Duration> {
+        (**self).batch_deadline()
     }
 
     fn dead_letter(

@@ -29,6 +29,16 @@ pub(crate) mod private {
         /// ones the store recognises deadlocks and data errors by.
         fn recognises_server_errors(conn: &mut Self) -> QueryResult<bool>;
 
+        /// Bounds the connection's statements and how long a transaction may stay
+        /// open without one running (a handler that hangs): PostgreSQL's
+        /// `statement_timeout` and `idle_in_transaction_session_timeout`. SQLite has
+        /// neither (its `busy_timeout` bounds only lock waits).
+        fn set_timeouts(
+            conn: &mut Self,
+            statement: std::time::Duration,
+            idle_in_transaction: std::time::Duration,
+        ) -> QueryResult<()>;
+
         /// Runs the embedded migrations (in `schema`, on PostgreSQL).
         fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()>;
 

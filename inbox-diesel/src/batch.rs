@@ -1103,7 +1103,7 @@ impl<C: StoreConnection> Inner<C> {
     /// normal path. Too many unfinished starts dead-letter it as a crash loop.
     fn run_redelivered(&self, group: &ConsumerGroup, d: &Delivery<'_, C>) -> Result<Decision> {
         let slot = self.slot(group);
-        let _one_at_a_time = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let _one_at_a_time = slot.acquire(self.settings.batch_deadline);
         let claim_key = ClaimKey::new(group.clone(), d.env.message_key.clone());
         // This process's last start of the message ended in a store error, not a
         // crash: its mark stays, and this start adds none (only a death counts).
@@ -1187,19 +1187,27 @@ impl<C: StoreConnection> Inner<C> {
                 record_metrics(group, [&decision]);
                 decision
             }
-            None => match self.run_with_retries(group, std::slice::from_ref(&d)) {
-                Ok(mut decisions) => decisions
-                    .pop()
-                    .map(|(_, decision)| decision)
-                    .ok_or(Error::Internal("a delivery was left without a decision"))?,
-                Err(err) => {
-                    self.errored_starts
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .insert(claim_key);
-                    return Err(err);
+            None => {
+                let started = Instant::now();
+                match self.run_with_retries(group, std::slice::from_ref(&d)) {
+                    Ok(mut decisions) => decisions
+                        .pop()
+                        .map(|(_, decision)| decision)
+                        .ok_or(Error::Internal("a delivery was left without a decision"))?,
+                    // A store error is not a crash, unless the batch outlived its
+                    // deadline: then the handler hung (the server ended the session
+                    // under it), and the start counts like a crash.
+                    Err(err) => {
+                        if started.elapsed() < self.settings.batch_deadline {
+                            self.errored_starts
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .insert(claim_key);
+                        }
+                        return Err(err);
+                    }
                 }
-            },
+            }
         };
         if errored {
             self.errored_starts

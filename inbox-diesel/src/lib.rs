@@ -10,6 +10,7 @@ mod pg;
 mod pool;
 mod retention;
 mod schema;
+mod slot;
 mod sqlite;
 mod store;
 mod tls;
@@ -21,6 +22,9 @@ pub use error::{Error, Result, SchemaProblem};
 pub use outbox::{enqueue, AsStoreConnection, OUTBOX_CHANNEL};
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use retention::Retention;
-pub use store::{ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder};
+pub use store::{
+    ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder, DEFAULT_BATCH_DEADLINE,
+    DEFAULT_STATEMENT_TIMEOUT,
+};
 pub use tls::init_tls;
 pub use url::{redact, Backend};

@@ -296,6 +296,18 @@ impl Sealed for PgConnection {
         Ok(is_untranslated(&Setting::read(conn)?.value))
     }
 
+    fn set_timeouts(
+        conn: &mut Self,
+        statement: std::time::Duration,
+        idle_in_transaction: std::time::Duration,
+    ) -> QueryResult<()> {
+        conn.batch_execute(&format!(
+            "SET statement_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+            statement.as_millis(),
+            idle_in_transaction.as_millis()
+        ))
+    }
+
     fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
         if let Some(schema) = schema {
             let q = quoted(schema);

@@ -67,6 +67,16 @@ impl Sealed for SqliteConnection {
         )
     }
 
+    fn set_timeouts(
+        _conn: &mut Self,
+        _statement: std::time::Duration,
+        _idle_in_transaction: std::time::Duration,
+    ) -> QueryResult<()> {
+        // No statement timeout in SQLite: a handler that hangs holds the writer lock
+        // until it returns.
+        Ok(())
+    }
+
     fn recognises_server_errors(_conn: &mut Self) -> QueryResult<bool> {
         // SQLite's messages are never translated.
         Ok(true)

@@ -1,6 +1,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::r2d2::{CustomizeConnection, Pool};
@@ -11,6 +12,7 @@ use inbox_core::{
 
 use crate::backend::{valid_schema_name, StoreConnection};
 use crate::pool::{Closer, PooledStoreConnection, StoreManager};
+use crate::slot::Slot;
 use crate::{verify, Backend, Error, Result};
 
 /// A claim's state.
@@ -111,6 +113,8 @@ pub struct DeadLetter {
 
 pub(crate) struct Settings {
     pub crash_limit: u32,
+    /// How long a batch may hold its transaction (and the crash slot).
+    pub batch_deadline: Duration,
     pub transaction_retries: u32,
     pub ladder: Option<RetryLadder>,
 }
@@ -123,7 +127,7 @@ pub(crate) struct Inner<C: StoreConnection> {
     pub clock: Arc<dyn Clock>,
     pub settings: Settings,
     /// One crash-detection slot per consumer group in this process.
-    pub slots: Mutex<HashMap<ConsumerGroup, Arc<Mutex<()>>>>,
+    pub slots: Mutex<HashMap<ConsumerGroup, Arc<Slot>>>,
     /// Redelivered messages whose start mark this process committed and whose
     /// processing then failed on a store error: their next start is not a crash.
     pub errored_starts: Mutex<std::collections::HashSet<ClaimKey>>,
@@ -144,7 +148,7 @@ impl<C: StoreConnection> Drop for Inner<C> {
 }
 
 impl<C: StoreConnection> Inner<C> {
-    pub(crate) fn slot(&self, group: &ConsumerGroup) -> Arc<Mutex<()>> {
+    pub(crate) fn slot(&self, group: &ConsumerGroup) -> Arc<Slot> {
         self.slots
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -199,6 +203,8 @@ impl<C: StoreConnection> Store<C> {
             clock: Arc::new(SystemClock),
             handlers: Vec::new(),
             crash_limit: 3,
+            batch_deadline: DEFAULT_BATCH_DEADLINE,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             transaction_retries: 3,
             ladder: None,
             migrate: true,
@@ -291,6 +297,10 @@ impl<C: StoreConnection> InboxStore for Store<C> {
     ) -> inbox_core::Result<DeadLetterOutcome> {
         Ok(self.inner.dead_letter(group, envelope, reason, detail)?)
     }
+
+    fn batch_deadline(&self) -> Option<Duration> {
+        Some(self.inner.settings.batch_deadline)
+    }
 }
 
 /// Builds a [`Store`].
@@ -302,10 +312,18 @@ pub struct StoreBuilder<C: StoreConnection> {
     clock: Arc<dyn Clock>,
     handlers: Vec<Arc<dyn DynHandler<C>>>,
     crash_limit: u32,
+    batch_deadline: Duration,
+    statement_timeout: Duration,
     transaction_retries: u32,
     ladder: Option<RetryLadder>,
     migrate: bool,
 }
+
+/// The default [`StoreBuilder::batch_deadline`].
+pub const DEFAULT_BATCH_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The default [`StoreBuilder::statement_timeout`].
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl<C: StoreConnection> StoreBuilder<C> {
     /// PostgreSQL only: keep the store's tables in this schema (created if missing)
@@ -343,6 +361,27 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// `crash_loop` without running (default 3, at least 1).
     pub fn crash_limit(mut self, limit: u32) -> Self {
         self.crash_limit = limit;
+        self
+    }
+
+    /// How long a batch may hold its transaction (default 60 s). On PostgreSQL a
+    /// transaction left idle this long (a handler that hangs between statements) is
+    /// ended by the server (`idle_in_transaction_session_timeout`), which releases its
+    /// row and projection locks: nothing of the batch commits, nothing is acked, and a
+    /// redelivered message that hung has its start counted like a crash. A process's
+    /// crash-detection slot held longer than this is taken over. Transports give
+    /// [`InboxStore::batch_deadline`] to a batch before they abandon it.
+    pub fn batch_deadline(mut self, deadline: Duration) -> Self {
+        self.batch_deadline = deadline;
+        self
+    }
+
+    /// PostgreSQL's `statement_timeout` on the store's connections (default 30 s, at
+    /// most the batch deadline): a statement running longer is cancelled, a failure of
+    /// the message whose handler ran it. It applies to every pooled connection,
+    /// including those the application takes with [`Store::connection`].
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
         self
     }
 
@@ -395,6 +434,16 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 "crash_limit must be at least 1, found 0".to_owned(),
             ));
         }
+        if self.batch_deadline < Duration::from_millis(1)
+            || self.statement_timeout < Duration::from_millis(1)
+            || self.statement_timeout > self.batch_deadline
+        {
+            return Err(Error::Config(format!(
+                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
+                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
+                self.statement_timeout, self.batch_deadline
+            )));
+        }
         if self.pool_size == 0 {
             return Err(Error::Config(
                 "pool_size must be at least 1, found 0".to_owned(),
@@ -426,6 +475,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
         if check_schema {
             verify::check(&C::catalog(&mut first)?)?;
         }
+        C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
 
         let (manager, closer) = StoreManager::<C>::new(C::pool_url(&self.url));
@@ -437,6 +487,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
             .test_on_check_out(false)
             .connection_customizer(Box::new(Customizer {
                 schema: self.schema.clone(),
+                statement_timeout: self.statement_timeout,
+                batch_deadline: self.batch_deadline,
             }))
             .build(manager)?;
         Ok(Store {
@@ -447,6 +499,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 clock: self.clock,
                 settings: Settings {
                     crash_limit: self.crash_limit,
+                    batch_deadline: self.batch_deadline,
                     transaction_retries: self.transaction_retries,
                     ladder: self.ladder,
                 },
@@ -463,10 +516,14 @@ impl<C: StoreConnection> StoreBuilder<C> {
 #[derive(Debug)]
 struct Customizer {
     schema: Option<String>,
+    statement_timeout: Duration,
+    batch_deadline: Duration,
 }
 
 impl<C: StoreConnection> CustomizeConnection<C, diesel::r2d2::Error> for Customizer {
     fn on_acquire(&self, conn: &mut C) -> std::result::Result<(), diesel::r2d2::Error> {
-        C::on_acquire(conn, self.schema.as_deref()).map_err(diesel::r2d2::Error::QueryError)
+        C::on_acquire(conn, self.schema.as_deref())
+            .and_then(|()| C::set_timeouts(conn, self.statement_timeout, self.batch_deadline))
+            .map_err(diesel::r2d2::Error::QueryError)
     }
 }

@@ -532,3 +532,138 @@ fn a_live_batch_waits_behind_an_exclusive_projection_lock_before_it_claims() {
         [Decision::Processed]
     );
 }
+
+/// A store whose batches may hold their transaction for `deadline`.
+fn bounded_store(
+    fx: &PgFixture,
+    deadline: Duration,
+    handler: Recorder,
+) -> Store<diesel::PgConnection> {
+    fx.builder()
+        .batch_deadline(deadline)
+        .statement_timeout(deadline / 2)
+        .handler(handler)
+        .build()
+        .unwrap()
+}
+
+/// A handler that hangs held the batch transaction and the projection lock forever.
+/// Past the batch deadline the server ends the idle transaction: the lock is free for
+/// a rebuild while the handler still hangs, nothing of the batch commits, and the
+/// store's next batch runs on a fresh connection.
+#[test]
+fn a_hung_handler_releases_its_locks_at_the_batch_deadline() {
+    use diesel::connection::SimpleConnection;
+    let Some(fx) = PgFixture::new() else { return };
+    let lock = ProjectionLock::named("usage-totals");
+    let handler = Recorder::new(GROUP).lock(lock).behaviour(|key, _| {
+        if key == "hang" {
+            Outcome::Sleep(Duration::from_secs(4))
+        } else {
+            Outcome::Apply
+        }
+    });
+    let calls = handler.calls();
+    let store = bounded_store(&fx, Duration::from_millis(300), handler);
+    fx.connect().create_effects().unwrap();
+    let worker = {
+        let store = store.clone();
+        std::thread::spawn(move || store.process_batch(&group(GROUP), &[usage("hang", 1)]))
+    };
+    while calls.lock().unwrap().is_empty() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Without the deadline this waits for the hung handler's lock and times out.
+    let mut rebuild = fx.connect();
+    let taken = rebuild.batch_execute(&format!(
+        "BEGIN; SET LOCAL lock_timeout = '2s'; SELECT pg_advisory_xact_lock({}); COMMIT",
+        lock.id()
+    ));
+    assert!(
+        taken.is_ok(),
+        "the hung batch still holds its lock: {taken:?}"
+    );
+    let outcome = worker.join().unwrap();
+    assert!(outcome.is_err(), "{outcome:?}");
+    assert_eq!(fx.connect().effect_count().unwrap(), 0);
+    assert!(store.claim(&key("hang")).unwrap().is_none());
+    assert_eq!(
+        store
+            .process_batch(&group(GROUP), &[usage("next", 1)])
+            .unwrap(),
+        [Decision::Processed]
+    );
+}
+
+/// A statement that runs past the statement timeout is cancelled: a failure of the
+/// message whose handler ran it, counted as an attempt.
+#[test]
+fn a_statement_past_the_timeout_is_a_failure_of_its_message() {
+    let Some(fx) = PgFixture::new() else { return };
+    let handler = Recorder::new(GROUP).behaviour(|key, _| {
+        if key == "slow" {
+            Outcome::Sql("SELECT pg_sleep(3)")
+        } else {
+            Outcome::Apply
+        }
+    });
+    let store = bounded_store(&fx, Duration::from_millis(400), handler);
+    fx.connect().create_effects().unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("slow", 1), usage("ok", 1)])
+        .unwrap();
+    assert!(
+        matches!(decisions[0], Decision::RetryAfter(_)),
+        "{decisions:?}"
+    );
+    assert_eq!(decisions[1], Decision::Processed);
+    let claim = store.claim(&key("slow")).unwrap().expect("claim");
+    assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
+}
+
+/// A redelivered message whose handler hangs past the deadline is counted like a
+/// crash: after the crash limit it is dead-lettered as `crash_loop` without running.
+#[test]
+fn a_redelivery_that_hangs_is_counted_like_a_crash() {
+    let Some(fx) = PgFixture::new() else { return };
+    let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::Sleep(Duration::from_millis(700)));
+    let calls = handler.calls();
+    let store = fx
+        .builder()
+        .batch_deadline(Duration::from_millis(300))
+        .statement_timeout(Duration::from_millis(150))
+        .crash_limit(2)
+        .handler(handler)
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let env = usage("hang", 1).redelivered();
+    let g = group(GROUP);
+    for _ in 0..2 {
+        assert!(store.process_batch(&g, std::slice::from_ref(&env)).is_err());
+    }
+    assert_eq!(
+        store.process_batch(&g, &[env]).unwrap(),
+        [Decision::DeadLettered(DeadLetterReason::CrashLoop)]
+    );
+    assert_eq!(calls.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn batch_deadline_and_statement_timeout_are_checked_when_built() {
+    let fx = inbox_test_support::SqliteFixture::new();
+    for (deadline, statement) in [
+        (Duration::ZERO, Duration::ZERO),
+        (Duration::from_secs(1), Duration::from_secs(2)),
+    ] {
+        let built = fx
+            .builder()
+            .batch_deadline(deadline)
+            .statement_timeout(statement)
+            .build();
+        assert!(
+            matches!(built, Err(inbox_diesel::Error::Config(_))),
+            "{deadline:?}/{statement:?}: {built:?}"
+        );
+    }
+}

@@ -293,6 +293,8 @@ pub enum Outcome {
     DbError(diesel::result::DatabaseErrorKind, &'static str),
     /// Fail with a retry-after of this delay.
     RetryAfter(std::time::Duration),
+    /// Sleep this long inside the handler (a handler that hangs), then apply.
+    Sleep(std::time::Duration),
 }
 
 /// A handler that records an effect per message and counts its calls.
@@ -394,6 +396,10 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
                     Box::new(message.to_owned()),
                 )
                 .into())
+            }
+            Outcome::Sleep(pause) => {
+                std::thread::sleep(pause);
+                conn.record_effect(key, msg.amount)?;
             }
             Outcome::RetryAfter(delay) => {
                 return Err(HandlerError::retry_after(
