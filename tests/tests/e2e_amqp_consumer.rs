@@ -462,6 +462,8 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     assert_eq!(dead[0].reason, "delivery_limit");
     assert_eq!(dead[0].message_type, MESSAGE_TYPE);
     assert_eq!(dead[0].payload, event);
+    // What is known of the attempts: the broker's three deliveries.
+    assert_eq!(dead[0].attempts, 3);
     // The broker's own reason, from the x-first-death-reason header it set, and how
     // often it delivered the message (its limit plus one, per x-death).
     assert!(
