@@ -5,6 +5,9 @@
 //! `inbox_quickstart`, dropped and recreated).
 //!
 //! Exits non-zero if any daily total differs from the sum of its unique events.
+//!
+//! Logs go to stderr, filtered by `RUST_LOG` (default
+//! [`inbox_examples::DEFAULT_LOG_FILTER`]).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -12,6 +15,7 @@ use std::time::Instant;
 use inbox_examples::quickstart;
 
 fn main() -> ExitCode {
+    inbox_examples::init_logging();
     let started = Instant::now();
     let dir = match tempfile::tempdir() {
         Ok(dir) => dir,

@@ -8,7 +8,9 @@
 //!
 //! Environment: `DATABASE_URL` (required, `postgres://...`), `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_PREFIX` (optional prefix of the
-//! exchange and queue names).
+//! exchange and queue names), `RUST_LOG` (log filter; default
+//! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
+//! `warn`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,6 +23,7 @@ use inbox_examples::usage::{DailyUsage, UsageDb};
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    inbox_examples::init_logging();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

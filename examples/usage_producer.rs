@@ -6,6 +6,9 @@
 //! empty. Run `usage_consumer` beside it (same `DATABASE_URL`, `AMQP_URL`,
 //! `INBOX_PREFIX`) and its `daily_usage` ends equal to the ledger's sums: outbox ->
 //! broker -> inbox, every effect once.
+//!
+//! Logs go to stderr, filtered by `RUST_LOG` (default
+//! [`inbox_examples::DEFAULT_LOG_FILTER`]).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -23,6 +26,7 @@ use inbox_examples::usage::{Rng, UsageRecorded, MESSAGE_TYPE};
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    inbox_examples::init_logging();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -4,3 +4,29 @@
 pub mod bench;
 pub mod quickstart;
 pub mod usage;
+
+/// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at
+/// `info`, everything else (lapin, diesel, ...) at `warn`.
+pub const DEFAULT_LOG_FILTER: &str =
+    "warn,inbox_core=info,inbox_diesel=info,inbox_amqp=info,inbox_examples=info,\
+     quickstart=info,usage_consumer=info,usage_producer=info";
+
+/// Logs `tracing` events to stderr, as a user's service would: filtered by `RUST_LOG`
+/// (`RUST_LOG=debug`, `RUST_LOG=inbox_amqp=debug,warn`, ...), else by
+/// [`DEFAULT_LOG_FILTER`]. A `RUST_LOG` that does not parse is reported and the default
+/// used. Call it once, first thing in `main`.
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) => EnvFilter::try_new(&directives).unwrap_or_else(|err| {
+            eprintln!("ignoring RUST_LOG={directives:?} ({err}); using {DEFAULT_LOG_FILTER}");
+            EnvFilter::new(DEFAULT_LOG_FILTER)
+        }),
+        Err(_) => EnvFilter::new(DEFAULT_LOG_FILTER),
+    };
+    // Another subscriber already installed (a test harness, say) is left in place.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -2,7 +2,12 @@
 //!
 //! The message contract: AMQP `type` and routing key `usage.recorded`, `message_id` =
 //! message key, JSON body `{"user_id": 42, "day": "2026-11-30", "amount": 40}` with an
-//! integer user id, an ISO date and a positive integer amount.
+//! integer user id (a JSON integer), an ISO date written exactly `YYYY-MM-DD` and a
+//! positive integer amount, 1 to 2^63 - 1. Anything else (a float, a string for a
+//! number, `2026-11-3`, `2026-11-30T00:00:00Z`, an amount of 0) is refused when the
+//! body is decoded: a permanent failure, dead-lettered as `decode_error`. A day's total
+//! that would exceed 2^63 - 1 is refused too: the event that would overflow it is
+//! dead-lettered (`permanent`), the total is never wrapped.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -26,7 +31,11 @@ pub const GROUP: &str = "billing.daily-usage";
 pub const MESSAGE_TYPE: &str = "usage.recorded";
 
 /// One metered usage event.
+///
+/// Decoding is strict, as the contract says: see [`UsageRecorded::parse_day`] and
+/// [`UsageRecorded::check_amount`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawUsage")]
 pub struct UsageRecorded {
     /// The user charged.
     pub user_id: i64,
@@ -34,6 +43,72 @@ pub struct UsageRecorded {
     pub day: NaiveDate,
     /// Units used, positive.
     pub amount: i64,
+}
+
+/// The body as JSON has it, before the contract's checks.
+#[derive(Deserialize)]
+struct RawUsage {
+    user_id: i64,
+    day: String,
+    amount: i64,
+}
+
+/// A body the contract refuses.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ContractError {
+    /// The day is not a calendar date written `YYYY-MM-DD`.
+    #[error("day must be a date written YYYY-MM-DD, found {found:?}")]
+    Day {
+        /// What the body held.
+        found: String,
+    },
+    /// The amount is not positive.
+    #[error("amount must be 1 to 9223372036854775807, found {found}")]
+    Amount {
+        /// What the body held.
+        found: i64,
+    },
+}
+
+impl TryFrom<RawUsage> for UsageRecorded {
+    type Error = ContractError;
+
+    fn try_from(raw: RawUsage) -> Result<Self, ContractError> {
+        Ok(Self {
+            user_id: raw.user_id,
+            day: Self::parse_day(&raw.day)?,
+            amount: Self::check_amount(raw.amount)?,
+        })
+    }
+}
+
+impl UsageRecorded {
+    /// A day as the contract writes it: exactly `YYYY-MM-DD` (four-digit year, two-digit
+    /// month and day, no sign, time or spaces), and a real calendar date.
+    pub fn parse_day(text: &str) -> Result<NaiveDate, ContractError> {
+        let refused = || ContractError::Day {
+            found: text.to_owned(),
+        };
+        let shape = text.len() == 10
+            && text.bytes().enumerate().all(|(i, b)| match i {
+                4 | 7 => b == b'-',
+                _ => b.is_ascii_digit(),
+            });
+        if !shape {
+            return Err(refused());
+        }
+        NaiveDate::parse_from_str(text, "%Y-%m-%d").map_err(|_| refused())
+    }
+
+    /// An amount as the contract allows it: positive.
+    pub fn check_amount(amount: i64) -> Result<i64, ContractError> {
+        if amount > 0 {
+            Ok(amount)
+        } else {
+            Err(ContractError::Amount { found: amount })
+        }
+    }
 }
 
 /// The projection's table, on the two backends the example runs on.
@@ -101,10 +176,13 @@ usage_db!(
      total BIGINT NOT NULL, PRIMARY KEY (user_id, day))",
     pg_add_rows
 );
+// SQLite's `+` turns an integer overflow into a REAL without an error; the CHECK
+// refuses the REAL, so a total that would overflow fails its statement (a constraint
+// error, permanent) as PostgreSQL's `bigint out of range` does.
 usage_db!(
     SqliteConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id INTEGER NOT NULL, day TEXT NOT NULL, \
-     total INTEGER NOT NULL, PRIMARY KEY (user_id, day))",
+     total INTEGER NOT NULL CHECK (typeof(total) = 'integer'), PRIMARY KEY (user_id, day))",
     sqlite_add_rows
 );
 
@@ -211,7 +289,16 @@ impl DailyUsage {
         let mut sums: BTreeMap<(i64, NaiveDate), i64> = BTreeMap::new();
         for (msg, _) in batch {
             check(msg)?;
-            *sums.entry((msg.user_id, msg.day)).or_default() += msg.amount;
+            let sum = sums.entry((msg.user_id, msg.day)).or_default();
+            // An overflow fails the fold; the store then runs one event at a time, and
+            // the event that overflows the stored total fails alone (the database
+            // refuses that total: `bigint out of range`, SQLite's CHECK).
+            *sum = sum.checked_add(msg.amount).ok_or_else(|| {
+                HandlerError::permanent(format!(
+                    "the total of user {} on {} overflows: {} + {}",
+                    msg.user_id, msg.day, sum, msg.amount
+                ))
+            })?;
         }
         // Sorted by (user, day): concurrent batches lock the rows in one order.
         let rows: Vec<(i64, NaiveDate, i64)> = sums
@@ -228,13 +315,8 @@ impl DailyUsage {
     }
 }
 
+/// What the contract leaves to the handler (decoding checked the rest).
 fn check(msg: &UsageRecorded) -> Result<(), HandlerError> {
-    if msg.amount <= 0 {
-        return Err(HandlerError::permanent(format!(
-            "amount must be positive, found {}",
-            msg.amount
-        )));
-    }
     if msg.user_id == 0 {
         return Err(HandlerError::transient("user 0 does not exist"));
     }

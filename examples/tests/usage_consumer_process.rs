@@ -90,6 +90,8 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
         Command::new(example_binary())
             .env("DATABASE_URL", &url)
             .env("INBOX_PREFIX", format!("{schema}."))
+            // Its default log level, as a user who sets nothing gets it.
+            .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -119,9 +121,15 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
             .confirm_select(lapin::options::ConfirmSelectOptions::default())
             .await
             .unwrap();
-        let events = [("evt-1", 40), ("evt-2", 2), ("evt-1", 40)]; // evt-1 twice
-        for (id, amount) in events {
-            let body = format!(r#"{{"user_id": 42, "day": "2026-11-30", "amount": {amount}}}"#);
+        // evt-1 twice; evt-3's day is not written as the contract says.
+        let events = [
+            ("evt-1", "2026-11-30", 40),
+            ("evt-2", "2026-11-30", 2),
+            ("evt-1", "2026-11-30", 40),
+            ("evt-3", "2026-11-3", 5),
+        ];
+        for (id, day, amount) in events {
+            let body = format!(r#"{{"user_id": 42, "day": "{day}", "amount": {amount}}}"#);
             let mut headers = lapin::types::FieldTable::default();
             headers.insert(
                 "tenant".into(),
@@ -178,6 +186,15 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
                 .unwrap_or(0);
     }
     assert_eq!(total, 42, "40 + 2, the duplicate applied once");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sum(
+        &url,
+        "SELECT count(*)::bigint AS total FROM inbox_dead_letters",
+    ) < 1
+    {
+        assert!(Instant::now() < deadline, "evt-3 was never dead-lettered");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     std::thread::sleep(Duration::from_millis(200));
     let status = Command::new("kill")
         .args(["-TERM", &child.0.as_ref().unwrap().id().to_string()])
@@ -193,8 +210,19 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("stopped after 3 deliveries: 2 processed, 1 duplicates"),
+        stdout.contains(
+            "stopped after 4 deliveries: 2 processed, 1 duplicates, 0 retried, 1 dead-lettered"
+        ),
         "{stdout}"
+    );
+    // The runtime's error line reaches stderr through the example's subscriber.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let logged = stderr
+        .lines()
+        .find(|l| l.contains("ERROR") && l.contains("message dead-lettered"));
+    assert!(
+        logged.is_some_and(|l| l.contains("key=evt-3") && l.contains("decode_error")),
+        "{stderr}"
     );
     drop_schema(&base, &schema);
     // The example's queues and exchange carry no expiry: remove them.

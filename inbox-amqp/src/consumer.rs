@@ -709,59 +709,43 @@ impl<S: InboxStore> Shared<S> {
                     )))
                 }
             };
-            let store = Arc::clone(&self.store);
-            let g = group.clone();
-            let group_queue = self.topology.queue(&group);
-            let limit = self.topology.group_delivery_limit();
-            let recorded = tokio::task::spawn_blocking(move || {
-                let headers = delivery::headers(d.properties.headers().as_ref());
-                let broker_reason = headers
-                    .get("x-first-death-reason")
-                    .map_or("unknown", String::as_str);
-                let outcome = match delivery::read(&d, usize::MAX) {
-                    Ok(mut envelope) => {
-                        let table = d.properties.headers().as_ref();
-                        let deliveries = delivery::deliveries_at_limit(table, &group_queue, limit);
-                        envelope.delivery_count = deliveries;
-                        let detail = match envelope.delivery_count {
-                            Some(n) => format!(
-                                "the broker dead-lettered the message ({broker_reason}) after {n} deliveries"
-                            ),
-                            None => format!("the broker dead-lettered the message ({broker_reason})"),
-                        };
-                        store.dead_letter(&g, &envelope, DeadLetterReason::DeliveryLimit, &detail)
+            let (envelope, reason, detail) = self.broker_dead_letter(&group, &d);
+            // A store that cannot record it now keeps the message here, unacked: a
+            // nack would requeue it into a queue with no dead-letter target of its
+            // own, where a delivery limit drops it. The same delivery is tried again
+            // with backoff until the store answers or the session ends (then the
+            // broker returns it to the queue).
+            let mut backoff = self.settings.backoff_min;
+            let recorded = loop {
+                let store = Arc::clone(&self.store);
+                let (g, env, why) = (group.clone(), envelope.clone(), detail.clone());
+                let outcome =
+                    tokio::task::spawn_blocking(move || store.dead_letter(&g, &env, reason, &why))
+                        .await
+                        .map_err(|err| {
+                            SessionEnd::Fatal(Error::Config(format!("store task failed: {err}")))
+                        })?;
+                match outcome {
+                    Ok(outcome) => break Some(outcome),
+                    Err(err) => {
+                        tracing::error!(group = %group, key = %envelope.message_key, error = %err, ?backoff, "recording a broker dead letter failed; keeping the message and trying again");
+                        tokio::select! {
+                            biased;
+                            () = tokens.stop.cancelled() => break None,
+                            () = tokens.halt.cancelled() => break None,
+                            () = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(self.settings.backoff_max);
                     }
-                    Err(m) => {
-                        store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason)
-                    }
-                };
-                (d, outcome)
-            })
-            .await
-            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
-            match recorded {
-                (d, Ok(outcome)) => {
-                    if outcome == DeadLetterOutcome::Recorded {
-                        self.stats.add(Counter::DeliveryLimit, 1);
-                    }
-                    channel
-                        .basic_ack(d.delivery_tag, BasicAckOptions::default())
-                        .await?;
                 }
-                (d, Err(err)) => {
-                    tracing::error!(error = %err, "recording a broker dead letter failed");
-                    channel
-                        .basic_nack(
-                            d.delivery_tag,
-                            BasicNackOptions {
-                                multiple: false,
-                                requeue: true,
-                            },
-                        )
-                        .await?;
-                    tokio::time::sleep(self.settings.backoff_min).await;
-                }
+            };
+            let Some(outcome) = recorded else { break };
+            if outcome == DeadLetterOutcome::Recorded {
+                self.stats.add(Counter::DeliveryLimit, 1);
             }
+            channel
+                .basic_ack(d.delivery_tag, BasicAckOptions::default())
+                .await?;
         }
         goodbye(
             "consumer cancel",
@@ -771,6 +755,35 @@ impl<S: InboxStore> Shared<S> {
         tokens.hold_while_halted().await;
         close_channel(&channel, "inbox dead-letter reader stopping").await;
         Ok(())
+    }
+
+    /// What the store records of a delivery from the broker's dead-letter queue: its
+    /// envelope (with the deliveries the broker counted), the reason and the detail.
+    fn broker_dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        d: &Delivery,
+    ) -> (inbox_core::Envelope, DeadLetterReason, String) {
+        let table = d.properties.headers().as_ref();
+        let headers = delivery::headers(table);
+        let broker_reason = headers
+            .get("x-first-death-reason")
+            .map_or("unknown", String::as_str);
+        match delivery::read(d, usize::MAX) {
+            Ok(mut envelope) => {
+                let group_queue = self.topology.queue(group);
+                let limit = self.topology.group_delivery_limit();
+                envelope.delivery_count = delivery::deliveries_at_limit(table, &group_queue, limit);
+                let detail = match envelope.delivery_count {
+                    Some(n) => format!(
+                        "the broker dead-lettered the message ({broker_reason}) after {n} deliveries"
+                    ),
+                    None => format!("the broker dead-lettered the message ({broker_reason})"),
+                };
+                (envelope, DeadLetterReason::DeliveryLimit, detail)
+            }
+            Err(m) => (m.envelope, DeadLetterReason::Malformed, m.reason),
+        }
     }
 }
 

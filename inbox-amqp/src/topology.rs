@@ -13,6 +13,10 @@ use inbox_core::{ConsumerGroup, RetryLadder};
 use crate::connect::close_channel;
 use crate::{Error, Result};
 
+/// The `x-delivery-limit` of a group's dead-letter queue: the largest the broker
+/// takes, so that no number of returns drops a dead letter the store has not recorded.
+const DLQ_DELIVERY_LIMIT: i64 = 2_147_483_647;
+
 /// One consumer group's queues.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct GroupTopology {
@@ -179,6 +183,19 @@ impl Topology {
         format!("{}:dlq", self.queue(group))
     }
 
+    /// The dead-letter queue's arguments. It has no dead-letter target of its own, so
+    /// a delivery limit there would drop what it holds (RabbitMQ 4 gives quorum queues
+    /// a default limit of 20): it declares one no return reaches.
+    fn dlq_arguments(&self) -> FieldTable {
+        let mut args = quorum();
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT),
+        );
+        self.expires(&mut args);
+        args
+    }
+
     fn expires(&self, args: &mut FieldTable) {
         if let Some(expires) = self.queue_expires {
             let ms = i64::try_from(expires.as_millis()).unwrap_or(i64::MAX);
@@ -208,9 +225,7 @@ impl Topology {
             let queue = self.queue(&g.group);
             let dlq = self.dlq(&g.group);
 
-            let mut dlq_args = quorum();
-            self.expires(&mut dlq_args);
-            declare_queue(connection, &dlq, dlq_args).await?;
+            declare_queue(connection, &dlq, self.dlq_arguments()).await?;
 
             let mut args = quorum();
             args.insert("x-dead-letter-exchange".into(), long(""));
@@ -348,5 +363,19 @@ mod tests {
         );
         assert!(Topology::new("bad name").is_err());
         assert!(t.clone().prefix("x:").is_err());
+    }
+
+    #[test]
+    fn the_dead_letter_queue_never_drops_by_delivery_limit() {
+        let args = Topology::new("billing").unwrap().dlq_arguments();
+        let inner = args.inner();
+        assert_eq!(inner.get("x-queue-type"), Some(&long("quorum")));
+        // No dead-letter target: a message past a limit would be dropped, so the limit
+        // is one no return reaches (a broker default of 20 would apply otherwise).
+        assert_eq!(inner.get("x-dead-letter-exchange"), None);
+        assert_eq!(
+            inner.get("x-delivery-limit"),
+            Some(&AMQPValue::LongLongInt(i64::from(i32::MAX)))
+        );
     }
 }

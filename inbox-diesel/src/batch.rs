@@ -1011,6 +1011,52 @@ impl<C: StoreConnection> Inner<C> {
         reason: DeadLetterReason,
         detail: &str,
     ) -> Result<DeadLetterOutcome> {
+        /// What [`mark_dead_or_explain`] found.
+        enum Marked {
+            /// The claim is now dead (marked or inserted), with its attempts.
+            Dead(i32),
+            /// Another payload holds the key: the claim is left alone, the dead letter is
+            /// still recorded.
+            Collision,
+            /// Nothing to dead-letter: the effect committed, or the message is dead already.
+            Already(DeadLetterOutcome),
+        }
+
+        /// Marks a claim dead for a delivery the broker gave up on, deciding from what the
+        /// guarded write did, never from a read before it: under READ COMMITTED a read does
+        /// not wait for a worker's uncommitted `done` claim, while the write waits for it
+        /// and then leaves the committed row alone. A row the write left alone is read again
+        /// after that wait.
+        fn mark_dead_or_explain<C: StoreConnection>(
+            conn: &mut C,
+            group: &ConsumerGroup,
+            row: &ClaimRow<'_>,
+            detail: &str,
+            now: DateTime<Utc>,
+        ) -> Result<Marked> {
+            // A row that changes between the write and the read (a replay, a purge) is tried
+            // again; a few rounds settle it.
+            for _ in 0..3 {
+                if let Some(attempts) = C::mark_dead(conn, group, row, detail, now)? {
+                    return Ok(Marked::Dead(attempts));
+                }
+                let stored = C::lookup(conn, group, &[row.key])?;
+                match stored.first() {
+                    Some(s) if s.digest != row.digest => return Ok(Marked::Collision),
+                    Some(s) if s.status == ClaimStatus::Done.as_str() => {
+                        return Ok(Marked::Already(DeadLetterOutcome::AlreadyDone))
+                    }
+                    Some(s) if s.status == ClaimStatus::Dead.as_str() => {
+                        return Ok(Marked::Already(DeadLetterOutcome::AlreadyDead))
+                    }
+                    _ => {}
+                }
+            }
+            Err(Error::Internal(
+                "a claim kept changing under a broker dead letter",
+            ))
+        }
+
         let now = self.clock.now();
         let digest = env.payload_digest();
         let row = ClaimRow {
@@ -1021,26 +1067,28 @@ impl<C: StoreConnection> Inner<C> {
             payload: &env.payload,
         };
         let detail = truncate(detail.to_owned());
+        // What is known of the attempts: the broker's deliveries, or the claim's
+        // handled failures, whichever is larger.
+        let delivered = env
+            .delivery_count
+            .map_or(0, |n| i32::try_from(n).unwrap_or(i32::MAX));
         let mut conn = self.pool.get()?;
         let outcome = C::write_transaction(&mut conn, |conn| {
+            let mut attempts = delivered;
             // A malformed delivery's key was made up by the transport: it has no claim.
             if reason != DeadLetterReason::Malformed {
-                let stored = C::lookup(conn, group, &[row.key])?;
-                match stored.first() {
-                    Some(s) if s.digest == digest && s.status == ClaimStatus::Done.as_str() => {
-                        return Ok(DeadLetterOutcome::AlreadyDone)
-                    }
-                    Some(s) if s.digest == digest && s.status == ClaimStatus::Dead.as_str() => {
-                        return Ok(DeadLetterOutcome::AlreadyDead)
-                    }
-                    // Marked dead in the same transaction as the dead letter, so a later
-                    // copy is acked as already dead-lettered.
-                    _ => {
-                        C::mark_dead(conn, group, &row, &detail, now)?;
-                    }
+                // Marked dead in the same transaction as the dead letter, so a later
+                // copy is acked as already dead-lettered.
+                match mark_dead_or_explain(conn, group, &row, &detail, now)? {
+                    Marked::Dead(claimed) => attempts = attempts.max(claimed),
+                    Marked::Collision => {}
+                    Marked::Already(outcome) => return Ok(outcome),
                 }
             }
-            C::insert_dead_letter(conn, &dead_letter_row(group, env, 0, reason, &detail, now))?;
+            C::insert_dead_letter(
+                conn,
+                &dead_letter_row(group, env, attempts, reason, &detail, now),
+            )?;
             Ok::<_, Error>(DeadLetterOutcome::Recorded)
         })?;
         if outcome == DeadLetterOutcome::Recorded {

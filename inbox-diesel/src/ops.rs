@@ -156,14 +156,15 @@ pub trait ClaimOps: Sized {
     fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()>;
 
     /// Marks a claim dead, inserting it if missing, under the claim's own conflict
-    /// condition (a done, dead or colliding row is left alone); returns whether it did.
+    /// condition (a done, dead or colliding row is left alone); returns the attempts of
+    /// the row it marked, or `None` when it left the row alone.
     fn mark_dead(
         conn: &mut Self,
         group: &ConsumerGroup,
         row: &ClaimRow<'_>,
         last_error: &str,
         now: DateTime<Utc>,
-    ) -> QueryResult<bool>;
+    ) -> QueryResult<Option<i32>>;
 
     /// Reads one claim.
     fn read_claim(conn: &mut Self, key: &ClaimKey) -> QueryResult<Option<ClaimRecord>>;
@@ -337,7 +338,7 @@ macro_rules! claim_ops {
                 row: &ClaimRow<'_>,
                 error: &str,
                 now: DateTime<Utc>,
-            ) -> QueryResult<bool> {
+            ) -> QueryResult<Option<i32>> {
                 use diesel::query_dsl::methods::FilterDsl;
                 use diesel::upsert::excluded;
                 use crate::schema::$schema::inbox_claims::dsl::*;
@@ -371,7 +372,6 @@ macro_rules! claim_ops {
                     .returning(attempts)
                     .get_result::<i32>(conn)
                     .optional()
-                    .map(|row| row.is_some())
             }
 
             fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()> {

@@ -327,7 +327,8 @@ async fn malformed_deliveries_are_dead_lettered_and_consuming_goes_on() {
     assert_eq!(reason_of("no message_id"), "malformed");
     assert_eq!(reason_of("exceeds the limit"), "malformed");
     assert_eq!(reason_of("does not decode"), "decode_error");
-    assert_eq!(reason_of("amount must be positive"), "permanent");
+    // The contract refuses it when the body is decoded.
+    assert_eq!(reason_of("amount must be 1 to"), "decode_error");
     assert_eq!(reason_of("no handler"), "no_handler");
     assert_eq!(dead.len(), 5);
     assert_eq!(stats.malformed, 2);
@@ -462,6 +463,8 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     assert_eq!(dead[0].reason, "delivery_limit");
     assert_eq!(dead[0].message_type, MESSAGE_TYPE);
     assert_eq!(dead[0].payload, event);
+    // What is known of the attempts: the broker's three deliveries.
+    assert_eq!(dead[0].attempts, 3);
     // The broker's own reason, from the x-first-death-reason header it set, and how
     // often it delivered the message (its limit plus one, per x-death).
     assert!(
