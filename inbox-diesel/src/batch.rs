@@ -1057,6 +1057,12 @@ impl<C: StoreConnection> Inner<C> {
             ))
         }
 
+        // A delivery the store cannot write as it is (the transport read a NUL byte
+        // into its type or tenant): escaped, or every try fails and it loops.
+        if let Some(why) = unstorable_field(env) {
+            self.dead_letter_malformed(group, env, &format!("{detail}; {why}"))?;
+            return Ok(DeadLetterOutcome::Recorded);
+        }
         let now = self.clock.now();
         let digest = env.payload_digest();
         let row = ClaimRow {

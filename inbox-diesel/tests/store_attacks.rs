@@ -10,8 +10,8 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use diesel::result::DatabaseErrorKind;
 use inbox_core::{
-    ClaimKey, DeadLetterReason, Decision, Envelope, ManualClock, MessageKey, ProjectionLock,
-    RetryPolicy, MAX_RETRY_DELAY,
+    ClaimKey, DeadLetterReason, Decision, Envelope, InboxStore, ManualClock, MessageKey,
+    ProjectionLock, RetryPolicy, MAX_RETRY_DELAY,
 };
 use inbox_diesel::{Backend, ClaimStatus, Store};
 use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, TestConn};
@@ -262,6 +262,20 @@ fn nul_bytes_are_dead_lettered_malformed_and_batch_mates_go_on<F: Fixture>(fx: &
     );
     // The key itself cannot hold one.
     assert!(MessageKey::new("k\0").is_err());
+    // A transport's own dead letter of such a delivery is escaped the same way.
+    let outcome = store
+        .dead_letter(
+            &g,
+            &with_type(usage("nul-from-broker", 1), "x\0y"),
+            DeadLetterReason::Malformed,
+            "unreadable delivery",
+        )
+        .unwrap();
+    assert_eq!(outcome, inbox_core::DeadLetterOutcome::Recorded);
+    let dead = store.dead_letters(&g).unwrap();
+    assert!(dead
+        .iter()
+        .any(|d| d.key == "nul-from-broker" && d.message_type == "x\\0y"));
 }
 
 /// A delivery whose data one of the store's own statements rejects (here a message
