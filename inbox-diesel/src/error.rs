@@ -125,17 +125,6 @@ mod tests {
     use super::*;
     use std::error::Error as _;
 
-    /// Display of every level of the chain, and Debug of the top.
-    fn everything_printed(err: &Error) -> Vec<String> {
-        let mut printed = vec![format!("{err:?}")];
-        let mut level: Option<&(dyn std::error::Error + 'static)> = Some(err);
-        while let Some(e) = level {
-            printed.push(e.to_string());
-            level = e.source();
-        }
-        printed
-    }
-
     #[test]
     fn connect_errors_hold_no_password_at_any_level() {
         let cases = [
@@ -181,7 +170,7 @@ mod tests {
         for (url, driver, password) in cases {
             let err = Error::connect(url, &driver);
             assert!(matches!(err, Error::Connect { .. }), "{err:?}");
-            for text in everything_printed(&err) {
+            for text in inbox_test_support::everything_printed(&err) {
                 assert!(!text.contains(password), "{url}: {text}");
             }
             assert!(err.source().is_some(), "the driver's error is kept");

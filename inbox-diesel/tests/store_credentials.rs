@@ -115,17 +115,6 @@ const CASES: &[Case] = &[
     },
 ];
 
-/// Display of every level of the chain, and Debug of the top.
-fn everything_printed(err: &Error) -> Vec<String> {
-    let mut printed = vec![format!("{err:?}")];
-    let mut level: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = level {
-        printed.push(e.to_string());
-        level = e.source();
-    }
-    printed
-}
-
 /// host:port of a postgres:// URL.
 fn addr(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
@@ -157,7 +146,7 @@ fn connect_errors_print_no_password_at_any_level() {
             "{}: expected a connect error, found {err:?}",
             case.name
         );
-        let printed = everything_printed(&err);
+        let printed = inbox_test_support::everything_printed(&err);
         assert!(
             printed.len() >= 3,
             "{}: the driver's error is kept as a cause: {printed:?}",

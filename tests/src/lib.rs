@@ -24,6 +24,18 @@ use inbox_core::{
 };
 use inbox_diesel::{Store, StoreBuilder, StoreConnection};
 
+/// What an error reporter could print of `err`: its `Debug`, and the `Display` of it
+/// and of every cause below it (for tests that no level leaks a secret).
+pub fn everything_printed(err: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut printed = vec![format!("{err:?}")];
+    let mut level = Some(err);
+    while let Some(e) = level {
+        printed.push(e.to_string());
+        level = e.source();
+    }
+    printed
+}
+
 /// Whether a missing service fails the test instead of skipping it.
 pub fn services_required() -> bool {
     std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1")

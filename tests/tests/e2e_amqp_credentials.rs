@@ -90,23 +90,12 @@ const CASES: &[Case] = &[
     },
 ];
 
-/// Display of every level of the chain, and Debug of the top.
-fn everything_printed(err: &Error) -> Vec<String> {
-    let mut printed = vec![format!("{err:?}")];
-    let mut level: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = level {
-        printed.push(e.to_string());
-        level = e.source();
-    }
-    printed
-}
-
 fn assert_hidden(case: &str, err: &Error, password: &str) {
     assert!(
         matches!(err, Error::Connect { .. } | Error::ConnectTimeout { .. }),
         "{case}: expected a connect error, found {err:?}"
     );
-    for text in everything_printed(err) {
+    for text in inbox_test_support::everything_printed(err) {
         assert!(
             !text.contains(password),
             "{case}: {password:?} printed in {text}"
@@ -145,7 +134,7 @@ async fn consumer_and_relay_connect_errors_print_no_password() {
         assert_hidden(&format!("consumer, {}", case.name), &err, case.password);
         if let Error::Connect { .. } = &err {
             assert!(
-                everything_printed(&err).len() >= 3,
+                inbox_test_support::everything_printed(&err).len() >= 3,
                 "{}: lapin's error is kept as a cause: {err:?}",
                 case.name
             );
