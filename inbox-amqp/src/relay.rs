@@ -4,10 +4,11 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ErrorKind, PublisherConfirm};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use inbox_core::{OutboxRow, OutboxStore};
+use inbox_core::{OutboxFailure, OutboxFate, OutboxRow, OutboxStore, DEFAULT_OUTBOX_MAX_ATTEMPTS};
 
 use crate::connect::{
     check_backoff, check_connect_timeout, close_connection, connect, pause, SessionEnd,
@@ -33,9 +34,15 @@ pub struct RelaySettings {
     /// Whether an idle relay waits for the store's enqueue notification (PostgreSQL
     /// NOTIFY) or only polls (default true).
     pub wake_on_notify: bool,
-    /// First delay before a failed publication (nack, unroutable) is tried again;
+    /// First delay before a failed publication (nack, unroutable, a channel the
+    /// broker closed over the row, a row the store cannot read) is tried again;
     /// doubled per attempt up to one minute (default 1 s).
     pub retry_after: Duration,
+    /// Failed publications after which a row is dead: kept in the outbox, never
+    /// leased again, listed by the store for an operator (default
+    /// [`DEFAULT_OUTBOX_MAX_ATTEMPTS`], about a quarter of an hour of tries with the
+    /// default delays).
+    pub max_attempts: u32,
     /// First wait before reconnecting (default 100 ms).
     pub backoff_min: Duration,
     /// Longest wait before reconnecting (default 5 s).
@@ -56,6 +63,7 @@ impl Default for RelaySettings {
             poll_interval: Duration::from_secs(1),
             wake_on_notify: true,
             retry_after: Duration::from_secs(1),
+            max_attempts: DEFAULT_OUTBOX_MAX_ATTEMPTS,
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             connection_name: None,
@@ -96,6 +104,12 @@ impl RelaySettings {
         self
     }
 
+    /// Sets how many failed publications make a row dead.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
     /// Sets the reconnect backoff.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.backoff_min = min;
@@ -126,6 +140,11 @@ impl RelaySettings {
                 "lease, poll interval and retry delay must be greater than zero".to_owned(),
             ));
         }
+        if self.max_attempts == 0 {
+            return Err(Error::Config(
+                "max attempts must be at least 1, found 0".to_owned(),
+            ));
+        }
         check_backoff(self.backoff_min, self.backoff_max)?;
         check_connect_timeout(self.connect_timeout)?;
         Ok(())
@@ -138,7 +157,9 @@ pub struct RelayStats {
     published: AtomicU64,
     returned: AtomicU64,
     nacked: AtomicU64,
+    rejected: AtomicU64,
     retried: AtomicU64,
+    dead: AtomicU64,
     expired_leases: AtomicU64,
     reconnects: AtomicU64,
     batches: AtomicU64,
@@ -154,8 +175,14 @@ pub struct RelaySnapshot {
     pub returned: u64,
     /// Rows the broker nacked.
     pub nacked: u64,
+    /// Rows that failed on their own: the broker closed the channel over them (an
+    /// exchange that does not exist, a body over its size limit), they cannot be
+    /// encoded as AMQP, or the store could not read them.
+    pub rejected: u64,
     /// Failed rows recorded for a later retry.
     pub retried: u64,
+    /// Failed rows recorded dead (their last attempt).
+    pub dead: u64,
     /// Leases that expired before publishing (their rows were left for later).
     pub expired_leases: u64,
     /// Connections re-established after a loss.
@@ -172,7 +199,9 @@ impl RelayStats {
             published: get(&self.published),
             returned: get(&self.returned),
             nacked: get(&self.nacked),
+            rejected: get(&self.rejected),
             retried: get(&self.retried),
+            dead: get(&self.dead),
             expired_leases: get(&self.expired_leases),
             reconnects: get(&self.reconnects),
             batches: get(&self.batches),
@@ -185,10 +214,15 @@ impl RelayStats {
 /// Each round leases rows in a short transaction, checks the lease still holds,
 /// publishes them (`mandatory`, persistent) and waits for the confirms, then marks the
 /// confirmed rows published in a second short transaction (only rows it still
-/// leases). A nacked or returned row is recorded (attempts, last error) and tried
-/// again later; rows with the same ordering key are never leased while an earlier
-/// one is unpublished, so they reach the broker in id order across any number of
-/// relays. No database transaction is held across broker I/O. After a non-empty
+/// leases). A row that fails on its own is recorded against itself (attempts, last
+/// error, a doubling delay, dead after [`RelaySettings::max_attempts`]) and never
+/// stops the rows around it: nacked or returned; a row the broker closes the channel
+/// over (an exchange that does not exist, a body over `max_message_size`), found by
+/// publishing the unconfirmed rows one at a time on a new channel, after which the
+/// rest go on; a row that cannot be encoded as AMQP; a row the store cannot read.
+/// Rows with the same ordering key are never leased while an earlier one is live,
+/// so they reach the broker in commit order across any number of relays. No
+/// database transaction is held across broker I/O. After a non-empty
 /// round it leases again at once; when idle it waits for a NOTIFY or the poll
 /// interval. At-least-once: a relay that dies between publishing and marking leaves
 /// leases that expire, and the rows are published again (the consumer's inbox
@@ -251,7 +285,7 @@ impl<O: OutboxStore> Relay<O> {
             }
             connected_before = true;
             backoff = self.settings.backoff_min;
-            let end = self.session(&channel, &shutdown).await;
+            let end = self.session(&conn, channel, &shutdown).await;
             close_connection(&conn, "relay stopping").await;
             match end {
                 Ok(()) => return Ok(()),
@@ -267,10 +301,7 @@ impl<O: OutboxStore> Relay<O> {
     async fn connect(&self) -> Result<(Connection, Channel)> {
         let s = &self.settings;
         let conn = connect(&self.url, s.connection_name.as_deref(), s.connect_timeout).await?;
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let channel = confirm_channel(&conn).await?;
         Ok((conn, channel))
     }
 
@@ -296,7 +327,8 @@ impl<O: OutboxStore> Relay<O> {
 
     async fn session(
         &self,
-        channel: &Channel,
+        conn: &Connection,
+        mut channel: Channel,
         shutdown: &CancellationToken,
     ) -> std::result::Result<(), SessionEnd> {
         let s = &self.settings;
@@ -323,7 +355,7 @@ impl<O: OutboxStore> Relay<O> {
                         .set(age.map_or(0.0, |a| a.as_secs_f64()));
                 }
             }
-            if lease.rows.is_empty() {
+            if lease.rows.is_empty() && lease.unreadable.is_empty() {
                 let wait = s.poll_interval;
                 if s.wake_on_notify {
                     let woken = self.blocking(move |o| o.wait_for_enqueue(wait));
@@ -354,79 +386,155 @@ impl<O: OutboxStore> Relay<O> {
             let left = (lease.until - self.store.now())
                 .to_std()
                 .unwrap_or_default();
-            let (published, failed) =
-                match tokio::time::timeout(left, publish(channel, &lease.rows)).await {
-                    Ok(done) => done?,
-                    Err(_) => {
-                        return Err(SessionEnd::Lost(
-                            "no publisher confirms before the lease expired".to_owned(),
-                        ))
-                    }
-                };
-            let returned = failed.iter().filter(|f| f.returned).count() as u64;
-            let nacked = failed.len() as u64 - returned;
+            let mut round = publish(conn, &mut channel, &lease.rows, Instant::now() + left).await;
+            for row in &lease.unreadable {
+                round.failed.push(Failure {
+                    id: row.id,
+                    attempts: row.attempts,
+                    error: row.error.clone(),
+                    kind: FailureKind::Rejected,
+                });
+            }
+            self.settle(round.published, round.failed).await?;
+            if let Some(reason) = round.lost {
+                return Err(SessionEnd::Lost(reason));
+            }
+        }
+        Ok(())
+    }
 
-            // Marked only after the broker confirmed: a relay that dies here leaves
-            // the rows leased, and they are published again after the lease expires.
+    /// Marks the confirmed rows published, then records every failure against its
+    /// own row, in one store call each.
+    async fn settle(
+        &self,
+        published: Vec<i64>,
+        failed: Vec<Failure>,
+    ) -> std::result::Result<(), SessionEnd> {
+        let s = &self.settings;
+        // Marked only after the broker confirmed: a relay that dies here leaves
+        // the rows leased, and they are published again after the lease expires.
+        let relay = s.relay_id.clone();
+        let confirmed = published.len();
+        let marked = match self
+            .blocking(move |o| o.mark_published(&relay, &published))
+            .await
+        {
+            Ok(marked) => marked,
+            // The rows stay leased; when the lease expires they are published
+            // again and the consumers' inboxes absorb the copies.
+            Err(SessionEnd::Fatal(Error::Store(err))) => {
+                tracing::error!(relay = %s.relay_id, error = %err, "marking published rows failed");
+                tokio::time::sleep(s.backoff_min).await;
+                0
+            }
+            Err(end) => return Err(end),
+        };
+        if marked < confirmed {
+            tracing::warn!(relay = %s.relay_id, marked, confirmed, "lease lost before marking; those rows will be published again");
+        }
+        let count = |kind| failed.iter().filter(|f| f.kind == kind).count() as u64;
+        let (returned, nacked, rejected) = (
+            count(FailureKind::Returned),
+            count(FailureKind::Nacked),
+            count(FailureKind::Rejected),
+        );
+        let failures: Vec<OutboxFailure> = failed
+            .into_iter()
+            .map(|f| OutboxFailure {
+                id: f.id,
+                fate: OutboxFate::after(s.retry_after, f.attempts, s.max_attempts),
+                error: f.error,
+            })
+            .collect();
+        let dead = failures
+            .iter()
+            .filter(|f| f.fate == OutboxFate::Dead)
+            .count() as u64;
+        for failure in failures.iter().filter(|f| f.fate == OutboxFate::Dead) {
+            tracing::error!(relay = %s.relay_id, row = failure.id, error = %failure.error, "outbox row is dead after its last attempt");
+        }
+        let retried = failures.len() as u64 - dead;
+        if !failures.is_empty() {
             let relay = s.relay_id.clone();
-            let ids = published.clone();
-            let marked = match self.blocking(move |o| o.mark_published(&relay, &ids)).await {
-                Ok(marked) => marked,
-                // The rows stay leased; when the lease expires they are published
-                // again and the consumers' inboxes absorb the copies.
+            match self
+                .blocking(move |o| o.record_failures(&relay, &failures))
+                .await
+            {
+                Ok(()) => {}
+                // Unrecorded, the rows are simply leased again when the lease expires.
                 Err(SessionEnd::Fatal(Error::Store(err))) => {
-                    tracing::error!(relay = %s.relay_id, error = %err, "marking published rows failed");
-                    tokio::time::sleep(s.backoff_min).await;
-                    0
+                    tracing::error!(relay = %s.relay_id, error = %err, "recording failed publications failed");
                 }
                 Err(end) => return Err(end),
-            };
-            if marked < published.len() {
-                tracing::warn!(relay = %s.relay_id, marked, confirmed = published.len(), "lease lost before marking; those rows will be published again");
             }
-            for failure in &failed {
-                let delay = backoff_for(s.retry_after, failure.attempts);
-                let relay = s.relay_id.clone();
-                let rows = vec![(failure.id, failure.error.clone())];
-                match self
-                    .blocking(move |o| o.record_failures(&relay, &rows, delay))
-                    .await
-                {
-                    // Unrecorded, the row is simply leased again when its lease expires.
-                    Err(SessionEnd::Fatal(Error::Store(err))) => {
-                        tracing::error!(relay = %s.relay_id, error = %err, "recording a failed publication failed");
-                    }
-                    other => other?,
-                }
-            }
-            self.stats
-                .published
-                .fetch_add(marked as u64, Ordering::Relaxed);
-            self.stats.returned.fetch_add(returned, Ordering::Relaxed);
-            self.stats.nacked.fetch_add(nacked, Ordering::Relaxed);
-            self.stats
-                .retried
-                .fetch_add(failed.len() as u64, Ordering::Relaxed);
-            metrics::counter!("outbox_published_total").increment(marked as u64);
-            metrics::counter!("outbox_returned_total").increment(returned);
-            metrics::counter!("outbox_nacked_total").increment(nacked);
-            metrics::counter!("outbox_retried_total").increment(failed.len() as u64);
         }
+        self.stats
+            .published
+            .fetch_add(marked as u64, Ordering::Relaxed);
+        self.stats.returned.fetch_add(returned, Ordering::Relaxed);
+        self.stats.nacked.fetch_add(nacked, Ordering::Relaxed);
+        self.stats.rejected.fetch_add(rejected, Ordering::Relaxed);
+        self.stats.retried.fetch_add(retried, Ordering::Relaxed);
+        self.stats.dead.fetch_add(dead, Ordering::Relaxed);
+        metrics::counter!("outbox_published_total").increment(marked as u64);
+        metrics::counter!("outbox_returned_total").increment(returned);
+        metrics::counter!("outbox_nacked_total").increment(nacked);
+        metrics::counter!("outbox_rejected_total").increment(rejected);
+        metrics::counter!("outbox_retried_total").increment(retried);
+        metrics::counter!("outbox_dead_total").increment(dead);
         Ok(())
     }
 }
 
-/// The delay before a failed row's next try: `first * 2^attempts`, at most a minute.
-fn backoff_for(first: Duration, attempts: i32) -> Duration {
-    let factor = 1u32 << attempts.clamp(0, 16);
-    (first * factor).min(Duration::from_secs(60)).max(first)
+/// Why a row's publication failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailureKind {
+    /// The broker returned it as unroutable.
+    Returned,
+    /// The broker nacked it.
+    Nacked,
+    /// It failed on its own: the broker closed the channel over it, it cannot be
+    /// encoded as AMQP, or the store could not read it.
+    Rejected,
 }
 
 struct Failure {
     id: i64,
     attempts: i32,
     error: String,
-    returned: bool,
+    kind: FailureKind,
+}
+
+impl Failure {
+    fn of(row: &OutboxRow, error: String, kind: FailureKind) -> Self {
+        Self {
+            id: row.id,
+            attempts: row.attempts,
+            error,
+            kind,
+        }
+    }
+}
+
+/// What a publishing round settled.
+#[derive(Default)]
+struct Round {
+    /// Confirmed rows.
+    published: Vec<i64>,
+    /// Rows that failed on their own.
+    failed: Vec<Failure>,
+    /// Why the round stopped before settling every row (the connection was lost, or
+    /// the lease ran out); the unsettled rows stay leased and are taken again.
+    lost: Option<String>,
+}
+
+/// A channel in confirm mode.
+async fn confirm_channel(conn: &Connection) -> lapin::Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }
 
 fn properties(row: &OutboxRow) -> BasicProperties {
@@ -451,52 +559,217 @@ fn properties(row: &OutboxRow) -> BasicProperties {
         .with_headers(headers)
 }
 
-/// Publishes rows in id order on one channel, then waits for every confirm.
-async fn publish(
-    channel: &Channel,
-    rows: &[OutboxRow],
-) -> std::result::Result<(Vec<i64>, Vec<Failure>), SessionEnd> {
-    let mut pending = Vec::with_capacity(rows.len());
-    for row in rows {
-        let confirm = channel
-            .basic_publish(
-                row.message.exchange.as_str().into(),
-                row.message.routing_key.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &row.message.payload,
-                properties(row),
+/// Why a row cannot go out as AMQP: names the protocol carries as short strings (at
+/// most 255 bytes). `enqueue` refuses such rows; another producer may write them.
+fn unencodable(row: &OutboxRow) -> Option<String> {
+    const SHORT: usize = 255;
+    let msg = &row.message;
+    let fields = [
+        ("exchange", msg.exchange.as_str()),
+        ("routing key", msg.routing_key.as_str()),
+        ("message type", msg.message_type.as_str()),
+        ("message key", msg.message_key.as_str()),
+    ];
+    let names = msg.headers.keys().map(|k| ("header name", k.as_str()));
+    fields
+        .into_iter()
+        .chain(names)
+        .find(|(_, v)| v.len() > SHORT)
+        .map(|(what, v)| {
+            format!(
+                "cannot be encoded as AMQP: {what} must be at most {SHORT} bytes, found {} bytes",
+                v.len()
             )
-            .await?;
-        pending.push((row, confirm));
+        })
+}
+
+/// How one row's publication ended.
+enum Settled {
+    Published,
+    Failed(Failure),
+}
+
+fn settled(row: &OutboxRow, confirmation: Confirmation) -> Settled {
+    if confirmation.is_nack() {
+        Settled::Failed(Failure::of(
+            row,
+            "nacked by the broker".to_owned(),
+            FailureKind::Nacked,
+        ))
+    } else if confirmation.take_message().is_some() {
+        let msg = &row.message;
+        Settled::Failed(Failure::of(
+            row,
+            format!(
+                "unroutable: exchange {:?} has no queue bound for routing key {:?}",
+                msg.exchange, msg.routing_key
+            ),
+            FailureKind::Returned,
+        ))
+    } else {
+        Settled::Published
     }
-    let mut published = Vec::with_capacity(rows.len());
-    let mut failed = Vec::new();
-    for (row, confirm) in pending {
-        let confirmation = confirm.await?;
-        let fail = |error: String, returned: bool| Failure {
-            id: row.id,
-            attempts: row.attempts,
-            error,
-            returned,
-        };
-        if confirmation.is_nack() {
-            failed.push(fail("nacked by the broker".to_owned(), false));
-        } else if confirmation.take_message().is_some() {
-            failed.push(fail(
-                format!(
-                    "unroutable: exchange {:?} has no queue bound for routing key {:?}",
-                    row.message.exchange, row.message.routing_key
-                ),
-                true,
-            ));
-        } else {
-            published.push(row.id);
+}
+
+async fn basic_publish(channel: &Channel, row: &OutboxRow) -> lapin::Result<PublisherConfirm> {
+    channel
+        .basic_publish(
+            row.message.exchange.as_str().into(),
+            row.message.routing_key.as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            &row.message.payload,
+            properties(row),
+        )
+        .await
+}
+
+/// Whether a failed publication is the row's own doing: the broker closed the
+/// channel over it (a soft error: 404 no such exchange, 406 over the size limit, 403
+/// access refused), or it could not be encoded.
+fn is_the_rows_fault(err: &lapin::Error) -> bool {
+    err.is_amqp_soft_error() || matches!(err.kind(), ErrorKind::SerialisationError(_))
+}
+
+const LEASE_RAN_OUT: &str = "no publisher confirms before the lease expired";
+
+/// Publishes the leased rows with confirms until `deadline`, each row's failure
+/// recorded against that row, never stopping the others.
+///
+/// The rows are published in id order on one channel, then every confirm is awaited.
+/// When the broker closes the channel over one row, it drops the rows after it and
+/// the confirms still owed for the rows before it: which row it was is not said.
+/// The unconfirmed rows are then published one at a time on a new channel until one
+/// closes it again (that one is the poison, and is recorded), and the rest go on as
+/// before. Each such pass blames one row or settles every row, so a round ends.
+async fn publish(
+    conn: &Connection,
+    channel: &mut Channel,
+    rows: &[OutboxRow],
+    deadline: Instant,
+) -> Round {
+    let mut round = Round::default();
+    let mut todo: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
+    for row in rows {
+        match unencodable(row) {
+            Some(error) => round
+                .failed
+                .push(Failure::of(row, error, FailureKind::Rejected)),
+            None => todo.push(row),
         }
     }
-    Ok((published, failed))
+    while !todo.is_empty() {
+        let unsettled = match publish_pipelined(channel, &todo, deadline, &mut round).await {
+            Ok(unsettled) => unsettled,
+            Err(reason) => {
+                round.lost = Some(reason);
+                return round;
+            }
+        };
+        if unsettled.is_empty() {
+            break;
+        }
+        // A connection that is gone blames nobody: reconnect and lease again.
+        if !conn.status().connected() {
+            round.lost = Some("the connection closed while publishing".to_owned());
+            return round;
+        }
+        let mut rest = unsettled.into_iter();
+        for row in rest.by_ref() {
+            match publish_alone(conn, channel, row, deadline).await {
+                Ok(Settled::Published) => round.published.push(row.id),
+                Ok(Settled::Failed(failure)) => {
+                    let poison = failure.kind == FailureKind::Rejected;
+                    round.failed.push(failure);
+                    // Found: the rows after it go on together again.
+                    if poison {
+                        break;
+                    }
+                }
+                Err(reason) => {
+                    round.lost = Some(reason);
+                    return round;
+                }
+            }
+        }
+        todo = rest.collect();
+    }
+    round
+}
+
+/// Publishes `rows` on one channel and awaits every confirm; settles what the broker
+/// answered into `round` and returns the rows it did not (the channel closed), in
+/// order. `Err` when the lease ran out or the connection is gone.
+async fn publish_pipelined<'r>(
+    channel: &Channel,
+    rows: &[&'r OutboxRow],
+    deadline: Instant,
+    round: &mut Round,
+) -> std::result::Result<Vec<&'r OutboxRow>, String> {
+    let mut pending = Vec::with_capacity(rows.len());
+    let mut unsent = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        match basic_publish(channel, row).await {
+            Ok(confirm) => pending.push((*row, confirm)),
+            Err(_) => {
+                // The channel is closing or closed; the confirms below say why.
+                unsent = rows[i..].to_vec();
+                break;
+            }
+        }
+    }
+    let mut unsettled = Vec::new();
+    for (row, confirm) in pending {
+        match tokio::time::timeout_at(deadline, confirm).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(Ok(confirmation)) => match settled(row, confirmation) {
+                Settled::Published => round.published.push(row.id),
+                Settled::Failed(failure) => round.failed.push(failure),
+            },
+            Ok(Err(_)) => unsettled.push(row),
+        }
+    }
+    unsettled.extend(unsent);
+    Ok(unsettled)
+}
+
+/// Publishes one row alone, on a new channel if the last one was closed, and awaits
+/// its confirm. A [`FailureKind::Rejected`] failure when the broker closed the
+/// channel over it (it was the only row in flight); `Err` when the lease ran out or
+/// the connection is gone.
+async fn publish_alone(
+    conn: &Connection,
+    channel: &mut Channel,
+    row: &OutboxRow,
+    deadline: Instant,
+) -> std::result::Result<Settled, String> {
+    if !channel.status().connected() {
+        match tokio::time::timeout_at(deadline, confirm_channel(conn)).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(Err(err)) => return Err(format!("reopening the channel failed: {err}")),
+            Ok(Ok(fresh)) => *channel = fresh,
+        }
+    }
+    let published = match basic_publish(channel, row).await {
+        Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(confirmed) => confirmed,
+        },
+        Err(err) => Err(err),
+    };
+    match published {
+        Ok(confirmation) => Ok(settled(row, confirmation)),
+        Err(err) if is_the_rows_fault(&err) && conn.status().connected() => {
+            Ok(Settled::Failed(Failure::of(
+                row,
+                format!("the broker refused it and closed the channel: {err}"),
+                FailureKind::Rejected,
+            )))
+        }
+        Err(err) => Err(format!("publishing failed: {err}")),
+    }
 }
 
 /// `relay-<host>-<pid>-<random>-<n>`: the host name tells an operator where a lease
@@ -576,15 +849,6 @@ mod tests {
     }
 
     #[test]
-    fn failed_rows_back_off_and_cap() {
-        let s = Duration::from_secs(1);
-        assert_eq!(backoff_for(s, 0), s);
-        assert_eq!(backoff_for(s, 3), 8 * s);
-        assert_eq!(backoff_for(s, 40), Duration::from_secs(60));
-        assert_eq!(backoff_for(s, -1), s);
-    }
-
-    #[test]
     fn settings_out_of_range_are_refused_by_name() {
         let refused = |settings: RelaySettings| config_error(settings.check());
         let ms = Duration::from_millis;
@@ -592,6 +856,7 @@ mod tests {
         assert!(refused(RelaySettings::default().lease(0, ms(10))).contains("batch size"));
         assert!(refused(RelaySettings::default().relay_id("")).contains("non-empty id"));
         assert!(refused(RelaySettings::default().lease(5, Duration::ZERO)).contains("lease"));
+        assert!(refused(RelaySettings::default().max_attempts(0)).contains("max attempts"));
         assert!(refused(RelaySettings::default().backoff(ms(9), ms(1))).contains("backoff"));
         let no_wait = RelaySettings::default().connect_timeout(Duration::ZERO);
         assert!(refused(no_wait).contains("connect timeout"));

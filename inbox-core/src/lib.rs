@@ -50,7 +50,10 @@ pub use handler::{
 #[cfg(feature = "derive")]
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
-pub use outbox::{relay_in_process, EnqueueOutcome, Lease, OutboxMessage, OutboxRow, OutboxStore};
+pub use outbox::{
+    relay_in_process, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
+    OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
+};
 pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};

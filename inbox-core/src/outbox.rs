@@ -25,7 +25,8 @@ pub struct OutboxMessage {
     pub headers: BTreeMap<String, String>,
     /// The tenant, published as the `tenant` header.
     pub tenant: Option<String>,
-    /// Rows with the same ordering key reach the broker in id order.
+    /// Rows with the same ordering key reach the broker in commit order (on
+    /// PostgreSQL: the order of their transactions, then of their ids).
     pub ordering_key: Option<String>,
     /// Not published before this time.
     pub not_before: Option<DateTime<Utc>>,
@@ -133,29 +134,98 @@ pub struct Lease {
     pub until: DateTime<Utc>,
     /// The rows, in id order.
     pub rows: Vec<OutboxRow>,
+    /// Leased rows the store could not read (headers that are not JSON, a key out of
+    /// range, a value another producer wrote in a form the store does not know). They
+    /// are leased like the others, so the relay records their failure by id: they
+    /// never fail the lease, and they end dead like any row that keeps failing.
+    pub unreadable: Vec<UnreadableRow>,
+}
+
+/// A leased row the store could not read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnreadableRow {
+    /// The row's id.
+    pub id: i64,
+    /// Failed publications so far.
+    pub attempts: i32,
+    /// Why it could not be read.
+    pub error: String,
+}
+
+/// How many failed publications make an outbox row dead, unless a relay is told
+/// otherwise.
+pub const DEFAULT_OUTBOX_MAX_ATTEMPTS: u32 = 20;
+
+/// The longest delay between two tries of a failed outbox row.
+pub const MAX_OUTBOX_RETRY_DELAY: Duration = Duration::from_secs(60);
+
+/// What becomes of an outbox row whose publication failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OutboxFate {
+    /// It is due again after this delay.
+    RetryAfter(Duration),
+    /// It failed its last attempt: kept, never leased again, listed for operators.
+    Dead,
+}
+
+impl OutboxFate {
+    /// The fate of a row that has failed `attempts` times before this failure:
+    /// dead when this failure is its `max_attempts`-th, else due again after
+    /// `first * 2^attempts`, at most [`MAX_OUTBOX_RETRY_DELAY`] (and at least
+    /// `first`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_core::OutboxFate;
+    /// let s = Duration::from_secs(1);
+    /// assert_eq!(OutboxFate::after(s, 0, 3), OutboxFate::RetryAfter(s));
+    /// assert_eq!(OutboxFate::after(s, 1, 3), OutboxFate::RetryAfter(2 * s));
+    /// assert_eq!(OutboxFate::after(s, 2, 3), OutboxFate::Dead);
+    /// ```
+    pub fn after(first: Duration, attempts: i32, max_attempts: u32) -> Self {
+        let this_attempt = i64::from(attempts.max(0)) + 1;
+        if this_attempt >= i64::from(max_attempts) {
+            return Self::Dead;
+        }
+        let factor = 1u32 << attempts.clamp(0, 16);
+        Self::RetryAfter(
+            first
+                .saturating_mul(factor)
+                .min(MAX_OUTBOX_RETRY_DELAY)
+                .max(first),
+        )
+    }
+}
+
+/// A failed publication to record against its row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxFailure {
+    /// The row's id.
+    pub id: i64,
+    /// What went wrong (kept as the row's `last_error`).
+    pub error: String,
+    /// Whether it is tried again, and when.
+    pub fate: OutboxFate,
 }
 
 /// The outbox table, as a relay uses it. Every call is a short transaction of its
 /// own: no database transaction is ever held across broker I/O.
 pub trait OutboxStore: Send + Sync + 'static {
-    /// Leases up to `limit` unpublished, due rows whose lease is free or expired, in
-    /// id order, skipping rows locked by another relay and rows with an earlier
-    /// unpublished row of the same ordering key.
+    /// Leases up to `limit` unpublished, live (not dead), due rows whose lease is free
+    /// or expired, in id order, skipping rows locked by another relay and rows with
+    /// an earlier live row of the same ordering key. A row it cannot read is leased
+    /// and returned in [`Lease::unreadable`]; it never fails the lease.
     fn lease(&self, relay: &str, limit: usize, lease_for: Duration) -> Result<Lease>;
 
     /// Marks rows published, only those still leased by `relay`; returns how many.
     fn mark_published(&self, relay: &str, ids: &[i64]) -> Result<usize>;
 
-    /// Records failed publications (attempts + 1, last error) and releases their
-    /// lease; they are due again after `retry_after`.
-    fn record_failures(
-        &self,
-        relay: &str,
-        failures: &[(i64, String)],
-        retry_after: Duration,
-    ) -> Result<()>;
+    /// Records failed publications of rows `relay` still leases (attempts + 1, last
+    /// error) and releases their lease; each is due again after its delay, or dead.
+    fn record_failures(&self, relay: &str, failures: &[OutboxFailure]) -> Result<()>;
 
-    /// The age of the oldest unpublished row, if any.
+    /// The age of the oldest unpublished row that is not dead, if any.
     fn oldest_unpublished_age(&self) -> Result<Option<Duration>>;
 
     /// The store clock's time.
@@ -170,7 +240,9 @@ pub trait OutboxStore: Send + Sync + 'static {
 }
 
 /// One relay round into the in-process transport: lease, publish, mark. Returns how
-/// many rows were published. For embedded use (SQLite) and tests.
+/// many rows were published. For embedded use (SQLite) and tests. A row that fails
+/// (or cannot be read) is recorded against itself, due again after a second and
+/// doubling, dead after [`DEFAULT_OUTBOX_MAX_ATTEMPTS`]; the others are published.
 pub fn relay_in_process<O, S>(
     outbox: &O,
     transport: &mut InProcessTransport<S>,
@@ -181,17 +253,56 @@ where
     O: OutboxStore + ?Sized,
     S: InboxStore,
 {
+    let first = Duration::from_secs(1);
+    let fail = |id, attempts, error| OutboxFailure {
+        id,
+        error,
+        fate: OutboxFate::after(first, attempts, DEFAULT_OUTBOX_MAX_ATTEMPTS),
+    };
     let lease = outbox.lease(relay, limit, Duration::from_secs(30))?;
     let mut published = Vec::with_capacity(lease.rows.len());
-    let mut failed = Vec::new();
+    let mut failed: Vec<OutboxFailure> = lease
+        .unreadable
+        .iter()
+        .map(|row| fail(row.id, row.attempts, row.error.clone()))
+        .collect();
     for row in &lease.rows {
         match transport.publish(row.message.to_envelope()) {
             Ok(_) => published.push(row.id),
-            Err(err) => failed.push((row.id, err.to_string())),
+            Err(err) => failed.push(fail(row.id, row.attempts, err.to_string())),
         }
     }
+    let marked = outbox.mark_published(relay, &published)?;
     if !failed.is_empty() {
-        outbox.record_failures(relay, &failed, Duration::from_secs(1))?;
+        outbox.record_failures(relay, &failed)?;
     }
-    outbox.mark_published(relay, &published)
+    Ok(marked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_rows_back_off_cap_and_die_on_their_last_attempt() {
+        let s = Duration::from_secs(1);
+        let retry = |attempts| OutboxFate::after(s, attempts, 100);
+        assert_eq!(retry(0), OutboxFate::RetryAfter(s));
+        assert_eq!(retry(3), OutboxFate::RetryAfter(8 * s));
+        assert_eq!(retry(40), OutboxFate::RetryAfter(MAX_OUTBOX_RETRY_DELAY));
+        assert_eq!(retry(-1), OutboxFate::RetryAfter(s));
+        assert_eq!(OutboxFate::after(s, 0, 1), OutboxFate::Dead);
+        assert_eq!(OutboxFate::after(s, 0, 0), OutboxFate::Dead);
+        assert_eq!(
+            OutboxFate::after(s, 18, 20),
+            OutboxFate::RetryAfter(MAX_OUTBOX_RETRY_DELAY)
+        );
+        assert_eq!(OutboxFate::after(s, 19, 20), OutboxFate::Dead);
+        assert_eq!(
+            OutboxFate::after(s, i32::MAX, u32::MAX),
+            OutboxFate::RetryAfter(MAX_OUTBOX_RETRY_DELAY)
+        );
+        let long = Duration::from_secs(600);
+        assert_eq!(OutboxFate::after(long, 0, 5), OutboxFate::RetryAfter(long));
+    }
 }

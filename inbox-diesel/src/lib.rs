@@ -19,7 +19,10 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
-pub use outbox::{enqueue, AsStoreConnection, OUTBOX_CHANNEL};
+pub use outbox::{
+    enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,
+    DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
+};
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use retention::Retention;
 pub use store::{

@@ -16,7 +16,10 @@ use diesel::prelude::*;
 use diesel::result::QueryResult;
 use diesel::sql_types::{BigInt, Text};
 use diesel::PgConnection;
-use inbox_core::{delta, EnqueueOutcome, Lease, MessageKey, OutboxMessage, OutboxRow, OutboxStore};
+use inbox_core::{
+    delta, EnqueueOutcome, Lease, MessageKey, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
+    OutboxStore, UnreadableRow,
+};
 
 use crate::backend::{private::Sealed, StoreConnection};
 use crate::{Backend, Error, Result, Store};
@@ -37,6 +40,49 @@ const ID_CHUNK: usize = 500;
 /// The longest `last_error` kept.
 const MAX_ERROR_LEN: usize = 4000;
 
+/// The largest body [`enqueue`] accepts unless told otherwise: 16 MiB, RabbitMQ's
+/// default `max_message_size` since 4.0 (3.x allowed 128 MiB). A body the broker
+/// refuses closes the relay's channel on every try; refusing it in the business
+/// transaction tells the writer instead.
+pub const DEFAULT_MAX_OUTBOX_PAYLOAD: usize = 16 * 1024 * 1024;
+
+/// The longest exchange name, routing key, message type, ordering key and header
+/// name [`enqueue`] accepts: AMQP carries the first four as short strings, and header
+/// names too.
+pub const MAX_OUTBOX_NAME_LEN: usize = 255;
+
+/// What [`enqueue_with`] accepts beyond the message's own rules.
+///
+/// ```
+/// use inbox_diesel::{EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD};
+/// assert_eq!(EnqueueLimits::default().max_payload, DEFAULT_MAX_OUTBOX_PAYLOAD);
+/// let larger = EnqueueLimits::default().with_max_payload(64 * 1024 * 1024);
+/// assert_eq!(larger.max_payload, 64 * 1024 * 1024);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EnqueueLimits {
+    /// The largest body, in bytes (default [`DEFAULT_MAX_OUTBOX_PAYLOAD`]). Keep it at
+    /// or below the broker's `max_message_size`.
+    pub max_payload: usize,
+}
+
+impl Default for EnqueueLimits {
+    fn default() -> Self {
+        Self {
+            max_payload: DEFAULT_MAX_OUTBOX_PAYLOAD,
+        }
+    }
+}
+
+impl EnqueueLimits {
+    /// Sets the largest body.
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
+    }
+}
+
 /// Enqueues `message` on `conn`, inside the caller's transaction: the row becomes
 /// visible to relays when that transaction commits, and never exists if it rolls
 /// back. Enqueueing a message key that is already in the table writes nothing and
@@ -46,8 +92,14 @@ const MAX_ERROR_LEN: usize = 4000;
 /// [`Store::clock`]). On PostgreSQL it also notifies [`OUTBOX_CHANNEL`]; the
 /// notification is delivered at commit, so a rolled-back enqueue wakes nobody.
 ///
-/// Refuses an empty routing key, an empty message type and an empty ordering key
-/// (use `None` for no ordering); an empty exchange is the default exchange.
+/// Refuses up front what the relay could never publish or the store never read
+/// back: an empty routing key, message type or ordering key (use `None` for no
+/// ordering; an empty exchange is the default exchange); an exchange, routing key,
+/// message type, ordering key or header name over [`MAX_OUTBOX_NAME_LEN`] bytes (or
+/// an empty header name); a NUL byte in any of them, in a header value or in the
+/// tenant (PostgreSQL's text refuses it); a body over [`DEFAULT_MAX_OUTBOX_PAYLOAD`]
+/// ([`enqueue_with`] sets another limit). The message key is checked by
+/// [`MessageKey`] itself (1 to 255 bytes, no NUL).
 ///
 /// ```no_run
 /// use diesel::{Connection, PgConnection};
@@ -70,7 +122,23 @@ pub fn enqueue<C: AsStoreConnection + ?Sized>(
     message: &OutboxMessage,
     now: DateTime<Utc>,
 ) -> Result<EnqueueOutcome> {
-    enqueue_on(conn.as_store_connection(), message, now)
+    enqueue_on(
+        conn.as_store_connection(),
+        message,
+        now,
+        &EnqueueLimits::default(),
+    )
+}
+
+/// [`enqueue`] with other limits, such as a larger body for a broker configured
+/// for one.
+pub fn enqueue_with<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    message: &OutboxMessage,
+    now: DateTime<Utc>,
+    limits: &EnqueueLimits,
+) -> Result<EnqueueOutcome> {
+    enqueue_on(conn.as_store_connection(), message, now, limits)
 }
 
 /// A connection [`enqueue`] runs on: a store connection (`PgConnection`,
@@ -104,8 +172,9 @@ fn enqueue_on<C: StoreConnection>(
     conn: &mut C,
     message: &OutboxMessage,
     now: DateTime<Utc>,
+    limits: &EnqueueLimits,
 ) -> Result<EnqueueOutcome> {
-    validate(message)?;
+    validate(message, limits)?;
     let headers = serde_json::to_string(&message.headers)
         .map_err(|err| invalid(message, format!("headers do not serialize as JSON: {err}")))?;
     let now = micros(now);
@@ -130,20 +199,54 @@ fn enqueue_on<C: StoreConnection>(
     }
 }
 
-fn validate(message: &OutboxMessage) -> Result<()> {
+fn validate(message: &OutboxMessage, limits: &EnqueueLimits) -> Result<()> {
+    let refuse = |reason: String| Err(invalid(message, reason));
     if message.routing_key.is_empty() {
-        return Err(invalid(message, "routing key must not be empty".to_owned()));
+        return refuse("routing key must not be empty".to_owned());
     }
     if message.message_type.is_empty() {
-        return Err(invalid(
-            message,
-            "message type must not be empty".to_owned(),
-        ));
+        return refuse("message type must not be empty".to_owned());
     }
     if message.ordering_key.as_deref() == Some("") {
-        return Err(invalid(
-            message,
-            "ordering key must not be empty (use None for no ordering)".to_owned(),
+        return refuse("ordering key must not be empty (use None for no ordering)".to_owned());
+    }
+    let names = [
+        ("exchange", Some(message.exchange.as_str())),
+        ("routing key", Some(message.routing_key.as_str())),
+        ("message type", Some(message.message_type.as_str())),
+        ("ordering key", message.ordering_key.as_deref()),
+    ];
+    for (what, value) in names {
+        let Some(value) = value else { continue };
+        if value.len() > MAX_OUTBOX_NAME_LEN {
+            return refuse(format!(
+                "{what} must be at most {MAX_OUTBOX_NAME_LEN} bytes, found {} bytes",
+                value.len()
+            ));
+        }
+        if value.contains('\0') {
+            return refuse(format!("{what} must not contain a NUL byte"));
+        }
+    }
+    if message.tenant.as_deref().is_some_and(|t| t.contains('\0')) {
+        return refuse("tenant must not contain a NUL byte".to_owned());
+    }
+    for (name, value) in &message.headers {
+        if name.is_empty() || name.len() > MAX_OUTBOX_NAME_LEN {
+            return refuse(format!(
+                "header name must be 1 to {MAX_OUTBOX_NAME_LEN} bytes, found {} bytes",
+                name.len()
+            ));
+        }
+        if name.contains('\0') || value.contains('\0') {
+            return refuse(format!("header {name:?} must not contain a NUL byte"));
+        }
+    }
+    if message.payload.len() > limits.max_payload {
+        return refuse(format!(
+            "body must be at most {} bytes, found {} bytes",
+            limits.max_payload,
+            message.payload.len()
         ));
     }
     Ok(())
@@ -206,13 +309,17 @@ type OutboxTuple = (
     i32,
 );
 
-fn outbox_row(t: OutboxTuple) -> QueryResult<OutboxRow> {
-    let corrupt = |what: String| {
-        diesel::result::Error::DeserializationError(format!("outbox row {}: {what}", t.0).into())
+/// A stored row as a message, or why it cannot be one (it is recorded against the
+/// row, never failing the lease).
+fn outbox_row(t: OutboxTuple) -> std::result::Result<OutboxRow, UnreadableRow> {
+    let unreadable = |error: String| UnreadableRow {
+        id: t.0,
+        attempts: t.10,
+        error: format!("unreadable row: {error}"),
     };
-    let message_key = MessageKey::new(t.1.clone()).map_err(|err| corrupt(err.to_string()))?;
+    let message_key = MessageKey::new(t.1.clone()).map_err(|err| unreadable(err.to_string()))?;
     let headers = serde_json::from_str(&t.7)
-        .map_err(|err| corrupt(format!("headers are not a JSON object of strings: {err}")))?;
+        .map_err(|err| unreadable(format!("headers are not a JSON object of strings: {err}")))?;
     Ok(OutboxRow {
         id: t.0,
         message: OutboxMessage {
@@ -230,6 +337,67 @@ fn outbox_row(t: OutboxTuple) -> QueryResult<OutboxRow> {
         attempts: t.10,
         created_at: t.9,
     })
+}
+
+/// Sorts decoded tuples into readable rows and unreadable ones.
+fn decode_into(t: OutboxTuple, rows: &mut Vec<OutboxRow>, unreadable: &mut Vec<UnreadableRow>) {
+    match outbox_row(t) {
+        Ok(row) => rows.push(row),
+        Err(bad) => unreadable.push(bad),
+    }
+}
+
+/// A dead outbox row, as an operator sees it: what was stored, read as text where
+/// it can be (a row may be dead because it could not be read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadOutboxRow {
+    /// The row's id.
+    pub id: i64,
+    /// The message key, as stored.
+    pub message_key: String,
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The ordering key.
+    pub ordering_key: Option<String>,
+    /// Failed publications.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When its last attempt failed. (Its `created_at` is not read: a row may be
+    /// dead because another producer wrote a timestamp the store cannot decode.)
+    pub dead_at: DateTime<Utc>,
+}
+
+type DeadTuple = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    i32,
+    Option<String>,
+    Option<DateTime<Utc>>,
+);
+
+fn dead_row(t: DeadTuple) -> DeadOutboxRow {
+    DeadOutboxRow {
+        id: t.0,
+        message_key: t.1,
+        exchange: t.2,
+        routing_key: t.3,
+        message_type: t.4,
+        ordering_key: t.5,
+        attempts: t.6,
+        last_error: t.7,
+        // Selected with dead_at IS NOT NULL.
+        dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
+    }
 }
 
 #[derive(QueryableByName)]
@@ -261,8 +429,11 @@ pub trait OutboxOps: Sized {
         until: DateTime<Utc>,
     ) -> QueryResult<Vec<i64>>;
 
-    /// Reads rows by id, in id order.
-    fn load_outbox(conn: &mut Self, ids: &[i64]) -> QueryResult<Vec<OutboxRow>>;
+    /// Reads rows by id, in id order; rows that cannot be read are returned apart.
+    fn load_outbox(
+        conn: &mut Self,
+        ids: &[i64],
+    ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)>;
 
     /// Marks rows published that `relay` still leases; returns how many.
     fn mark_outbox_published(
@@ -272,17 +443,25 @@ pub trait OutboxOps: Sized {
         now: DateTime<Utc>,
     ) -> QueryResult<usize>;
 
-    /// Records a failed publication of a row `relay` still leases and frees it.
+    /// Records a failed publication of a row `relay` still leases and frees it: due
+    /// again at `due`, or dead since `dead_at`.
     fn record_outbox_failure(
         conn: &mut Self,
         relay: &str,
         id: i64,
         error: &str,
         due: DateTime<Utc>,
+        dead_at: Option<DateTime<Utc>>,
     ) -> QueryResult<usize>;
 
-    /// When the first unpublished row in id order was enqueued.
+    /// When the first live unpublished row in id order was enqueued.
     fn first_unpublished_at(conn: &mut Self) -> QueryResult<Option<DateTime<Utc>>>;
+
+    /// Up to `limit` dead rows, oldest death first.
+    fn dead_outbox(conn: &mut Self, limit: i64) -> QueryResult<Vec<DeadOutboxRow>>;
+
+    /// Makes dead rows live again, due at `now` with no attempts; returns how many.
+    fn revive_outbox(conn: &mut Self, ids: &[i64], now: DateTime<Utc>) -> QueryResult<usize>;
 
     /// Deletes up to `limit` rows published before `cutoff`, oldest first.
     fn purge_published(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
@@ -296,18 +475,30 @@ mod pg_sql {
     pub const NOTIFY: Option<&str> = Some("SELECT pg_notify($1, coalesce(current_schema(), ''))");
 
     /// SKIP LOCKED: concurrent relays lease disjoint rows without waiting for each
-    /// other. The NOT EXISTS keeps an ordering key's rows in id order: a row waits
-    /// while an earlier row of its key is unpublished (leased, failed or not yet due).
+    /// other. Dead rows are never leased and hold nothing up.
+    ///
+    /// Rows with an ordering key go out per key in (writing transaction, id) order,
+    /// which is commit order: ids are not (a row with a lower id can commit later,
+    /// and until then the NOT EXISTS cannot see it). So an ordered row is leased only
+    /// once its transaction is older than every transaction still running
+    /// (`pg_snapshot_xmin`): every row that precedes it has then committed (or rolled
+    /// back) and is visible; and only while no live row precedes it (leased, failed
+    /// or not yet due). A NULL `xact_id` (a row from before the column) counts as
+    /// long committed. Rows without an ordering key are leased at once.
     pub const LEASE: &str = "\
         UPDATE outbox_messages SET leased_until = $2, leased_by = $3 \
         WHERE id IN ( \
             SELECT o.id FROM outbox_messages o \
-            WHERE o.published_at IS NULL AND o.available_at <= $1 \
+            WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $1 \
               AND (o.leased_until IS NULL OR o.leased_until <= $1) \
-              AND NOT EXISTS ( \
-                  SELECT 1 FROM outbox_messages e \
-                  WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
-                    AND e.published_at IS NULL) \
+              AND (o.ordering_key IS NULL OR ( \
+                  coalesce(o.xact_id, '0'::xid8) < pg_snapshot_xmin(pg_current_snapshot()) \
+                  AND NOT EXISTS ( \
+                      SELECT 1 FROM outbox_messages e \
+                      WHERE e.ordering_key = o.ordering_key \
+                        AND e.published_at IS NULL AND e.dead_at IS NULL \
+                        AND (coalesce(e.xact_id, '0'::xid8), e.id) \
+                          < (coalesce(o.xact_id, '0'::xid8), o.id)))) \
             ORDER BY o.id LIMIT $4 \
             FOR UPDATE SKIP LOCKED) \
         RETURNING id";
@@ -333,16 +524,18 @@ mod pg_sql {
 mod sqlite_sql {
     pub const NOTIFY: Option<&str> = None;
 
+    /// One writer at a time, so ids are handed out in commit order: id order is
+    /// an ordering key's order, and no transaction id is needed.
     pub const LEASE: &str = "\
         UPDATE outbox_messages SET leased_until = ?2, leased_by = ?3 \
         WHERE id IN ( \
             SELECT o.id FROM outbox_messages o \
-            WHERE o.published_at IS NULL AND o.available_at <= ?1 \
+            WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ?1 \
               AND (o.leased_until IS NULL OR o.leased_until <= ?1) \
               AND NOT EXISTS ( \
                   SELECT 1 FROM outbox_messages e \
                   WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
-                    AND e.published_at IS NULL) \
+                    AND e.published_at IS NULL AND e.dead_at IS NULL) \
             ORDER BY o.id LIMIT ?4) \
         RETURNING id";
 
@@ -411,32 +604,77 @@ macro_rules! outbox_ops {
                 Ok(ids.into_iter().map(|r| r.id).collect())
             }
 
-            fn load_outbox(conn: &mut Self, ids: &[i64]) -> QueryResult<Vec<OutboxRow>> {
+            fn load_outbox(
+                conn: &mut Self,
+                ids: &[i64],
+            ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)> {
                 use crate::schema::$schema::outbox_messages::dsl::*;
+                use diesel::result::Error::DeserializationError;
+                let columns = (
+                    id,
+                    message_key,
+                    exchange,
+                    routing_key,
+                    message_type,
+                    tenant,
+                    payload,
+                    headers,
+                    ordering_key,
+                    created_at,
+                    attempts,
+                );
                 let mut rows = Vec::with_capacity(ids.len());
+                let mut unreadable = Vec::new();
                 for chunk in ids.chunks(ID_CHUNK) {
-                    let tuples: Vec<OutboxTuple> = outbox_messages
+                    let loaded: QueryResult<Vec<OutboxTuple>> = outbox_messages
                         .filter(id.eq_any(chunk))
-                        .select((
-                            id,
-                            message_key,
-                            exchange,
-                            routing_key,
-                            message_type,
-                            tenant,
-                            payload,
-                            headers,
-                            ordering_key,
-                            created_at,
-                            attempts,
-                        ))
-                        .load(conn)?;
-                    for t in tuples {
-                        rows.push(outbox_row(t)?);
+                        .select(columns)
+                        .load(conn);
+                    match loaded {
+                        Ok(tuples) => {
+                            for t in tuples {
+                                decode_into(t, &mut rows, &mut unreadable);
+                            }
+                        }
+                        // A value diesel cannot decode (a timestamp another producer
+                        // wrote as it liked): find it row by row. Decoding fails on
+                        // the client, so the transaction is still usable.
+                        Err(DeserializationError(_)) => {
+                            for &one in chunk {
+                                let single: QueryResult<Option<OutboxTuple>> = outbox_messages
+                                    .filter(id.eq(one))
+                                    .select(columns)
+                                    .first(conn)
+                                    .optional();
+                                match single {
+                                    Ok(Some(t)) => decode_into(t, &mut rows, &mut unreadable),
+                                    Ok(None) => {}
+                                    Err(DeserializationError(err)) => {
+                                        let tries: QueryResult<i32> = outbox_messages
+                                            .filter(id.eq(one))
+                                            .select(attempts)
+                                            .first(conn);
+                                        let tries = match tries {
+                                            Ok(n) => n,
+                                            Err(DeserializationError(_)) => 0,
+                                            Err(other) => return Err(other),
+                                        };
+                                        unreadable.push(UnreadableRow {
+                                            id: one,
+                                            attempts: tries,
+                                            error: format!("unreadable row: {err}"),
+                                        });
+                                    }
+                                    Err(other) => return Err(other),
+                                }
+                            }
+                        }
+                        Err(other) => return Err(other),
                     }
                 }
                 rows.sort_by_key(|r| r.id);
-                Ok(rows)
+                unreadable.sort_by_key(|r| r.id);
+                Ok((rows, unreadable))
             }
 
             fn mark_outbox_published(
@@ -468,10 +706,11 @@ macro_rules! outbox_ops {
                 row_id: i64,
                 error: &str,
                 due: DateTime<Utc>,
+                dead: Option<DateTime<Utc>>,
             ) -> QueryResult<usize> {
-                use crate::schema::$schema::outbox_messages::dsl::*;
+                use crate::schema::$schema::outbox_fates::dsl::*;
                 diesel::update(
-                    outbox_messages
+                    outbox_fates
                         .filter(id.eq(row_id))
                         .filter(leased_by.eq(relay))
                         .filter(published_at.is_null()),
@@ -480,6 +719,7 @@ macro_rules! outbox_ops {
                     attempts.eq(attempts + 1),
                     last_error.eq(error),
                     available_at.eq(due),
+                    dead_at.eq(dead),
                     leased_until.eq(None::<DateTime<Utc>>),
                     leased_by.eq(None::<&str>),
                 ))
@@ -487,13 +727,60 @@ macro_rules! outbox_ops {
             }
 
             fn first_unpublished_at(conn: &mut Self) -> QueryResult<Option<DateTime<Utc>>> {
-                use crate::schema::$schema::outbox_messages::dsl::*;
-                outbox_messages
+                use crate::schema::$schema::outbox_fates::dsl::*;
+                outbox_fates
                     .filter(published_at.is_null())
+                    .filter(dead_at.is_null())
                     .order(id)
                     .select(created_at)
                     .first(conn)
                     .optional()
+            }
+
+            fn dead_outbox(conn: &mut Self, limit: i64) -> QueryResult<Vec<DeadOutboxRow>> {
+                use crate::schema::$schema::outbox_fates::dsl::*;
+                let tuples: Vec<DeadTuple> = outbox_fates
+                    .filter(dead_at.is_not_null())
+                    .filter(published_at.is_null())
+                    .order((dead_at, id))
+                    .limit(limit)
+                    .select((
+                        id,
+                        message_key,
+                        exchange,
+                        routing_key,
+                        message_type,
+                        ordering_key,
+                        attempts,
+                        last_error,
+                        dead_at,
+                    ))
+                    .load(conn)?;
+                Ok(tuples.into_iter().map(dead_row).collect())
+            }
+
+            fn revive_outbox(
+                conn: &mut Self,
+                ids: &[i64],
+                now: DateTime<Utc>,
+            ) -> QueryResult<usize> {
+                use crate::schema::$schema::outbox_fates::dsl::*;
+                let mut revived = 0;
+                for chunk in ids.chunks(ID_CHUNK) {
+                    revived += diesel::update(
+                        outbox_fates
+                            .filter(id.eq_any(chunk))
+                            .filter(dead_at.is_not_null())
+                            .filter(published_at.is_null()),
+                    )
+                    .set((
+                        dead_at.eq(None::<DateTime<Utc>>),
+                        attempts.eq(0),
+                        available_at.eq(now),
+                    ))
+                    .execute(conn)?;
+                }
+                Ok(revived)
             }
 
             fn purge_published(
@@ -586,6 +873,30 @@ impl Listener {
 }
 
 impl<C: StoreConnection> Store<C> {
+    /// Up to `limit` dead outbox rows (their last attempt failed), oldest death
+    /// first. A dead row is kept and never leased again until
+    /// [`revive_outbox_rows`](Self::revive_outbox_rows) makes it live; it holds up no
+    /// other row, of its ordering key or any other.
+    pub fn dead_outbox_rows(&self, limit: usize) -> Result<Vec<DeadOutboxRow>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.connection()?;
+        Ok(C::dead_outbox(&mut conn, limit)?)
+    }
+
+    /// Makes dead outbox rows live again (say, after declaring the exchange they
+    /// were for): due now, attempts back to 0, the last error kept. Returns how
+    /// many were dead; ids of rows that are not dead are ignored.
+    pub fn revive_outbox_rows(&self, ids: &[i64]) -> Result<usize> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let now = self.inner.clock.now();
+        let mut conn = self.connection()?;
+        Ok(C::write_transaction(&mut *conn, |conn| {
+            C::revive_outbox(conn, ids, now)
+        })?)
+    }
+
     fn lease_rows(&self, relay: &str, limit: usize, lease_for: Duration) -> Result<Lease> {
         if relay.is_empty() {
             return Err(Error::Config("a relay name must not be empty".to_owned()));
@@ -601,13 +912,14 @@ impl<C: StoreConnection> Store<C> {
             relay: relay.to_owned(),
             until,
             rows: Vec::new(),
+            unreadable: Vec::new(),
         };
         if limit == 0 {
             return Ok(lease);
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
-        lease.rows = C::write_transaction(&mut *conn, |conn| {
+        (lease.rows, lease.unreadable) = C::write_transaction(&mut *conn, |conn| {
             let ids = C::lease_ids(conn, relay, limit, now, until)?;
             C::load_outbox(conn, &ids)
         })?;
@@ -625,20 +937,23 @@ impl<C: StoreConnection> Store<C> {
         })?)
     }
 
-    fn record_row_failures(
-        &self,
-        relay: &str,
-        failures: &[(i64, String)],
-        retry_after: Duration,
-    ) -> Result<()> {
+    fn record_row_failures(&self, relay: &str, failures: &[OutboxFailure]) -> Result<()> {
         if failures.is_empty() {
             return Ok(());
         }
-        let due = later(self.inner.clock.now(), retry_after, "a retry")?;
+        let now = self.inner.clock.now();
+        let fates = failures
+            .iter()
+            .map(|f| match f.fate {
+                OutboxFate::RetryAfter(delay) => Ok((later(now, delay, "a retry")?, None)),
+                OutboxFate::Dead => Ok((now, Some(now))),
+                _ => Err(Error::Internal("an outbox fate this store does not know")),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut conn = self.connection()?;
         C::write_transaction(&mut *conn, |conn| {
-            for (id, error) in failures {
-                C::record_outbox_failure(conn, relay, *id, truncate(error), due)?;
+            for (f, (due, dead)) in failures.iter().zip(fates) {
+                C::record_outbox_failure(conn, relay, f.id, truncate(&f.error), due, dead)?;
             }
             Ok::<_, diesel::result::Error>(())
         })?;
@@ -696,13 +1011,8 @@ impl<C: StoreConnection> OutboxStore for Store<C> {
         Ok(self.mark_rows_published(relay, ids)?)
     }
 
-    fn record_failures(
-        &self,
-        relay: &str,
-        failures: &[(i64, String)],
-        retry_after: Duration,
-    ) -> inbox_core::Result<()> {
-        Ok(self.record_row_failures(relay, failures, retry_after)?)
+    fn record_failures(&self, relay: &str, failures: &[OutboxFailure]) -> inbox_core::Result<()> {
+        Ok(self.record_row_failures(relay, failures)?)
     }
 
     fn oldest_unpublished_age(&self) -> inbox_core::Result<Option<Duration>> {

@@ -64,6 +64,32 @@ macro_rules! inbox_tables {
                 last_error -> Nullable<Text>,
             }
         }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            /// The same table, as the statements about a row's fate see it: diesel's
+            /// tables stop at 16 columns, so `dead_at` is reached through this one.
+            /// PostgreSQL's `xact_id xid8` (the writing transaction) is in neither: it
+            /// is read only by the lease's SQL, and diesel has no xid8 type.
+            #[sql_name = "outbox_messages"]
+            outbox_fates (id) {
+                id -> BigInt,
+                message_key -> Text,
+                exchange -> Text,
+                routing_key -> Text,
+                message_type -> Text,
+                ordering_key -> Nullable<Text>,
+                created_at -> $ts,
+                available_at -> $ts,
+                leased_until -> Nullable<$ts>,
+                leased_by -> Nullable<Text>,
+                published_at -> Nullable<$ts>,
+                attempts -> Integer,
+                last_error -> Nullable<Text>,
+                dead_at -> Nullable<$ts>,
+            }
+        }
     };
 }
 

@@ -14,9 +14,12 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use inbox_core::{
     relay_in_process, Clock, Decision, EnqueueOutcome, InProcessTransport, ManualClock, MessageKey,
-    OutboxMessage, OutboxStore,
+    OutboxFailure, OutboxFate, OutboxMessage, OutboxStore,
 };
-use inbox_diesel::{enqueue, ClaimStatus, Retention, Store, StoreConnection};
+use inbox_diesel::{
+    enqueue, enqueue_with, ClaimStatus, EnqueueLimits, Error, Retention, Store, StoreConnection,
+    DEFAULT_MAX_OUTBOX_PAYLOAD,
+};
 use inbox_test_support::{group, usage, Fixture, Outcome, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
@@ -47,7 +50,46 @@ inbox_test_support::on_both_backends!(
     oldest_unpublished_age_follows_the_clock,
     retention_deletes_old_published_rows_in_batches,
     retention_deletes_only_old_done_claims,
+    enqueue_refuses_what_could_never_be_published_or_read_back,
+    unreadable_rows_are_leased_apart_and_never_fail_the_lease,
+    a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing,
 );
+
+fn retry(id: i64, error: &str, after: Duration) -> OutboxFailure {
+    OutboxFailure {
+        id,
+        error: error.to_owned(),
+        fate: OutboxFate::RetryAfter(after),
+    }
+}
+
+fn dead(id: i64, error: &str) -> OutboxFailure {
+    OutboxFailure {
+        id,
+        error: error.to_owned(),
+        fate: OutboxFate::Dead,
+    }
+}
+
+/// Leases as `relay` until the lease holds `expected` rows, for at most 30 s of wall
+/// time. On PostgreSQL an ordered row waits until every transaction older than its
+/// own has ended, on the whole server: other tests' open transactions can hold it
+/// back for a moment.
+fn lease_at_least<C: StoreConnection>(store: &Store<C>, relay: &str, expected: usize) -> Vec<i64>
+where
+    Store<C>: OutboxStore,
+{
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    let mut leased = Vec::new();
+    loop {
+        leased.extend(ids(&store.lease(relay, 10, LEASE).unwrap()));
+        if leased.len() >= expected || std::time::Instant::now() > give_up {
+            leased.sort_unstable();
+            return leased;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
 
 /// An outbox row as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -199,7 +241,15 @@ where
     message.headers.insert("trace".to_owned(), "abc".to_owned());
     let id = id_of(enqueue_committed(&store, &message));
 
-    let lease = store.lease("relay-1", 10, LEASE).unwrap();
+    // An ordered row: other tests' open transactions may hold it back a moment.
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    let lease = loop {
+        let lease = store.lease("relay-1", 10, LEASE).unwrap();
+        if !lease.rows.is_empty() || std::time::Instant::now() > give_up {
+            break lease;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(lease.relay, "relay-1");
     assert_eq!(lease.until, at(LEASE));
     assert_eq!(lease.rows.len(), 1);
@@ -360,8 +410,8 @@ where
     ));
     let free = id_of(enqueue_committed(&store, &msg("free")));
 
-    let lease = store.lease("relay-1", 10, LEASE).unwrap();
-    assert_eq!(ids(&lease), [k1, other, free], "k1-2 waits for k1-1");
+    let lease = lease_at_least(&store, "relay-1", 3);
+    assert_eq!(lease, [k1, other, free], "k1-2 waits for k1-1");
     assert!(
         store.lease("relay-2", 10, LEASE).unwrap().rows.is_empty(),
         "another relay does not take k1-2 while k1-1 is leased"
@@ -369,13 +419,14 @@ where
 
     // k1-1 fails and waits for its retry: k1-2 still waits, for any relay.
     store
-        .record_failures("relay-1", &[(k1, "broker nacked".to_owned())], secs(30))
+        .record_failures("relay-1", &[retry(k1, "broker nacked", secs(30))])
         .unwrap();
     assert!(store.lease("relay-2", 10, LEASE).unwrap().rows.is_empty());
     // Expired leases do not free k1-2 either.
     clock.advance(LEASE);
     let retried = store.lease("relay-2", 10, LEASE).unwrap();
     assert_eq!(ids(&retried), [k1, other, free], "k1-1 again, never k1-2");
+    assert!(retried.unreadable.is_empty());
 
     assert_eq!(store.mark_published("relay-2", &[k1]).unwrap(), 1);
     let next = store.lease("relay-2", 10, LEASE).unwrap();
@@ -400,7 +451,7 @@ where
 
     assert_eq!(store.mark_published("relay-a", &[id]).unwrap(), 0);
     store
-        .record_failures("relay-a", &[(id, "late".to_owned())], secs(60))
+        .record_failures("relay-a", &[retry(id, "late", secs(60))])
         .unwrap();
     let stored = &fx.connect().outbox()[0];
     assert_eq!(
@@ -445,8 +496,10 @@ where
     store
         .record_failures(
             "relay-1",
-            &[(a, "channel closed".to_owned()), (b, long_error)],
-            secs(10),
+            &[
+                retry(a, "channel closed", secs(10)),
+                retry(b, &long_error, secs(10)),
+            ],
         )
         .unwrap();
     let stored = fx.connect().outbox();
@@ -468,7 +521,7 @@ where
 
     // A second failure counts again.
     store
-        .record_failures("relay-2", &[(a, "still closed".to_owned())], secs(10))
+        .record_failures("relay-2", &[retry(a, "still closed", secs(10))])
         .unwrap();
     let stored = fx.connect().outbox();
     assert_eq!(stored[0].attempts, 2);
@@ -614,6 +667,253 @@ fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
     assert_eq!(claim("recent").unwrap().status, ClaimStatus::Done);
 }
 
+fn enqueue_refuses_what_could_never_be_published_or_read_back<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let mut conn = store.connection().unwrap();
+    let long = "n".repeat(256);
+    let with_header = |key: &str, name: &str, value: &str| {
+        let mut m = msg(key);
+        m.headers.insert(name.to_owned(), value.to_owned());
+        m
+    };
+    let mut long_exchange = msg("e1");
+    long_exchange.exchange = long.clone();
+    let cases = [
+        (
+            long_exchange,
+            "exchange must be at most 255 bytes, found 256",
+        ),
+        (
+            msg("e2").with_routing_key(long.as_str()),
+            "routing key must be at most 255",
+        ),
+        (
+            msg("e3").with_routing_key("a\0b"),
+            "routing key must not contain a NUL",
+        ),
+        (
+            msg("e4").with_ordering_key(long.as_str()),
+            "ordering key must be at most 255",
+        ),
+        (
+            msg("e5").with_ordering_key("k\0"),
+            "ordering key must not contain a NUL",
+        ),
+        (
+            msg("e6").with_tenant("acme\0"),
+            "tenant must not contain a NUL",
+        ),
+        (
+            with_header("e7", "", "v"),
+            "header name must be 1 to 255 bytes, found 0",
+        ),
+        (
+            with_header("e8", &long, "v"),
+            "header name must be 1 to 255 bytes, found 256",
+        ),
+        (with_header("e9", "trace", "a\0"), "must not contain a NUL"),
+        (with_header("e10", "tr\0ce", "a"), "must not contain a NUL"),
+        (
+            {
+                let mut m = msg("e11");
+                m.message_type = long.clone();
+                m
+            },
+            "message type must be at most 255",
+        ),
+        (
+            {
+                let mut m = msg("e12");
+                m.payload = vec![b'x'; DEFAULT_MAX_OUTBOX_PAYLOAD + 1];
+                m
+            },
+            "body must be at most 16777216 bytes, found 16777217 bytes",
+        ),
+    ];
+    for (message, expected) in cases {
+        match enqueue(&mut *conn, &message, clock.now()) {
+            Err(Error::InvalidOutboxMessage { key, reason }) => {
+                assert!(reason.contains(expected), "{reason}");
+                assert_eq!(key, message.message_key.as_str());
+            }
+            other => panic!("{expected}: expected a refusal, found {other:?}"),
+        }
+    }
+    // A configured limit, both ways.
+    let limits = EnqueueLimits::default().with_max_payload(10);
+    let mut small = msg("s1");
+    small.payload = vec![b'x'; 10];
+    id_of(enqueue_with(&mut *conn, &small, clock.now(), &limits).unwrap());
+    small.message_key = MessageKey::new("s2").unwrap();
+    small.payload.push(b'x');
+    let refused = enqueue_with(&mut *conn, &small, clock.now(), &limits);
+    assert!(
+        matches!(&refused, Err(Error::InvalidOutboxMessage { reason, .. }) if reason.contains("at most 10 bytes, found 11")),
+        "{refused:?}"
+    );
+    let stored = fx.connect().outbox();
+    assert_eq!(stored.len(), 1, "only the row within its limit: {stored:?}");
+    assert_eq!(stored[0].message_key, "s1");
+}
+
+/// Writes a value into a row behind the store's back, as another producer might.
+fn corrupt<C: TestConn>(conn: &mut C, id: i64, assignment: &str) {
+    conn.batch_execute(&format!(
+        "UPDATE outbox_messages SET {assignment} WHERE id = {id}"
+    ))
+    .unwrap();
+}
+
+fn unreadable_rows_are_leased_apart_and_never_fail_the_lease<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let a = id_of(enqueue_committed(&store, &msg("a")));
+    let bad_headers = id_of(enqueue_committed(&store, &msg("bad-headers")));
+    let long_key = id_of(enqueue_committed(&store, &msg("long-key")));
+    let b = id_of(enqueue_committed(&store, &msg("b")));
+    let mut raw = fx.connect();
+    corrupt(&mut raw, bad_headers, "headers = 'not json'");
+    corrupt(
+        &mut raw,
+        long_key,
+        &format!("message_key = '{}'", "k".repeat(300)),
+    );
+    let mut expected_unreadable = vec![bad_headers, long_key];
+    if store.backend() == inbox_diesel::Backend::Sqlite {
+        // A timestamp diesel cannot decode fails the whole statement: the store
+        // reads that chunk again row by row.
+        let bad_time = id_of(enqueue_committed(&store, &msg("bad-time")));
+        corrupt(&mut raw, bad_time, "created_at = 'yesterday'");
+        expected_unreadable.push(bad_time);
+    }
+
+    let lease = store.lease("relay-1", 10, LEASE).unwrap();
+    assert_eq!(ids(&lease), [a, b], "the readable rows go out");
+    let unreadable: Vec<i64> = lease.unreadable.iter().map(|r| r.id).collect();
+    assert_eq!(unreadable, expected_unreadable);
+    assert!(
+        lease.unreadable[0]
+            .error
+            .contains("headers are not a JSON object"),
+        "{:?}",
+        lease.unreadable[0]
+    );
+    assert!(
+        lease.unreadable[1].error.contains("at most 255 bytes"),
+        "{:?}",
+        lease.unreadable[1]
+    );
+    assert!(lease.unreadable.iter().all(|r| r.attempts == 0));
+    // Leased like the others: no other relay takes them meanwhile.
+    let stored = fx.connect().outbox();
+    assert!(stored
+        .iter()
+        .all(|r| r.leased_by.as_deref() == Some("relay-1")));
+
+    // Their failure is recorded by id; then they die.
+    let failures: Vec<_> = lease
+        .unreadable
+        .iter()
+        .map(|r| retry(r.id, &r.error, secs(5)))
+        .collect();
+    store.record_failures("relay-1", &failures).unwrap();
+    assert_eq!(store.mark_published("relay-1", &[a, b]).unwrap(), 2);
+    clock.advance(secs(5));
+    let again = store.lease("relay-2", 10, LEASE).unwrap();
+    assert!(again.rows.is_empty());
+    assert_eq!(
+        again.unreadable.iter().map(|r| r.id).collect::<Vec<_>>(),
+        expected_unreadable
+    );
+    assert!(again.unreadable.iter().all(|r| r.attempts == 1));
+    let buried: Vec<_> = again
+        .unreadable
+        .iter()
+        .map(|r| dead(r.id, &r.error))
+        .collect();
+    store.record_failures("relay-2", &buried).unwrap();
+    let listed: Vec<i64> = store
+        .dead_outbox_rows(10)
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(listed, expected_unreadable);
+    clock.advance(secs(3600));
+    let none = store.lease("relay-3", 10, LEASE).unwrap();
+    assert!(none.rows.is_empty() && none.unreadable.is_empty());
+}
+
+fn a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing<F: Fixture>(fx: &F)
+where
+    F::Conn: Inspect,
+{
+    let clock = ManualClock::new(start());
+    let store = store_on(fx, &clock);
+    let k1 = id_of(enqueue_committed(
+        &store,
+        &msg("k-1").with_ordering_key("k"),
+    ));
+    let k2 = id_of(enqueue_committed(
+        &store,
+        &msg("k-2").with_ordering_key("k"),
+    ));
+    let free = id_of(enqueue_committed(&store, &msg("free")));
+    assert_eq!(lease_at_least(&store, "relay-1", 2), [k1, free]);
+    assert_eq!(store.mark_published("relay-1", &[free]).unwrap(), 1);
+
+    clock.advance(secs(7));
+    store
+        .record_failures("relay-1", &[dead(k1, "NOT_FOUND - no exchange 'billing'")])
+        .unwrap();
+    let stored = fx.connect().outbox();
+    assert_eq!(stored[0].attempts, 1);
+    assert_eq!(
+        (stored[0].leased_by.as_deref(), stored[0].published_at),
+        (None, None)
+    );
+
+    let listed = store.dead_outbox_rows(10).unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let row = &listed[0];
+    assert_eq!(
+        (row.id, row.message_key.as_str(), row.attempts),
+        (k1, "k-1", 1)
+    );
+    assert_eq!(row.ordering_key.as_deref(), Some("k"));
+    assert_eq!(
+        row.last_error.as_deref(),
+        Some("NOT_FOUND - no exchange 'billing'")
+    );
+    assert_eq!(row.dead_at, at(secs(7)));
+    assert!(store.dead_outbox_rows(0).unwrap().is_empty());
+
+    // Dead holds up nothing: k-2 goes, and k-1 is never leased again.
+    assert_eq!(lease_at_least(&store, "relay-2", 1), [k2]);
+    assert_eq!(store.mark_published("relay-2", &[k2]).unwrap(), 1);
+    clock.advance(secs(86_400));
+    assert!(store.lease("relay-3", 10, LEASE).unwrap().rows.is_empty());
+    assert_eq!(
+        store.oldest_unpublished_age().unwrap(),
+        None,
+        "a dead row is no lag"
+    );
+
+    // An operator revives it: live again, due now, attempts from 0.
+    assert_eq!(store.revive_outbox_rows(&[k1, k2, free]).unwrap(), 1);
+    assert!(store.dead_outbox_rows(10).unwrap().is_empty());
+    let revived = store.lease("relay-3", 10, LEASE).unwrap();
+    assert_eq!(ids(&revived), [k1]);
+    assert_eq!(revived.rows[0].attempts, 0);
+}
+
 mod postgres_only {
     use super::*;
     use inbox_test_support::PgFixture;
@@ -701,6 +1001,53 @@ mod postgres_only {
             [b],
             "the locked row is skipped, not waited for"
         );
+    }
+
+    /// T1 enqueues A (key K) first, T2 enqueues B (key K) later and commits first:
+    /// A's lower id is invisible until T1 commits, so id order alone would publish B
+    /// first. Commit order holds B back until A is published.
+    #[test]
+    fn ordered_rows_go_out_in_commit_order_not_id_order() {
+        let Some(fx) = PgFixture::new() else { return };
+        let clock = ManualClock::new(start());
+        let store = store_on(&fx, &clock);
+        let mut t1 = fx.connect();
+        diesel::sql_query("BEGIN").execute(&mut t1).unwrap();
+        let a = id_of(enqueue(&mut t1, &msg("a").with_ordering_key("K"), clock.now()).unwrap());
+        let mut t2 = fx.connect();
+        let (b, free) = t2
+            .transaction(|t2| {
+                let b = id_of(enqueue(t2, &msg("b").with_ordering_key("K"), clock.now())?);
+                let free = id_of(enqueue(t2, &msg("free"), clock.now())?);
+                Ok::<_, inbox_diesel::Error>((b, free))
+            })
+            .unwrap();
+        assert!(a < b, "A has the lower id");
+
+        // B waits for T1, however often the relay looks; the unordered row does not.
+        let early = store.lease("relay-1", 10, LEASE).unwrap();
+        assert_eq!(
+            ids(&early),
+            [free],
+            "B must not go out while A's transaction is open"
+        );
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(store.lease("relay-1", 10, LEASE).unwrap().rows.is_empty());
+        }
+
+        diesel::sql_query("COMMIT").execute(&mut t1).unwrap();
+        assert_eq!(
+            lease_at_least(&store, "relay-1", 1),
+            [a],
+            "A first, once committed"
+        );
+        assert!(
+            store.lease("relay-2", 10, LEASE).unwrap().rows.is_empty(),
+            "B waits for A"
+        );
+        assert_eq!(store.mark_published("relay-1", &[a]).unwrap(), 1);
+        assert_eq!(lease_at_least(&store, "relay-2", 1), [b], "then B");
     }
 
     #[test]

@@ -18,7 +18,8 @@ use inbox_amqp::{
     CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, RelaySnapshot, Topology,
 };
 use inbox_core::{
-    EnqueueOutcome, Lease, MessageKey, OutboxMessage, OutboxStore, RetryLadder, RetryPolicy,
+    EnqueueOutcome, Lease, MessageKey, OutboxFailure, OutboxMessage, OutboxStore, RetryLadder,
+    RetryPolicy,
 };
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
@@ -303,13 +304,8 @@ impl OutboxStore for DiesBeforeMarking {
         ))
     }
 
-    fn record_failures(
-        &self,
-        relay: &str,
-        f: &[(i64, String)],
-        d: Duration,
-    ) -> inbox_core::Result<()> {
-        self.inner.record_failures(relay, f, d)
+    fn record_failures(&self, relay: &str, f: &[OutboxFailure]) -> inbox_core::Result<()> {
+        self.inner.record_failures(relay, f)
     }
 
     fn oldest_unpublished_age(&self) -> inbox_core::Result<Option<Duration>> {
@@ -597,4 +593,124 @@ async fn relay_whose_broker_falls_silent_publishes_again_after_its_lease() {
 async fn relay_reconnect_stalled_mid_handshake_is_given_up_and_tried_again() {
     let stall_for = Duration::from_secs(3);
     relay_through_cuts(1_500, 200, Cuts::Stalling { stall_for }).await;
+}
+
+#[derive(QueryableByName, Debug)]
+struct FateRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    attempts: i32,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    last_error: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    dead: bool,
+}
+
+/// A row for an exchange that does not exist (the broker closes the channel with 404)
+/// and a row the store cannot read sit among good rows. Each poison is recorded
+/// against itself until it is dead; every row before and after it is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_are_recorded_dead_and_never_stop_the_rows_around_them() {
+    let Some(world) = World::declared().await else {
+        return;
+    };
+    let mut db = world.db.connect();
+    for n in 0..5 {
+        world.record_usage(&mut db, &format!("ledger-{n}"), &event(n), true);
+    }
+    let now = world.store.now();
+    let missing = OutboxMessage::new(
+        MessageKey::new("poison-404").unwrap(),
+        format!("{}missing", world.prefix),
+        MESSAGE_TYPE,
+        b"{}".to_vec(),
+    );
+    let EnqueueOutcome::Enqueued { id: poison } = enqueue(&mut db, &missing, now).unwrap() else {
+        panic!("enqueued")
+    };
+    let unreadable_msg = OutboxMessage::new(
+        MessageKey::new("poison-headers").unwrap(),
+        world.exchange(),
+        MESSAGE_TYPE,
+        b"{}".to_vec(),
+    );
+    let EnqueueOutcome::Enqueued { id: unreadable } =
+        enqueue(&mut db, &unreadable_msg, now).unwrap()
+    else {
+        panic!("enqueued")
+    };
+    // Written by another producer that stores headers its own way.
+    db.batch_execute(&format!(
+        "UPDATE outbox_messages SET headers = 'trace=abc' WHERE id = {unreadable}"
+    ))
+    .unwrap();
+    for n in 5..10 {
+        world.record_usage(&mut db, &format!("ledger-{n}"), &event(n), true);
+    }
+
+    let shutdown = CancellationToken::new();
+    let consumer = world.consumer();
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relay = Relay::new(world.url.clone(), Arc::clone(&world.store)).with_settings(
+        RelaySettings::default()
+            .relay_id("poisoned")
+            .lease(200, Duration::from_secs(5))
+            .poll_interval(ms(100))
+            .retry_after(ms(50))
+            .max_attempts(3)
+            .backoff(ms(50), ms(500)),
+    );
+    let relayed = relay.stats();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    let fates = || -> Vec<FateRow> {
+        diesel::sql_query(
+            "SELECT id, attempts, last_error, dead_at IS NOT NULL AS dead FROM outbox_messages \
+             WHERE published_at IS NULL ORDER BY id",
+        )
+        .load(&mut world.db.connect())
+        .unwrap()
+    };
+    let settled = eventually(Duration::from_secs(60), || {
+        let left = fates();
+        left.len() == 2 && left.iter().all(|r| r.dead)
+    })
+    .await;
+    assert!(settled, "{:?} {:?}", fates(), relayed.snapshot());
+    assert!(
+        eventually(Duration::from_secs(30), || consumed.snapshot().processed
+            >= 10)
+        .await
+    );
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    relaying.await.unwrap().unwrap();
+
+    let left = fates();
+    assert_eq!(
+        left.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [poison, unreadable]
+    );
+    assert!(left.iter().all(|r| r.attempts == 3), "{left:?}");
+    let error = left[0].last_error.as_deref().unwrap();
+    assert!(
+        error.contains("NOT_FOUND") && error.contains("missing"),
+        "{error}"
+    );
+    let error = left[1].last_error.as_deref().unwrap();
+    assert!(error.contains("headers are not a JSON object"), "{error}");
+    let listed: Vec<i64> = world
+        .store
+        .dead_outbox_rows(10)
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(listed, [poison, unreadable]);
+    let s = relayed.snapshot();
+    assert_eq!((s.published, s.dead, s.rejected), (10, 2, 6), "{s:?}");
+    assert_eq!(consumed.snapshot().processed, 10);
+    assert_eq!(world.projection(), world.ledger_totals());
+    world.cleanup().await;
 }
