@@ -476,7 +476,12 @@ pub mod raw {
             v if v.is_empty() => "/".to_owned(),
             v => v,
         };
-        (user.to_owned(), pass.to_owned(), super::host_port(url), vhost)
+        (
+            user.to_owned(),
+            pass.to_owned(),
+            super::host_port(url),
+            vhost,
+        )
     }
 
     /// Publishes one message with these raw properties to `exchange` and waits for

@@ -464,10 +464,7 @@ fn cases() -> Vec<Case> {
                 ("x-first-death-queue", AMQPValue::Boolean(true)),
                 (
                     "x-death",
-                    AMQPValue::FieldArray(FieldArray::from(vec![
-                        AMQPValue::Void,
-                        nested(4),
-                    ])),
+                    AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::Void, nested(4)])),
                 ),
             ],
         ),
@@ -574,8 +571,8 @@ fn find<'a>(dead: &'a [DeadLetter], ident: &Ident) -> Vec<&'a DeadLetter> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_neighbours_nothing(
-) {
+async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_neighbours_nothing()
+{
     let Some(setup) = Setup::new().await else {
         return;
     };
@@ -612,8 +609,9 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
         {
             let letters = find(&dead, ident);
             match letters.as_slice() {
-                [one] if one.reason == *reason
-                    && one.last_error.as_deref().unwrap_or("").contains(detail) => {}
+                [one]
+                    if one.reason == *reason
+                        && one.last_error.as_deref().unwrap_or("").contains(detail) => {}
                 other => problems.push(format!(
                     "{}: expected one dead letter ({reason}, {detail:?}), found {:?}",
                     case.name,
@@ -677,8 +675,14 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
 ///   so a table nested a few thousand levels deep overflows the stack of lapin's I/O
 ///   thread and aborts the process.
 ///
-/// They run with `INBOX_HOSTILE_FRAMES=1` (and fail, or abort the test process,
-/// until lapin's parser is bounded or the runtime guards against it).
+/// They run with `INBOX_HOSTILE_FRAMES=1` only, because today they fail (the three
+/// UTF-8 cases, after their 60 s: some 600 reconnects, no delivery ever reaches the
+/// runtime, the neighbour published before the poison is dead-lettered by the broker
+/// as `delivery_limit` after 21 deliveries, unapplied, and the poison, once in the
+/// `:dlq`, breaks the dead-letter reader's connection the same way) or abort the test
+/// process (the nested table: "thread 'lapin-io-loop' has overflowed its stack",
+/// SIGABRT within a second). Ungate them once lapin's parser is bounded or the
+/// runtime guards against it.
 fn frames_gate(case: &str) -> bool {
     let on = std::env::var("INBOX_HOSTILE_FRAMES").is_ok_and(|v| v == "1");
     if !on {
@@ -731,10 +735,17 @@ async fn raw_poison_between_neighbours(name: &str, properties: raw::Properties, 
     .await;
     let dead = setup.dead_letters();
     let found = setup.totals();
+    let conn = amqp::connect(&setup.url).await;
+    let depths = (
+        amqp::queue_depth(&conn, &setup.topology.queue(&setup.group)).await,
+        amqp::queue_depth(&conn, &setup.topology.dlq(&setup.group)).await,
+    );
+    let _ = conn.close(200, "done".into()).await;
     setup.cleanup().await;
     assert!(
         finished,
-        "{name}: neighbours applied {found:?} of {expected:?}; dead letters {:?}; {stats:?}",
+        "{name}: neighbours applied {found:?} of {expected:?}; (queue, dlq) ready {depths:?}; \
+         dead letters {:?}; {stats:?}",
         dead.iter()
             .map(|d| (&d.key, &d.reason, &d.last_error))
             .collect::<Vec<_>>()
@@ -762,7 +773,8 @@ async fn a_table_nested_a_hundred_levels_deep_is_read() {
     )
     .await
     .unwrap();
-    let (finished, stats) = run_until(&setup, Duration::from_secs(30), |_, s| s.processed >= 1).await;
+    let (finished, stats) =
+        run_until(&setup, Duration::from_secs(30), |_, s| s.processed >= 1).await;
     assert!(finished, "{stats:?}");
     assert_eq!(setup.totals(), BTreeMap::from([((300, day()), 3)]));
     setup.cleanup().await;
@@ -778,8 +790,12 @@ async fn frames_a_message_id_that_is_not_utf8() {
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
         headers: None,
     };
-    raw_poison_between_neighbours("a message_id that is not UTF-8", props, Duration::from_secs(60))
-        .await;
+    raw_poison_between_neighbours(
+        "a message_id that is not UTF-8",
+        props,
+        Duration::from_secs(60),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -805,8 +821,12 @@ async fn frames_a_header_name_that_is_not_utf8() {
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
         headers: Some(raw::table(&[(b"ten\xffant", raw::long_value(b"acme"))])),
     };
-    raw_poison_between_neighbours("a header name that is not UTF-8", props, Duration::from_secs(60))
-        .await;
+    raw_poison_between_neighbours(
+        "a header name that is not UTF-8",
+        props,
+        Duration::from_secs(60),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -819,6 +839,10 @@ async fn frames_a_table_nested_five_thousand_levels_deep() {
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
         headers: Some(raw::table(&[(b"deep", raw::nested_table_value(5_000))])),
     };
-    raw_poison_between_neighbours("a table nested 5,000 levels", props, Duration::from_secs(60))
-        .await;
+    raw_poison_between_neighbours(
+        "a table nested 5,000 levels",
+        props,
+        Duration::from_secs(60),
+    )
+    .await;
 }
