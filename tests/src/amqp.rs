@@ -311,3 +311,256 @@ pub fn host_port(url: &str) -> String {
         format!("{host}:5672")
     }
 }
+
+/// A bare AMQP 0-9-1 publisher that writes its frames byte by byte, for what a client
+/// library refuses to send: strings that are not UTF-8, tables nested thousands of
+/// levels deep. One connection per publish, with a confirm.
+pub mod raw {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// A short string: one length byte, then the bytes (at most 255).
+    pub fn short(bytes: &[u8]) -> Vec<u8> {
+        let len = u8::try_from(bytes.len()).expect("a short string holds at most 255 bytes");
+        let mut out = vec![len];
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    /// A long string: a `u32` length, then the bytes.
+    pub fn long(bytes: &[u8]) -> Vec<u8> {
+        let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    /// A field table of (name, tagged value) entries; the name is written as given,
+    /// UTF-8 or not.
+    pub fn table(entries: &[(&[u8], Vec<u8>)]) -> Vec<u8> {
+        let mut body = Vec::new();
+        for (name, value) in entries {
+            body.extend(short(name));
+            body.extend_from_slice(value);
+        }
+        long(&body)
+    }
+
+    /// A tagged long-string value (`S`).
+    pub fn long_value(bytes: &[u8]) -> Vec<u8> {
+        let mut out = vec![b'S'];
+        out.extend(long(bytes));
+        out
+    }
+
+    /// A tagged table value (`F`) nesting `depth` tables, each the only entry `n` of
+    /// the one around it, built from the inside out (no recursion on this side).
+    pub fn nested_table_value(depth: usize) -> Vec<u8> {
+        let mut value = vec![b'F', 0, 0, 0, 0];
+        for _ in 1..depth {
+            let mut outer = vec![b'F'];
+            let inner_len = 2 + value.len();
+            outer.extend((inner_len as u32).to_be_bytes());
+            outer.extend(short(b"n"));
+            outer.extend(value);
+            value = outer;
+        }
+        value
+    }
+
+    /// The basic properties a raw publish sets, as wire bytes.
+    #[derive(Clone, Debug, Default)]
+    pub struct Properties {
+        /// `message_id`'s bytes.
+        pub message_id: Option<Vec<u8>>,
+        /// `type`'s bytes.
+        pub message_type: Option<Vec<u8>>,
+        /// The encoded headers table (see [`table`]).
+        pub headers: Option<Vec<u8>>,
+    }
+
+    impl Properties {
+        fn encode(&self) -> Vec<u8> {
+            // Flags from bit 15: content-type, content-encoding, headers (13),
+            // delivery-mode (12), ..., message-id (7), timestamp (6), type (5).
+            let mut flags: u16 = 1 << 12;
+            let mut list = Vec::new();
+            if let Some(headers) = &self.headers {
+                flags |= 1 << 13;
+                list.extend_from_slice(headers);
+            }
+            list.push(2); // persistent
+            if let Some(id) = &self.message_id {
+                flags |= 1 << 7;
+                list.extend(short(id));
+            }
+            if let Some(kind) = &self.message_type {
+                flags |= 1 << 5;
+                list.extend(short(kind));
+            }
+            let mut out = flags.to_be_bytes().to_vec();
+            out.extend(list);
+            out
+        }
+    }
+
+    struct Wire {
+        stream: TcpStream,
+    }
+
+    fn method(class: u16, id: u16, args: &[u8]) -> Vec<u8> {
+        let mut out = class.to_be_bytes().to_vec();
+        out.extend(id.to_be_bytes());
+        out.extend_from_slice(args);
+        out
+    }
+
+    impl Wire {
+        async fn send(&mut self, kind: u8, channel: u16, payload: &[u8]) -> std::io::Result<()> {
+            let mut frame = vec![kind];
+            frame.extend(channel.to_be_bytes());
+            frame.extend((payload.len() as u32).to_be_bytes());
+            frame.extend_from_slice(payload);
+            frame.push(0xCE);
+            self.stream.write_all(&frame).await
+        }
+
+        /// The next method frame's (class, method, arguments); heartbeats skipped.
+        async fn recv(&mut self) -> Result<(u16, u16, Vec<u8>), String> {
+            loop {
+                let mut head = [0u8; 7];
+                self.stream
+                    .read_exact(&mut head)
+                    .await
+                    .map_err(|e| format!("the broker closed the socket: {e}"))?;
+                let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+                let mut payload = vec![0u8; size + 1];
+                self.stream
+                    .read_exact(&mut payload)
+                    .await
+                    .map_err(|e| format!("the broker closed the socket: {e}"))?;
+                payload.pop();
+                if head[0] != 1 || payload.len() < 4 {
+                    continue;
+                }
+                let class = u16::from_be_bytes([payload[0], payload[1]]);
+                let id = u16::from_be_bytes([payload[2], payload[3]]);
+                return Ok((class, id, payload[4..].to_vec()));
+            }
+        }
+
+        /// Waits for (class, method); a close from the broker is an error with its text.
+        async fn expect(&mut self, class: u16, id: u16) -> Result<Vec<u8>, String> {
+            let (c, m, args) = self.recv().await?;
+            if (c, m) == (class, id) {
+                return Ok(args);
+            }
+            if (c, m) == (10, 50) || (c, m) == (20, 40) {
+                let code = u16::from_be_bytes([args[0], args[1]]);
+                let len = args[2] as usize;
+                let text = String::from_utf8_lossy(&args[3..3 + len]).into_owned();
+                return Err(format!("the broker closed: {code} {text}"));
+            }
+            Err(format!("expected method {class}.{id}, found {c}.{m}"))
+        }
+    }
+
+    /// (user, password, host:port, vhost) of an `amqp://` URL.
+    fn parts(url: &str) -> (String, String, String, String) {
+        let rest = url.split_once("://").map_or(url, |(_, r)| r);
+        let (auth_host, vhost) = rest.split_once('/').unwrap_or((rest, ""));
+        let auth = auth_host.rsplit_once('@').map_or("guest:guest", |(a, _)| a);
+        let (user, pass) = auth.split_once(':').unwrap_or((auth, ""));
+        let vhost = match vhost.replace("%2f", "/").replace("%2F", "/") {
+            v if v.is_empty() => "/".to_owned(),
+            v => v,
+        };
+        (
+            user.to_owned(),
+            pass.to_owned(),
+            super::host_port(url),
+            vhost,
+        )
+    }
+
+    /// Publishes one message with these raw properties to `exchange` and waits for
+    /// the broker's confirm. `Err` says how the broker refused it.
+    pub async fn publish(
+        url: &str,
+        exchange: &str,
+        routing_key: &str,
+        properties: &Properties,
+        body: &[u8],
+    ) -> Result<(), String> {
+        let (user, pass, addr, vhost) = parts(url);
+        let stream = TcpStream::connect(&addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let mut wire = Wire { stream };
+        let steps = async {
+            wire.stream
+                .write_all(b"AMQP\x00\x00\x09\x01")
+                .await
+                .map_err(|e| e.to_string())?;
+            wire.expect(10, 10).await?; // start
+            let mut start_ok = long(&[]); // no client properties
+            start_ok.extend(short(b"PLAIN"));
+            start_ok.extend(long(format!("\0{user}\0{pass}").as_bytes()));
+            start_ok.extend(short(b"en_US"));
+            wire.send(1, 0, &method(10, 11, &start_ok))
+                .await
+                .map_err(|e| e.to_string())?;
+            let tune = wire.expect(10, 30).await?;
+            let frame_max = u32::from_be_bytes([tune[2], tune[3], tune[4], tune[5]]).max(4096);
+            let mut tune_ok = tune[..2].to_vec();
+            tune_ok.extend(frame_max.to_be_bytes());
+            tune_ok.extend(0u16.to_be_bytes()); // no heartbeats
+            wire.send(1, 0, &method(10, 31, &tune_ok))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut open = short(vhost.as_bytes());
+            open.extend(short(b""));
+            open.push(0);
+            wire.send(1, 0, &method(10, 40, &open))
+                .await
+                .map_err(|e| e.to_string())?;
+            wire.expect(10, 41).await?;
+            wire.send(1, 1, &method(20, 10, &short(b"")))
+                .await
+                .map_err(|e| e.to_string())?;
+            wire.expect(20, 11).await?;
+            wire.send(1, 1, &method(85, 10, &[0]))
+                .await
+                .map_err(|e| e.to_string())?;
+            wire.expect(85, 11).await?;
+            let mut publish = 0u16.to_be_bytes().to_vec();
+            publish.extend(short(exchange.as_bytes()));
+            publish.extend(short(routing_key.as_bytes()));
+            publish.push(0);
+            wire.send(1, 1, &method(60, 40, &publish))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut header = 60u16.to_be_bytes().to_vec();
+            header.extend(0u16.to_be_bytes());
+            header.extend((body.len() as u64).to_be_bytes());
+            header.extend(properties.encode());
+            wire.send(2, 1, &header).await.map_err(|e| e.to_string())?;
+            for chunk in body.chunks(frame_max as usize - 8) {
+                wire.send(3, 1, chunk).await.map_err(|e| e.to_string())?;
+            }
+            wire.expect(60, 80).await?; // basic.ack
+            let mut close = 200u16.to_be_bytes().to_vec();
+            close.extend(short(b"done"));
+            close.extend([0, 0, 0, 0]);
+            wire.send(1, 0, &method(10, 50, &close))
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = wire.expect(10, 51).await;
+            Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(10), steps)
+            .await
+            .map_err(|_| "the broker did not answer within 10 s".to_owned())?
+    }
+}
