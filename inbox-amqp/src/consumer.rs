@@ -220,6 +220,21 @@ fn unknown(decision: &Decision) -> Plan {
     Plan::Halt(HaltCause::UnknownDecision(format!("{decision:?}")))
 }
 
+/// The pause before the next reconnect: back to the minimum after a session that held
+/// for `backoff_max` or longer, else the growing one. A connection that dies at once
+/// (a frame the client cannot parse, say) must not reconnect in a hot loop.
+fn backoff_after_session(
+    backoff: Duration,
+    session: Duration,
+    settings: &ConsumerSettings,
+) -> Duration {
+    if session >= settings.backoff_max {
+        settings.backoff_min
+    } else {
+        backoff
+    }
+}
+
 /// A worker's backoffs: after a refused retry copy, and after a store failure.
 struct Backoff<'a> {
     retry: &'a mut Duration,
@@ -304,15 +319,16 @@ impl<S: InboxStore> Consumer<S> {
                 tracing::info!("reconnected");
             }
             connected_before = true;
-            backoff = settings.backoff_min;
 
+            let started = Instant::now();
             let end = shared.session(&conn, &shutdown).await;
             close_connection(&conn, "inbox consumer stopping").await;
             match end {
                 Ok(()) => return Ok(()),
                 Err(SessionEnd::Fatal(err)) => return Err(err),
                 Err(SessionEnd::Lost(reason)) => {
-                    tracing::warn!(%reason, "connection lost; reconnecting");
+                    backoff = backoff_after_session(backoff, started.elapsed(), settings);
+                    tracing::warn!(%reason, ?backoff, "connection lost; reconnecting");
                     pause(&shutdown, &mut backoff, settings.backoff_max).await;
                 }
             }
@@ -809,6 +825,20 @@ impl Tokens {
 mod tests {
     use super::*;
     use crate::connect::config_error;
+
+    #[test]
+    fn a_connection_that_dies_at_once_keeps_backing_off() {
+        let settings = ConsumerSettings::default();
+        let grown = settings.backoff_min * 8;
+        assert_eq!(
+            backoff_after_session(grown, Duration::from_millis(10), &settings),
+            grown
+        );
+        assert_eq!(
+            backoff_after_session(grown, settings.backoff_max, &settings),
+            settings.backoff_min
+        );
+    }
 
     #[test]
     fn every_decision_has_a_plan_and_none_is_a_requeue() {

@@ -308,9 +308,10 @@ impl fmt::Display for HandlerError {
     }
 }
 
-/// A payload that does not decode into the handler's message type.
+/// A payload that does not decode into the handler's message type. Its message names
+/// the failure; the decoder's error is its source (a reporter prints it once).
 #[derive(Debug, thiserror::Error)]
-#[error("payload does not decode: {0}")]
+#[error("payload does not decode")]
 pub struct DecodeError(#[source] Box<dyn StdError + Send + Sync + 'static>);
 
 impl DecodeError {
@@ -431,6 +432,18 @@ mod tests {
     fn fails() -> Result<(), HandlerError> {
         Err(Outer(Inner))?;
         Ok(())
+    }
+
+    #[test]
+    fn a_decode_failure_prints_its_cause_once() {
+        let cause = serde_json::from_slice::<Vec<u8>>(b"[").map_err(DecodeError::new);
+        let Err(err) = cause else { unreachable!() };
+        let printed = HandlerFailure::Decode(err).to_string();
+        assert_eq!(printed.matches("EOF while parsing").count(), 1, "{printed}");
+        assert!(
+            printed.starts_with("payload does not decode: "),
+            "{printed}"
+        );
     }
 
     #[test]
