@@ -38,7 +38,7 @@ const GROUP: &str = "model.usage";
 
 /// Cases per backend when `INBOX_PROPTEST_CASES` is not set: about a minute for the
 /// test binary on a loaded two-core machine, both backends side by side.
-const DEFAULT_CASES: u32 = 96;
+const DEFAULT_CASES: u32 = 1000;
 
 /// Keys of a case: few, so that duplicates and in-batch copies are common.
 const KEYS: usize = 4;
@@ -183,9 +183,11 @@ impl fmt::Debug for Case {
     }
 }
 
-fn act() -> impl Strategy<Value = Act> {
+// Boxed: the nested value trees of a debug build would otherwise overflow a test
+// thread's stack.
+fn act() -> BoxedStrategy<Act> {
     prop_oneof![
-        6 => Just(Act::Apply),
+        3 => Just(Act::Apply),
         1 => Just(Act::Transient),
         1 => Just(Act::Permanent),
         1 => prop_oneof![Just(0), Just(1), Just(3)].prop_map(Act::RetryAfter),
@@ -194,12 +196,13 @@ fn act() -> impl Strategy<Value = Act> {
         1 => Just(Act::Panic),
         2 => Just(Act::Swallow),
     ]
+    .boxed()
 }
 
 fn msg() -> impl Strategy<Value = Msg> {
     (
         0..KEYS,
-        prop_oneof![4 => Just(0u8), 1 => 1..BODIES],
+        prop_oneof![5 => Just(0u8), 1 => 1..BODIES],
         proptest::bool::weighted(0.25),
     )
         .prop_map(|(key, body, redelivered)| Msg {
@@ -211,21 +214,31 @@ fn msg() -> impl Strategy<Value = Msg> {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => proptest::collection::vec(msg(), 1..=6).prop_map(Step::Batch),
+        2 => proptest::collection::vec(msg(), 1..=6).prop_map(Step::Batch),
         1 => prop_oneof![
             Just(Duration::from_millis(500)),
-            Just(Duration::from_secs(1)),
             Just(Duration::from_secs(2)),
+            Just(Duration::from_secs(4)),
             Just(Duration::from_secs(10)),
         ]
         .prop_map(Step::Advance),
     ]
 }
 
+/// What the handler does on each attempt of one key.
+fn acts() -> BoxedStrategy<[Act; MAX_ATTEMPTS as usize]> {
+    prop_oneof![
+        2 => proptest::array::uniform3(act()),
+        // A poison message: the same on every attempt.
+        1 => act().prop_map(|a| [a; MAX_ATTEMPTS as usize]),
+    ]
+    .boxed()
+}
+
 fn case() -> impl Strategy<Value = Case> {
     (
-        proptest::array::uniform4(proptest::array::uniform3(act())),
-        proptest::collection::vec(step(), 1..=12),
+        proptest::array::uniform4(acts()),
+        proptest::collection::vec(step(), 1..=16),
     )
         .prop_map(|(acts, steps)| Case { acts, steps })
 }
