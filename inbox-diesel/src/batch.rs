@@ -779,13 +779,24 @@ impl<C: StoreConnection> Inner<C> {
                     if failure_is_retryable(&failure) {
                         return Err(TxError::Retryable(retryable_cause(failure)));
                     }
-                    let known = at
-                        .and_then(|i| entries.get(i))
-                        .map(|(idx, _)| (*idx, failure));
+                    // The failing call is to blame only if the transaction is still
+                    // usable: once an earlier call swallowed an error (PostgreSQL
+                    // aborted the transaction), the next call's first statement fails
+                    // for it. Then isolation finds who is to blame.
+                    let known = match check_transaction(conn, run.token)? {
+                        TxCheck::Ours => at
+                            .and_then(|i| entries.get(i))
+                            .map(|(idx, _)| (*idx, failure)),
+                        TxCheck::Aborted(_) => None,
+                        TxCheck::Replaced => return Err(run.ended_by(&**handler)),
+                    };
                     return Err(TxError::Isolate(known));
                 }
                 Err(_) => {
                     restore_depth(conn, before)?;
+                    if let TxCheck::Replaced = check_transaction(conn, run.token)? {
+                        return Err(run.ended_by(&**handler));
+                    }
                     return Err(TxError::Isolate(None));
                 }
             }

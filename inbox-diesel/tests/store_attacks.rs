@@ -70,6 +70,9 @@ fn a_swallowed_database_error_is_a_recorded_failure_never_an_ack<F: Fixture>(fx:
     for batch in [
         vec![usage("swallow-alone", 1)],
         vec![usage("ok-1", 1), usage("swallow-mid", 1), usage("ok-2", 1)],
+        // Claims and calls go in key order: here the swallowing call comes first, and
+        // its batch-mate's first statement fails for it; only the swallower is blamed.
+        vec![usage("swallow-first", 1), usage("z-after", 1)],
     ] {
         let decisions = store.process_batch(&g, &batch).unwrap();
         for (env, decision) in batch.iter().zip(&decisions) {
@@ -96,10 +99,18 @@ fn a_swallowed_database_error_is_a_recorded_failure_never_an_ack<F: Fixture>(fx:
     if postgres {
         // The retry applies it, once.
         clock.advance(Duration::from_secs(3600));
-        let retry = [usage("swallow-alone", 1), usage("swallow-mid", 1)];
+        let retry = [
+            usage("swallow-alone", 1),
+            usage("swallow-mid", 1),
+            usage("swallow-first", 1),
+        ];
         assert_eq!(
             store.process_batch(&g, &retry).unwrap(),
-            [Decision::Processed, Decision::Processed]
+            [
+                Decision::Processed,
+                Decision::Processed,
+                Decision::Processed
+            ]
         );
         assert_eq!(fx.connect().effects_of("swallow-mid").unwrap(), 1);
     }

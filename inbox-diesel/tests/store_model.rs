@@ -55,22 +55,6 @@ const TRANSACTION_RETRIES: u32 = 2;
 /// The store's default crash limit: only real crashes reach it, and this test has none.
 const CRASH_LIMIT: u32 = 3;
 
-/// A disagreement found by this test, in the store, not yet fixed: on PostgreSQL, a
-/// handler call that swallows a database error in a batch's optimistic run leaves the
-/// transaction aborted, and the next handler call of that run fails on its first
-/// statement ("current transaction is aborted"). The store blames that batch-mate: it
-/// records the batch-mate's failure as is (an attempt, its effect rolled back) instead
-/// of calling it again in isolation, so an innocent message climbs the retry ladder.
-/// Minimal case: k0 swallows on attempt 1, k1 applies; one batch `[k0/b0, k1/b0]`; the
-/// rules say `[RetryAfter(1s), Processed]`, the store decides `[RetryAfter(1s),
-/// RetryAfter(1s)]`.
-///
-/// While it stands, a step whose decisions differ from the model's only in that such
-/// batch-mates (see [`Model::blamable`]) failed transiently is accepted, with the
-/// model following the store, and counted; every other difference fails the case.
-/// Once the store is fixed, nothing is accepted this way and this allowance goes.
-const KNOWN_BLAMED_BATCH_MATE: bool = true;
-
 inbox_test_support::on_both_backends!(the_store_behaves_like_the_model);
 
 // ----------------------------------------------------------------------------------
@@ -312,13 +296,9 @@ impl Model {
     /// owner's body takes the owner's decision (processed becomes a duplicate, a dead
     /// letter becomes already dead-lettered); a copy with another body waits for a
     /// later round and is judged against the stored claim like a delivery of its own.
-    ///
-    /// `blamed`: deliveries whose handler call is taken as a transient failure, for
-    /// [`KNOWN_BLAMED_BATCH_MATE`]; `None` when one of them is not such a batch-mate.
-    fn batch(&mut self, msgs: &[Msg], blamed: &[usize]) -> Option<Vec<Decision>> {
+    fn batch(&mut self, msgs: &[Msg]) -> Vec<Decision> {
         let mut decisions: Vec<Option<Decision>> = vec![None; msgs.len()];
         let mut pending: Vec<usize> = (0..msgs.len()).collect();
-        let mut used = 0;
         while !pending.is_empty() {
             let mut owner_of: HashMap<usize, usize> = HashMap::new();
             let mut copies = Vec::new();
@@ -334,14 +314,8 @@ impl Model {
             }
             let mut owners: Vec<usize> = owner_of.into_values().collect();
             owners.sort_unstable();
-            for &b in blamed.iter().filter(|b| owners.contains(b)) {
-                if !self.blamable(msgs, &owners, b) {
-                    return None;
-                }
-                used += 1;
-            }
             for o in owners {
-                decisions[o] = Some(self.deliver(&msgs[o], blamed.contains(&o)));
+                decisions[o] = Some(self.deliver(&msgs[o]));
             }
             for (copy, owner) in copies {
                 decisions[copy] = decisions[owner].as_ref().map(|d| match d {
@@ -354,36 +328,11 @@ impl Model {
             }
             pending = later;
         }
-        (used == blamed.len()).then(|| decisions.into_iter().map(Option::unwrap).collect())
-    }
-
-    /// The act a first delivery's handler call would run, if the delivery takes its
-    /// claim.
-    fn owned_act(&self, m: &Msg) -> Option<Act> {
-        let attempts = match self.claims.get(&m.key) {
-            None => 0,
-            Some(c) if c.taken_by(m, self.now) => c.attempts,
-            Some(_) => return None,
-        };
-        Some(self.acts[m.key][attempts as usize])
-    }
-
-    /// See [`KNOWN_BLAMED_BATCH_MATE`]: on PostgreSQL, a first delivery that would
-    /// apply, owning its claim in a round where a first delivery with a smaller key
-    /// owns its claim and swallows a database error.
-    fn blamable(&self, msgs: &[Msg], owners: &[usize], b: usize) -> bool {
-        let m = &msgs[b];
-        self.postgres
-            && !m.redelivered
-            && self.owned_act(m) == Some(Act::Apply)
-            && owners.iter().any(|&o| {
-                let s = &msgs[o];
-                !s.redelivered && s.key < m.key && self.owned_act(s) == Some(Act::Swallow)
-            })
+        decisions.into_iter().map(Option::unwrap).collect()
     }
 
     /// One delivery that owns its key in its round.
-    fn deliver(&mut self, m: &Msg, blamed: bool) -> Decision {
+    fn deliver(&mut self, m: &Msg) -> Decision {
         if m.redelivered {
             if let Some(decision) = self.start(m) {
                 return decision;
@@ -412,7 +361,6 @@ impl Model {
         };
         let act = self.acts[m.key][attempts_before as usize];
         let result = match act {
-            Act::Apply if blamed => Call::Transient,
             Act::Apply => Call::Ok,
             // PostgreSQL aborted the transaction: the call is a recorded failure.
             // SQLite's transaction goes on, and the effect commits.
@@ -718,30 +666,6 @@ fn store_view<C: ReadEffects + StoreConnection>(
     })
 }
 
-/// The model after `msgs` with the fewest blamed batch-mates that make its decisions
-/// the store's, if any do (see [`KNOWN_BLAMED_BATCH_MATE`]).
-fn known_blame(model: &Model, msgs: &[Msg], found: &[Decision]) -> Option<Model> {
-    if !KNOWN_BLAMED_BATCH_MATE {
-        return None;
-    }
-    let candidates: Vec<usize> = (0..msgs.len())
-        .filter(|&i| model.postgres && !msgs[i].redelivered)
-        .collect();
-    let mut subsets: Vec<Vec<usize>> = (1u32..1 << candidates.len())
-        .map(|bits| {
-            (0..candidates.len())
-                .filter(|b| bits & (1 << b) != 0)
-                .map(|b| candidates[b])
-                .collect()
-        })
-        .collect();
-    subsets.sort_by_key(Vec::len);
-    subsets.into_iter().find_map(|blamed| {
-        let mut next = model.clone();
-        (next.batch(msgs, &blamed).as_deref() == Some(found)).then_some(next)
-    })
-}
-
 // ----------------------------------------------------------------------------------
 // The test.
 
@@ -850,16 +774,16 @@ where
     let g = group(GROUP);
     static CASE: AtomicU64 = AtomicU64::new(0);
     // Steps the known disagreement explained.
-    let known = AtomicU64::new(0);
 
     let started = Instant::now();
     let mut runner = runner();
     let result = runner.run(&case(), |case| {
         // Each case starts from empty tables and has keys no other case used.
-        side.borrow_mut().batch_execute(
-            "DELETE FROM inbox_claims; DELETE FROM inbox_dead_letters; DELETE FROM effects",
-        )
-        .map_err(|e| TestCaseError::fail(format!("clearing the tables: {e}")))?;
+        side.borrow_mut()
+            .batch_execute(
+                "DELETE FROM inbox_claims; DELETE FROM inbox_dead_letters; DELETE FROM effects",
+            )
+            .map_err(|e| TestCaseError::fail(format!("clearing the tables: {e}")))?;
         let n = CASE.fetch_add(1, Ordering::Relaxed);
         let names: Vec<String> = (0..KEYS).map(|k| format!("case{n}.k{k}")).collect();
         {
@@ -891,22 +815,12 @@ where
                     let found = store.process_batch(&g, &batch).map_err(|e| {
                         TestCaseError::fail(format!("step {i}: process_batch failed: {e}"))
                     })?;
-                    let mut next = model.clone();
-                    let expected = next.batch(msgs, &[]).unwrap();
+                    let expected = model.batch(msgs);
                     if found != expected {
-                        match known_blame(&model, msgs, &found) {
-                            Some(explained) => {
-                                next = explained;
-                                known.fetch_add(1, Ordering::Relaxed);
-                            }
-                            None => {
-                                return Err(TestCaseError::fail(format!(
-                                    "step {i}: decisions differ\n  model: {expected:?}\n  store: {found:?}"
-                                )))
-                            }
-                        }
+                        return Err(TestCaseError::fail(format!(
+                            "step {i}: decisions differ\n  model: {expected:?}\n  store: {found:?}"
+                        )));
                     }
-                    model = next;
                 }
             }
             let expected = model.view();
@@ -922,10 +836,9 @@ where
     });
     let backend = if postgres { "postgres" } else { "sqlite" };
     eprintln!(
-        "{backend}: {} model cases in {:.1} s; steps with a blamed batch-mate: {}",
+        "{backend}: {} model cases in {:.1} s",
         cases(),
         started.elapsed().as_secs_f64(),
-        known.load(Ordering::Relaxed),
     );
     if let Err(err) = result {
         panic!("{backend}: the store and the model disagree: {err}");
