@@ -238,7 +238,10 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
             (ClaimStatus::Failed, 1),
             "{k}"
         );
-        assert!(claim.last_error.unwrap().contains("panicked"));
+        // The panic's own message is kept, so an operator sees why.
+        let last_error = claim.last_error.unwrap();
+        assert!(last_error.contains("panicked"), "{last_error}");
+        assert!(last_error.contains(k), "{last_error}");
     }
     // The pooled connections are usable afterwards: the process keeps going.
     for i in 0..8 {
