@@ -38,6 +38,8 @@ inbox_test_support::on_both_backends!(
     contention_inside_a_handler_counts_once_the_free_reruns_are_spent,
     a_huge_retry_delay_saturates_instead_of_panicking,
     data_errors_raised_by_a_handler_are_permanent,
+    a_long_error_is_cut_on_a_char_boundary,
+    dead_letters_keep_the_delivery_headers,
 );
 
 /// PostgreSQL aborts the transaction at the first failing statement, and `COMMIT`
@@ -691,4 +693,59 @@ fn batch_deadline_and_statement_timeout_are_checked_when_built() {
             "{deadline:?}/{statement:?}: {built:?}"
         );
     }
+}
+
+/// `last_error` keeps at most 4,000 bytes of a failure, cut where a character ends.
+fn a_long_error_is_cut_on_a_char_boundary<F: Fixture>(fx: &F) {
+    // 4,001 bytes of two-byte characters after one byte: byte 4,000 falls inside one.
+    let long = format!("x{}", "é".repeat(3000));
+    let exact = "y".repeat(4000);
+    let message = move |key: &str| match key {
+        "long" => long.clone(),
+        _ => exact.clone(),
+    };
+    let store = fx
+        .builder()
+        .handler(Recorder::new(GROUP).behaviour(move |key, _| Outcome::FailWith(message(key))))
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    store
+        .process_batch(&g, &[usage("long", 1), usage("exact", 1)])
+        .unwrap();
+    let long = store
+        .claim(&key("long"))
+        .unwrap()
+        .unwrap()
+        .last_error
+        .unwrap();
+    assert_eq!(long.len(), 3999, "cut back to the character boundary");
+    assert!(format!("x{}", "é".repeat(3000)).starts_with(&long));
+    let exact = store
+        .claim(&key("exact"))
+        .unwrap()
+        .unwrap()
+        .last_error
+        .unwrap();
+    assert_eq!(exact, "y".repeat(4000), "exactly the limit is kept whole");
+}
+
+/// A dead letter keeps the delivery's headers, as delivered.
+fn dead_letters_keep_the_delivery_headers<F: Fixture>(fx: &F) {
+    let store = fx
+        .builder()
+        .handler(Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent))
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    let mut env = usage("k", 1);
+    env.headers
+        .insert("traceparent".to_owned(), "00-abc-def-01".to_owned());
+    env.headers.insert("x-note".to_owned(), "kept".to_owned());
+    store.process_batch(&g, &[env.clone()]).unwrap();
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].headers, env.headers);
 }

@@ -307,6 +307,8 @@ pub enum Outcome {
     RetryAfter(std::time::Duration),
     /// Sleep this long inside the handler (a handler that hangs), then apply.
     Sleep(std::time::Duration),
+    /// Fail transiently with this message.
+    FailWith(String),
 }
 
 /// A handler that records an effect per message and counts its calls.
@@ -409,6 +411,7 @@ impl<C: TestConn + Send + 'static> Handler<C> for Recorder {
                 )
                 .into())
             }
+            Outcome::FailWith(message) => return Err(HandlerError::transient(message)),
             Outcome::Sleep(pause) => {
                 std::thread::sleep(pause);
                 conn.record_effect(key, msg.amount)?;
