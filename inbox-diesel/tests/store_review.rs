@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
+use inbox_core::ProjectionLock;
 use inbox_core::{ClaimKey, DeadLetterReason, Decision, Envelope, MessageKey};
-use inbox_diesel::ClaimStatus;
+use inbox_diesel::Store;
 use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
@@ -206,4 +207,151 @@ fn review_the_pooled_connection_is_clean_after_a_handler_ended_the_transaction()
             );
         }
     }
+}
+
+/// README: "Only a process death counts: a start whose processing ended in a store
+/// error (a lost connection, a lock wait that timed out) is remembered by the process,
+/// and the next start of that message adds no mark." The hung-handler rule counts an
+/// errored start as a crash once the batch outlived `batch_deadline`, measured from
+/// before the lock wait. With `statement_timeout` = `batch_deadline` (allowed: "at
+/// most batch_deadline"), a redelivery that merely waits behind a projection rebuild
+/// holding its lock exclusively times out *at* the deadline, so each wait counts as a
+/// crash and the message is dead-lettered as `crash_loop` without its handler ever
+/// running. (With the defaults, 30 s / 60 s, two waits of the same batch do it: the
+/// lock, then the claim row.)
+#[test]
+fn review_a_redelivery_waiting_behind_a_rebuild_is_dead_lettered_as_a_crash_loop() {
+    let Some(fx) = PgFixture::new() else { return };
+    let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
+    let handler = Recorder::new(GROUP).lock(lock);
+    let calls = handler.calls();
+    let store = fx
+        .builder()
+        .batch_deadline(Duration::from_millis(300))
+        .statement_timeout(Duration::from_millis(300))
+        .crash_limit(2)
+        .handler(handler)
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    let env = usage("k", 1).redelivered();
+    let mut outcomes = Vec::new();
+    {
+        // A rebuild holds the projection lock exclusively.
+        let mut holder = fx.connect();
+        holder
+            .batch_execute(&format!(
+                "BEGIN; SELECT pg_advisory_xact_lock({})",
+                lock.id()
+            ))
+            .unwrap();
+        for _ in 0..4 {
+            outcomes.push(format!(
+                "{:?}",
+                store.process_batch(&g, std::slice::from_ref(&env))
+            ));
+        }
+        holder.batch_execute("ROLLBACK").unwrap();
+    }
+    let after = store.process_batch(&g, &[env]);
+    assert!(
+        matches!(after.as_deref(), Ok([Decision::Processed])),
+        "while the rebuild held its lock: {outcomes:#?}; after: {after:?}; handler calls {}",
+        calls.lock().unwrap().len()
+    );
+}
+
+/// A `malformed` dead letter is written in a transaction of its own before the rest
+/// of the batch; when a batch-mate then fails the store call (here a lock wait that
+/// times out), the transport acks nothing and redelivers the batch, and each
+/// redelivery writes another dead letter of the same delivery. The claim path's dead
+/// letters are written once (a later copy is `AlreadyDeadLettered`); these pile up,
+/// one per try.
+#[test]
+fn review_a_malformed_delivery_is_dead_lettered_again_on_every_redelivery() {
+    let Some(fx) = PgFixture::new() else { return };
+    drop(fx.builder().build().unwrap());
+    let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
+    let handler = Recorder::new(GROUP).lock(lock);
+    let url = format!("{}?options=-c%20lock_timeout%3D100", fx.url());
+    let store = Store::<diesel::PgConnection>::builder(url)
+        .schema(fx.schema.clone())
+        .handler(handler)
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    let nul = Envelope::new(
+        MessageKey::new("nul").unwrap(),
+        "usage\0recorded",
+        b"{}".to_vec(),
+    );
+    let mut batch = vec![nul, usage("b", 1)];
+    let mut holder = fx.connect();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({})",
+            lock.id()
+        ))
+        .unwrap();
+    for _ in 0..3 {
+        assert!(store.process_batch(&g, &batch).is_err());
+        batch = batch.into_iter().map(Envelope::redelivered).collect();
+    }
+    holder.batch_execute("ROLLBACK").unwrap();
+    let decisions = store.process_batch(&g, &batch).unwrap();
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(
+        dead.iter()
+            .filter(|d| d.reason == DeadLetterReason::Malformed.as_str())
+            .count(),
+        1,
+        "decisions {decisions:?}; {} dead letters: {:?}",
+        dead.len(),
+        dead.iter().map(|d| (&d.key, &d.reason)).collect::<Vec<_>>()
+    );
+}
+
+/// A handler that changes a session setting (`SET`, not `SET LOCAL`) and commits
+/// leaves it on the pooled connection: here `search_path`, which the store set once
+/// when the connection was opened. The next batch on that connection runs the
+/// store's own statements against another schema: another store's claim table
+/// (`other`, as two services sharing a database by schema would have).
+#[test]
+fn review_a_handlers_session_setting_outlives_its_batch() {
+    let Some(fx) = PgFixture::new() else { return };
+    let Some(other) = PgFixture::new() else {
+        return;
+    };
+    drop(other.builder().build().unwrap());
+    let set: &'static str =
+        Box::leak(format!("SET search_path TO \"{}\"", other.schema).into_boxed_str());
+    let handler = Recorder::new(GROUP).behaviour(move |key, _| {
+        if key == "sets" {
+            Outcome::IgnoreSql(set)
+        } else {
+            Outcome::Apply
+        }
+    });
+    let store = fx.builder().pool_size(1).handler(handler).build().unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    assert_eq!(
+        store.process_batch(&g, &[usage("sets", 1)]).unwrap(),
+        [Decision::Processed]
+    );
+    let next = store.process_batch(&g, &[usage("next", 1)]);
+    let leaked = other
+        .builder()
+        .build()
+        .unwrap()
+        .claim(&key("next"))
+        .unwrap();
+    assert!(
+        matches!(next.as_deref(), Ok([Decision::Processed]))
+            && fx.connect().effects_of("next").unwrap() == 1
+            && leaked.is_none(),
+        "the next batch on the same connection: {next:?}; the other store's claim table holds {leaked:?}"
+    );
 }
