@@ -29,6 +29,11 @@ pub(crate) mod private {
         /// ones the store recognises deadlocks and data errors by.
         fn recognises_server_errors(conn: &mut Self) -> QueryResult<bool>;
 
+        /// Undoes what a handler that ended the store's transaction may have left on
+        /// the connection (an open transaction, session settings); the caller applies
+        /// the store's settings again.
+        fn reset_session(conn: &mut Self) -> QueryResult<()>;
+
         /// Bounds the connection's statements and how long a transaction may stay
         /// open without one running (a handler that hangs): PostgreSQL's
         /// `statement_timeout` and `idle_in_transaction_session_timeout`. SQLite has

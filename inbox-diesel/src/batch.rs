@@ -119,6 +119,47 @@ enum TxCheck {
     Replaced,
 }
 
+/// The savepoint an optimistic run's handlers start from (PostgreSQL).
+const HANDLERS_SAVEPOINT: &str = "SAVEPOINT inbox_handlers";
+
+/// Whose the transaction is after a handler call failed.
+enum Ownership {
+    /// The store's, and usable as it was.
+    Usable,
+    /// The store's, aborted by an error (a swallowed one, or the failing call's own);
+    /// usable again after the rollback to the handlers' savepoint.
+    WasAborted,
+    /// Ended or restarted by the handler.
+    Replaced,
+}
+
+/// After a failed handler call: an aborted transaction is rolled back to the handlers'
+/// savepoint, which exists only in the store's own transaction; a rollback that fails
+/// means the handler replaced it (an aborted state hides the transaction id).
+fn ownership_after_failure<C: StoreConnection>(
+    conn: &mut C,
+    token: Option<&str>,
+) -> std::result::Result<Ownership, TxError> {
+    match check_transaction(conn, token)? {
+        TxCheck::Ours => Ok(Ownership::Usable),
+        TxCheck::Replaced => Ok(Ownership::Replaced),
+        TxCheck::Aborted(_) => match conn.batch_execute("ROLLBACK TO SAVEPOINT inbox_handlers") {
+            Ok(()) => match check_transaction(conn, token)? {
+                TxCheck::Ours => Ok(Ownership::WasAborted),
+                _ => Ok(Ownership::Replaced),
+            },
+            Err(err) if classify(&err) == ErrorClass::Infrastructure => Err(err.into()),
+            Err(_) => Ok(Ownership::Replaced),
+        },
+    }
+}
+
+thread_local! {
+    /// Whether a handler call on this thread outlived the batch deadline since the
+    /// flag was last taken (a hang, which the server ended: counted like a crash).
+    static HUNG: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Checks, after a handler call, that the transaction is still usable and still the
 /// store's own: before the store decides, never after a `COMMIT` that PostgreSQL
 /// turned into a rollback.
@@ -501,8 +542,9 @@ impl<C: StoreConnection> Inner<C> {
                 Err(TxError::Data(err)) => return self.split_on_data_error(group, items, &err),
                 Err(TxError::Ended(handler)) => {
                     let detail = format!(
-                        "handler {handler} ended or restarted the store's transaction itself; \
-                         claims and effects of its batch may have committed without their decisions"
+                        "handler {handler} ended or restarted the store's transaction itself (or \
+                         moved its session's search_path); claims and effects of its batch may \
+                         have committed without their decisions"
                     );
                     let decisions: Vec<(usize, Decision)> = items
                         .iter()
@@ -605,6 +647,17 @@ impl<C: StoreConnection> Inner<C> {
             other => other,
         };
         if let Some(handler) = ended.take() {
+            // The connection goes back to the pool: as the store set it up, not as the
+            // handler left it.
+            C::reset_session(conn)
+                .and_then(|()| C::on_acquire(conn, self.schema.as_deref()))
+                .and_then(|()| {
+                    C::set_timeouts(
+                        conn,
+                        self.settings.statement_timeout,
+                        self.settings.batch_deadline,
+                    )
+                })?;
             return Err(TxError::Ended(handler));
         }
         let decisions = outcome?;
@@ -761,45 +814,59 @@ impl<C: StoreConnection> Inner<C> {
                 None => per_handler.push((handler, vec![(d.idx, ctx)])),
             }
         }
+        // Only the store's own transaction has this savepoint: after a failure that
+        // left the transaction aborted, rolling back to it tells a swallowed error
+        // (ours again, usable) from a handler that ended or restarted it.
+        if run.token.is_some() && !per_handler.is_empty() {
+            conn.batch_execute(HANDLERS_SAVEPOINT)?;
+        }
         for (handler, entries) in per_handler {
             let ctxs: Vec<MessageContext<'_>> = entries.iter().map(|(_, c)| *c).collect();
             let before = depth(conn)?;
+            let called = Instant::now();
             let outcome = catch_unwind(AssertUnwindSafe(|| handler.handle_all(conn, &ctxs)));
-            match outcome {
+            self.note_if_hung(called);
+            let (failure, at) = match outcome {
                 Ok(Ok(())) => match check_transaction(conn, run.token)? {
                     TxCheck::Ours => {
-                        decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)))
+                        decisions
+                            .extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)));
+                        continue;
                     }
-                    // Which message's call swallowed the error shows in isolation.
-                    TxCheck::Aborted(_) => return Err(TxError::Isolate(None)),
                     TxCheck::Replaced => return Err(run.ended_by(&**handler)),
+                    // A call swallowed an error; which one shows in isolation.
+                    TxCheck::Aborted(_) => (None, None),
                 },
-                Ok(Err((at, failure))) => {
-                    restore_depth(conn, before)?;
-                    if failure_is_retryable(&failure) {
-                        return Err(TxError::Retryable(retryable_cause(failure)));
-                    }
-                    // The failing call is to blame only if the transaction is still
-                    // usable: once an earlier call swallowed an error (PostgreSQL
-                    // aborted the transaction), the next call's first statement fails
-                    // for it. Then isolation finds who is to blame.
-                    let known = match check_transaction(conn, run.token)? {
-                        TxCheck::Ours => at
-                            .and_then(|i| entries.get(i))
-                            .map(|(idx, _)| (*idx, failure)),
-                        TxCheck::Aborted(_) => None,
-                        TxCheck::Replaced => return Err(run.ended_by(&**handler)),
-                    };
-                    return Err(TxError::Isolate(known));
-                }
-                Err(_) => {
-                    restore_depth(conn, before)?;
-                    if let TxCheck::Replaced = check_transaction(conn, run.token)? {
-                        return Err(run.ended_by(&**handler));
-                    }
-                    return Err(TxError::Isolate(None));
-                }
+                Ok(Err((at, failure))) => (Some(failure), at),
+                Err(_) => (None, None),
+            };
+            if let Err(err) = restore_depth(conn, before) {
+                return Err(match check_transaction(conn, run.token) {
+                    Ok(TxCheck::Ours) => err,
+                    Ok(_) => run.ended_by(&**handler),
+                    // The connection itself is gone (the server ended a hung session).
+                    Err(lost) => lost,
+                });
             }
+            // The failing call is to blame only if the transaction was still usable:
+            // once an earlier call swallowed an error (PostgreSQL aborted the
+            // transaction), the next call's first statement fails for it.
+            let usable = match ownership_after_failure(conn, run.token)? {
+                Ownership::Usable => true,
+                Ownership::WasAborted => false,
+                Ownership::Replaced => return Err(run.ended_by(&**handler)),
+            };
+            if let Some(failure) = failure {
+                if failure_is_retryable(&failure) {
+                    return Err(TxError::Retryable(retryable_cause(failure)));
+                }
+                let known = at
+                    .filter(|_| usable)
+                    .and_then(|i| entries.get(i))
+                    .map(|(idx, _)| (*idx, failure));
+                return Err(TxError::Isolate(known));
+            }
+            return Err(TxError::Isolate(None));
         }
         Ok(())
     }
@@ -832,6 +899,7 @@ impl<C: StoreConnection> Inner<C> {
             let ctx = MessageContext::new(d.env, group, attempt, now);
             let _entered = d.span.enter();
             let mut replaced = false;
+            let mut failed_in_handler = false;
             let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
                 let before = depth(conn).map_err(|e| match e {
                     TxError::Retryable(db) => SavepointError::Db(db),
@@ -839,7 +907,9 @@ impl<C: StoreConnection> Inner<C> {
                         "broken transaction state".into(),
                     )),
                 })?;
+                let called = Instant::now();
                 let result = catch_unwind(AssertUnwindSafe(|| handler.handle_payload(conn, &ctx)));
+                self.note_if_hung(called);
                 let failure = match result {
                     Ok(Ok(())) => match check_transaction(conn, run.token) {
                         Ok(TxCheck::Ours) => return Ok(()),
@@ -867,6 +937,7 @@ impl<C: StoreConnection> Inner<C> {
                         diesel::result::Error::BrokenTransactionManager,
                     ));
                 }
+                failed_in_handler = true;
                 Err(SavepointError::Failed(failure))
             });
             // Before anything else: the savepoint's own rollback may have failed too,
@@ -876,6 +947,14 @@ impl<C: StoreConnection> Inner<C> {
             }
             let decision = match outcome {
                 Ok(()) => Decision::Processed,
+                // The savepoint exists in the store's own transaction only: its
+                // rollback failing after a handler's failure means the handler ended
+                // or restarted the transaction.
+                Err(SavepointError::Db(err))
+                    if failed_in_handler && classify(&err) != ErrorClass::Infrastructure =>
+                {
+                    return Err(run.ended_by(&**handler))
+                }
                 Err(SavepointError::Db(err)) => return Err(err.into()),
                 Err(SavepointError::Failed(failure)) => {
                     if failure_is_retryable(&failure) && !count_contention {
@@ -1071,8 +1150,12 @@ impl<C: StoreConnection> Inner<C> {
         // A delivery the store cannot write as it is (the transport read a NUL byte
         // into its type or tenant): escaped, or every try fails and it loops.
         if let Some(why) = unstorable_field(env) {
-            self.dead_letter_malformed(group, env, &format!("{detail}; {why}"))?;
-            return Ok(DeadLetterOutcome::Recorded);
+            return Ok(
+                match self.dead_letter_malformed(group, env, &format!("{detail}; {why}"))? {
+                    Decision::AlreadyDeadLettered => DeadLetterOutcome::AlreadyDead,
+                    _ => DeadLetterOutcome::Recorded,
+                },
+            );
         }
         let now = self.clock.now();
         let digest = env.payload_digest();
@@ -1156,11 +1239,28 @@ impl<C: StoreConnection> Inner<C> {
             now,
         };
         let mut conn = self.pool.get()?;
-        C::write_transaction(&mut conn, |conn| C::insert_dead_letter(conn, &row))?;
-        tracing::error!(group = %group, key = %env.message_key, error = %last_error, "delivery dead-lettered as malformed");
-        let decision = Decision::DeadLettered(DeadLetterReason::Malformed);
+        // No claim makes this idempotent: a redelivery finds the letter it left.
+        let recorded = C::write_transaction(&mut conn, |conn| {
+            if C::has_dead_letter(conn, &row)? {
+                return Ok(false);
+            }
+            C::insert_dead_letter(conn, &row).map(|()| true)
+        })?;
+        let decision = if recorded {
+            tracing::error!(group = %group, key = %env.message_key, error = %last_error, "delivery dead-lettered as malformed");
+            Decision::DeadLettered(DeadLetterReason::Malformed)
+        } else {
+            Decision::AlreadyDeadLettered
+        };
         record_metrics(group, [&decision]);
         Ok(decision)
+    }
+
+    /// Notes a handler call that outlived the batch deadline (see [`HUNG`]).
+    fn note_if_hung(&self, called: Instant) {
+        if called.elapsed() >= self.settings.batch_deadline {
+            HUNG.with(|h| h.set(true));
+        }
     }
 
     /// A redelivered message: one at a time per group in this process, first a
@@ -1253,17 +1353,18 @@ impl<C: StoreConnection> Inner<C> {
                 decision
             }
             None => {
-                let started = Instant::now();
+                HUNG.with(|h| h.set(false));
                 match self.run_with_retries(group, std::slice::from_ref(&d)) {
                     Ok(mut decisions) => decisions
                         .pop()
                         .map(|(_, decision)| decision)
                         .ok_or(Error::Internal("a delivery was left without a decision"))?,
-                    // A store error is not a crash, unless the batch outlived its
-                    // deadline: then the handler hung (the server ended the session
-                    // under it), and the start counts like a crash.
+                    // A store error is not a crash, unless the handler's call
+                    // outlived the deadline: then it hung (the server ended the
+                    // session under it), and the start counts like a crash. A wait
+                    // for a lock (a rebuild's) is not the handler's.
                     Err(err) => {
-                        if started.elapsed() < self.settings.batch_deadline {
+                        if !HUNG.with(std::cell::Cell::take) {
                             self.errored_starts
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner)

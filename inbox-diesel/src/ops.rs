@@ -155,6 +155,10 @@ pub trait ClaimOps: Sized {
     /// Inserts a dead letter.
     fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()>;
 
+    /// Whether a dead letter with the same group, key, reason and payload exists (a
+    /// delivery dead-lettered without a claim, come back again).
+    fn has_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<bool>;
+
     /// Marks a claim dead, inserting it if missing, under the claim's own conflict
     /// condition (a done, dead or colliding row is left alone); returns the attempts of
     /// the row it marked, or `None` when it left the row alone.
@@ -372,6 +376,18 @@ macro_rules! claim_ops {
                     .returning(attempts)
                     .get_result::<i32>(conn)
                     .optional()
+            }
+
+            fn has_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<bool> {
+                use crate::schema::$schema::inbox_dead_letters::dsl::*;
+                diesel::select(diesel::dsl::exists(
+                    inbox_dead_letters
+                        .filter(consumer_group.eq(dl.group))
+                        .filter(message_key.eq(dl.key))
+                        .filter(reason.eq(dl.reason))
+                        .filter(payload.eq(dl.payload)),
+                ))
+                .get_result(conn)
             }
 
             fn insert_dead_letter(conn: &mut Self, dl: &NewDeadLetter<'_>) -> QueryResult<()> {

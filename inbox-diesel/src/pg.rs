@@ -296,6 +296,13 @@ impl Sealed for PgConnection {
         Ok(is_untranslated(&Setting::read(conn)?.value))
     }
 
+    fn reset_session(conn: &mut Self) -> QueryResult<()> {
+        // Whatever a handler left: no transaction, the server's defaults; the caller
+        // then applies the store's own settings again.
+        let _ = conn.batch_execute("ROLLBACK");
+        conn.batch_execute("RESET ALL")
+    }
+
     fn set_timeouts(
         conn: &mut Self,
         statement: std::time::Duration,
@@ -421,8 +428,12 @@ impl Sealed for PgConnection {
     }
 
     fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {
-        let row: Token =
-            diesel::sql_query("SELECT pg_current_xact_id()::text AS token").get_result(conn)?;
+        // The schema too: a handler that moved the session's search_path would send
+        // the next batch's claims into another store's tables.
+        let row: Token = diesel::sql_query(
+            "SELECT pg_current_xact_id()::text || ' ' || coalesce(current_schema(), '') AS token",
+        )
+        .get_result(conn)?;
         Ok(Some(row.token))
     }
 }

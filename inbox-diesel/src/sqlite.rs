@@ -67,6 +67,12 @@ impl Sealed for SqliteConnection {
         )
     }
 
+    fn reset_session(conn: &mut Self) -> QueryResult<()> {
+        // A transaction a handler left open (an error: none is open is fine).
+        let _ = conn.batch_execute("ROLLBACK");
+        Ok(())
+    }
+
     fn set_timeouts(
         _conn: &mut Self,
         _statement: std::time::Duration,

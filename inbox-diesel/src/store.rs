@@ -115,6 +115,8 @@ pub(crate) struct Settings {
     pub crash_limit: u32,
     /// How long a batch may hold its transaction (and the crash slot).
     pub batch_deadline: Duration,
+    /// PostgreSQL's `statement_timeout` on the store's connections.
+    pub statement_timeout: Duration,
     pub transaction_retries: u32,
     pub ladder: Option<RetryLadder>,
 }
@@ -500,6 +502,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 settings: Settings {
                     crash_limit: self.crash_limit,
                     batch_deadline: self.batch_deadline,
+                    statement_timeout: self.statement_timeout,
                     transaction_retries: self.transaction_retries,
                     ladder: self.ladder,
                 },

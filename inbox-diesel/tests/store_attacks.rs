@@ -268,11 +268,13 @@ fn nul_bytes_are_dead_lettered_malformed_and_batch_mates_go_on<F: Fixture>(fx: &
             .map(String::as_str),
         Some("acme\0")
     );
-    // Again: still decided at once, never a batch error.
+    // Again (a redelivery): decided at once, never a batch error, and dead-lettered
+    // once.
     assert_eq!(
         store.process_batch(&g, &batch[1..2]).unwrap(),
-        [Decision::DeadLettered(DeadLetterReason::Malformed)]
+        [Decision::AlreadyDeadLettered]
     );
+    assert_eq!(store.dead_letters(&g).unwrap().len(), 2);
     // The key itself cannot hold one.
     assert!(MessageKey::new("k\0").is_err());
     // A transport's own dead letter of such a delivery is escaped the same way.
@@ -475,7 +477,7 @@ fn a_division_by_zero_in_a_handler_is_dead_lettered_at_once() {
 fn store_errors_after_a_start_mark_are_not_crashes() {
     let Some(fx) = PgFixture::new() else { return };
     drop(fx.builder().build().unwrap());
-    let lock = ProjectionLock::named("usage-totals");
+    let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
     let handler = Recorder::new(GROUP).lock(lock);
     let calls = handler.calls();
     let url = format!("{}?options=-c%20lock_timeout%3D100", fx.url());
@@ -518,7 +520,7 @@ fn store_errors_after_a_start_mark_are_not_crashes() {
 fn a_live_batch_waits_behind_an_exclusive_projection_lock_before_it_claims() {
     use diesel::connection::SimpleConnection;
     let Some(fx) = PgFixture::new() else { return };
-    let lock = ProjectionLock::named("usage-totals");
+    let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
     let handler = Recorder::new(GROUP).lock(lock);
     let calls = handler.calls();
     let store = fx.builder().handler(handler).build().unwrap();
@@ -582,7 +584,7 @@ fn bounded_store(
 fn a_hung_handler_releases_its_locks_at_the_batch_deadline() {
     use diesel::connection::SimpleConnection;
     let Some(fx) = PgFixture::new() else { return };
-    let lock = ProjectionLock::named("usage-totals");
+    let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
     let handler = Recorder::new(GROUP).lock(lock).behaviour(|key, _| {
         if key == "hang" {
             Outcome::Sleep(Duration::from_secs(4))

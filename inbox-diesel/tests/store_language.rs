@@ -286,7 +286,10 @@ fn a_role_that_may_not_set_lc_messages_is_warned_about_once() {
         .unwrap_err();
     assert_eq!(ErrorClass::of(&err), ErrorClass::Other, "{err}");
 
-    assert_eq!(calls.len(), 2, "{calls:?}");
+    // The loser's call failed with a deadlock the store cannot recognise: its batch
+    // runs again in isolation, where the loser is called once more (the winner has
+    // committed by then) or fails again, counted.
+    assert!((2..=3).contains(&calls.len()), "{calls:?}");
     let mut retried = 0;
     for (k, decision) in ["a", "b"].into_iter().zip(decisions) {
         let claim = store.claim(&key(k)).unwrap().unwrap();
@@ -303,7 +306,11 @@ fn a_role_that_may_not_set_lc_messages_is_warned_about_once() {
             assert_eq!(decision, Decision::Processed, "{k}");
         }
     }
-    assert_eq!(retried, 1, "the deadlock's loser counted an attempt");
+    assert_eq!(
+        retried,
+        3 - calls.len(),
+        "an attempt is counted exactly when the isolated rerun failed too"
+    );
 }
 
 /// A role granted `SET` on `lc_messages` (PostgreSQL 15) gets the C locale.

@@ -319,7 +319,7 @@ fn review_a_malformed_delivery_is_dead_lettered_again_on_every_redelivery() {
 /// store's own statements against another schema: another store's claim table
 /// (`other`, as two services sharing a database by schema would have).
 #[test]
-fn review_a_handlers_session_setting_outlives_its_batch() {
+fn review_a_handler_that_moves_the_search_path_stops_and_leaves_the_connection_clean() {
     let Some(fx) = PgFixture::new() else { return };
     let Some(other) = PgFixture::new() else {
         return;
@@ -337,9 +337,12 @@ fn review_a_handlers_session_setting_outlives_its_batch() {
     let store = fx.builder().pool_size(1).handler(handler).build().unwrap();
     fx.connect().create_effects().unwrap();
     let g = group(GROUP);
-    assert_eq!(
-        store.process_batch(&g, &[usage("sets", 1)]).unwrap(),
-        [Decision::Processed]
+    // Moving the session's search_path is caught like ending the transaction: the
+    // batch stops, naming the handler, and the connection is set up again.
+    let decisions = store.process_batch(&g, &[usage("sets", 1)]).unwrap();
+    assert!(
+        matches!(&decisions[..], [Decision::Stop(v)] if v.detail.contains("search_path")),
+        "{decisions:?}"
     );
     let next = store.process_batch(&g, &[usage("next", 1)]);
     let leaked = other
