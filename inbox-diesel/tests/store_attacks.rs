@@ -40,6 +40,7 @@ inbox_test_support::on_both_backends!(
     data_errors_raised_by_a_handler_are_permanent,
     a_long_error_is_cut_on_a_char_boundary,
     dead_letters_keep_the_delivery_headers,
+    each_message_type_in_a_batch_reaches_its_own_handler,
 );
 
 /// PostgreSQL aborts the transaction at the first failing statement, and `COMMIT`
@@ -750,4 +751,37 @@ fn dead_letters_keep_the_delivery_headers<F: Fixture>(fx: &F) {
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].headers, env.headers);
+}
+
+/// A batch of several message types: each delivery reaches the handler of its own type
+/// (or none), whatever the order.
+fn each_message_type_in_a_batch_reaches_its_own_handler<F: Fixture>(fx: &F) {
+    let store = fx
+        .builder()
+        .handler(Recorder::new(GROUP))
+        .handler(LongType(
+            Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent),
+            "usage.corrected",
+        ))
+        .build()
+        .unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    let batch = [
+        usage("a", 1),
+        with_type(usage("b", 1), "usage.corrected"),
+        with_type(usage("c", 1), "usage.unknown"),
+        usage("d", 1),
+        with_type(usage("e", 1), "usage.corrected"),
+    ];
+    assert_eq!(
+        store.process_batch(&g, &batch).unwrap(),
+        [
+            Decision::Processed,
+            Decision::DeadLettered(DeadLetterReason::Permanent),
+            Decision::DeadLettered(DeadLetterReason::NoHandler),
+            Decision::Processed,
+            Decision::DeadLettered(DeadLetterReason::Permanent),
+        ]
+    );
 }

@@ -41,6 +41,7 @@ fn counters_follow_the_decisions<F: Fixture>(fx: &F) {
                     usage("a", 1),
                     usage("flaky", 3),
                     usage("invalid", 4),
+                    usage("invalid-too", 5),
                 ],
             )
             .unwrap()
@@ -53,8 +54,10 @@ fn counters_follow_the_decisions<F: Fixture>(fx: &F) {
             Decision::Duplicate,
             Decision::RetryAfter(Duration::from_millis(1)),
             Decision::DeadLettered(DeadLetterReason::Permanent),
+            Decision::DeadLettered(DeadLetterReason::Permanent),
         ]
     );
+    assert_eq!(first.counter("inbox_key_collisions_total", &labels), 0);
     assert_eq!(first.counter("inbox_processed_total", &labels), 2);
     assert_eq!(first.counter("inbox_duplicates_total", &labels), 1);
     assert_eq!(first.counter("inbox_retried_total", &labels), 1);
@@ -63,7 +66,7 @@ fn counters_follow_the_decisions<F: Fixture>(fx: &F) {
             "inbox_dead_lettered_total",
             &[("group", GROUP), ("reason", "permanent")]
         ),
-        1
+        2
     );
     // One optimistic transaction, rerun isolated after the failures: one commit timed.
     assert_eq!(first.samples("inbox_batch_commit_seconds", &labels), 1);
