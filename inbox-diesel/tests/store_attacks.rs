@@ -41,6 +41,7 @@ inbox_test_support::on_both_backends!(
     a_long_error_is_cut_on_a_char_boundary,
     dead_letters_keep_the_delivery_headers,
     each_message_type_in_a_batch_reaches_its_own_handler,
+    a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched,
 );
 
 /// PostgreSQL aborts the transaction at the first failing statement, and `COMMIT`
@@ -677,6 +678,11 @@ fn a_redelivery_that_hangs_is_counted_like_a_crash() {
         [Decision::DeadLettered(DeadLetterReason::CrashLoop)]
     );
     assert_eq!(calls.lock().unwrap().len(), 2);
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(
+        dead[0].last_error.as_deref(),
+        Some("crash loop: 2 starts without an outcome (limit 2)")
+    );
 }
 
 #[test]
@@ -783,5 +789,45 @@ fn each_message_type_in_a_batch_reaches_its_own_handler<F: Fixture>(fx: &F) {
             Decision::Processed,
             Decision::DeadLettered(DeadLetterReason::Permanent),
         ]
+    );
+}
+
+/// The broker gave up on a message whose key a done claim of another payload holds (an
+/// impostor): its dead letter is recorded, counted, and the claim is left alone.
+fn a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched<F: Fixture>(fx: &F) {
+    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
+    fx.connect().create_effects().unwrap();
+    let g = group(GROUP);
+    store.process_batch(&g, &[usage("k", 1)]).unwrap();
+    let (outcome, counted) = inbox_test_support::metrics::capture(|| {
+        store
+            .dead_letter(&g, &usage("k", 2), DeadLetterReason::DeliveryLimit, "limit")
+            .unwrap()
+    });
+    assert_eq!(outcome, inbox_core::DeadLetterOutcome::Recorded);
+    assert_eq!(
+        counted.counter(
+            "inbox_dead_lettered_total",
+            &[("group", GROUP), ("reason", "delivery_limit")]
+        ),
+        1
+    );
+    let claim = store.claim(&key("k")).unwrap().unwrap();
+    assert_eq!(claim.status, ClaimStatus::Done);
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, "delivery_limit");
+    // Its own payload's dead letter is not counted again.
+    let (_, again) = inbox_test_support::metrics::capture(|| {
+        store
+            .dead_letter(&g, &usage("k", 1), DeadLetterReason::DeliveryLimit, "limit")
+            .unwrap()
+    });
+    assert_eq!(
+        again.counter(
+            "inbox_dead_lettered_total",
+            &[("group", GROUP), ("reason", "delivery_limit")]
+        ),
+        0
     );
 }
