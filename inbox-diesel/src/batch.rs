@@ -957,6 +957,13 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 Err(SavepointError::Db(err)) => return Err(err.into()),
                 Err(SavepointError::Failed(failure)) => {
+                    // Rolled back to the message's savepoint, the store's own
+                    // transaction is usable again. diesel does not report a savepoint
+                    // rollback that failed on an aborted transaction, so look: still
+                    // aborted, or another id, means the savepoint was not the store's.
+                    if !matches!(check_transaction(conn, run.token)?, TxCheck::Ours) {
+                        return Err(run.ended_by(&**handler));
+                    }
                     if failure_is_retryable(&failure) && !count_contention {
                         return Err(TxError::Retryable(retryable_cause(failure)));
                     }

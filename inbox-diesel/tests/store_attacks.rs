@@ -293,6 +293,15 @@ fn nul_bytes_are_dead_lettered_malformed_and_batch_mates_go_on<F: Fixture>(fx: &
     assert!(dead
         .iter()
         .any(|d| d.key == "nul-from-broker" && d.message_type == "x\\0y"));
+    let again = store
+        .dead_letter(
+            &g,
+            &with_type(usage("nul-from-broker", 1), "x\0y"),
+            DeadLetterReason::Malformed,
+            "unreadable delivery",
+        )
+        .unwrap();
+    assert_eq!(again, inbox_core::DeadLetterOutcome::AlreadyDead);
 }
 
 /// A delivery whose data one of the store's own statements rejects (here a message
@@ -830,4 +839,38 @@ fn a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched<F
         ),
         0
     );
+}
+
+/// A handler first called in the isolated run (a batch-mate failed the optimistic one)
+/// that restarts the transaction and then errs: its savepoint cannot be rolled back,
+/// which only happens when the transaction is no longer the store's: the group stops.
+#[test]
+fn a_restart_inside_the_isolated_run_stops_the_group() {
+    let Some(fx) = PgFixture::new() else { return };
+    let handler = Recorder::new(GROUP).behaviour(|key, _| match key {
+        "a-fails" => Outcome::ApplyThenFail,
+        _ => Outcome::IgnoreSql("ROLLBACK; BEGIN; SELECT 1/0"),
+    });
+    let store = fx.builder().handler(handler).build().unwrap();
+    fx.connect().create_effects().unwrap();
+    let decisions = store
+        .process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-rogue", 1)])
+        .unwrap();
+    assert!(stops(&decisions), "{decisions:?}");
+}
+
+/// A connection lost inside the isolated run (here the handler ends its own backend)
+/// is the store's infrastructure failing: nothing is decided, nothing acked, and the
+/// group does not halt over it.
+#[test]
+fn a_connection_lost_inside_the_isolated_run_is_a_store_error_not_a_stop() {
+    let Some(fx) = PgFixture::new() else { return };
+    let handler = Recorder::new(GROUP).behaviour(|key, _| match key {
+        "a-fails" => Outcome::ApplyThenFail,
+        _ => Outcome::Sql("SELECT pg_terminate_backend(pg_backend_pid())"),
+    });
+    let store = fx.builder().handler(handler).build().unwrap();
+    fx.connect().create_effects().unwrap();
+    let outcome = store.process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-dies", 1)]);
+    assert!(outcome.is_err(), "{outcome:?}");
 }
