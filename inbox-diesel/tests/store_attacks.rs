@@ -846,17 +846,28 @@ fn a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched<F
 /// which only happens when the transaction is no longer the store's: the group stops.
 #[test]
 fn a_restart_inside_the_isolated_run_stops_the_group() {
-    let Some(fx) = PgFixture::new() else { return };
-    let handler = Recorder::new(GROUP).behaviour(|key, _| match key {
-        "a-fails" => Outcome::ApplyThenFail,
-        _ => Outcome::IgnoreSql("ROLLBACK; BEGIN; SELECT 1/0"),
-    });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
-    let decisions = store
-        .process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-rogue", 1)])
-        .unwrap();
-    assert!(stops(&decisions), "{decisions:?}");
+    // Swallowed (the handler returns Ok) and propagated (it returns the error).
+    let cases = [
+        ("ROLLBACK; BEGIN; SELECT 1/0", false),
+        ("COMMIT", false),
+        ("ROLLBACK", false),
+        ("COMMIT; SELECT 1/0", true),
+        ("ROLLBACK; SELECT 1/0", true),
+    ];
+    for (sql, propagate) in cases {
+        let Some(fx) = PgFixture::new() else { return };
+        let handler = Recorder::new(GROUP).behaviour(move |key, _| match key {
+            "a-fails" => Outcome::ApplyThenFail,
+            _ if propagate => Outcome::Sql(sql),
+            _ => Outcome::IgnoreSql(sql),
+        });
+        let store = fx.builder().handler(handler).build().unwrap();
+        fx.connect().create_effects().unwrap();
+        let decisions = store
+            .process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-rogue", 1)])
+            .unwrap();
+        assert!(stops(&decisions), "{sql}: {decisions:?}");
+    }
 }
 
 /// A connection lost inside the isolated run (here the handler ends its own backend)
