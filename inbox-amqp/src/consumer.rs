@@ -235,6 +235,18 @@ fn backoff_after_session(
     }
 }
 
+/// Ends a consumer of `channel`: cancels it, holds its deliveries while its group is
+/// halted, then closes the channel.
+async fn stop_consuming(channel: &Channel, tag: &str, tokens: &Tokens, reason: &str) {
+    goodbye(
+        "consumer cancel",
+        channel.basic_cancel(tag.into(), BasicCancelOptions::default()),
+    )
+    .await;
+    tokens.hold_while_halted().await;
+    close_channel(channel, reason).await;
+}
+
 /// A worker's backoffs: after a refused retry copy, and after a store failure.
 struct Backoff<'a> {
     retry: &'a mut Duration,
@@ -450,13 +462,7 @@ impl<S: InboxStore> Shared<S> {
         }
         // No new deliveries; what was prefetched and not handled goes back to the
         // queue when the channel closes.
-        goodbye(
-            "consumer cancel",
-            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
-        )
-        .await;
-        tokens.hold_while_halted().await;
-        close_channel(&channel, "inbox worker stopping").await;
+        stop_consuming(&channel, &tag, &tokens, "inbox worker stopping").await;
         Ok(())
     }
 
@@ -763,13 +769,7 @@ impl<S: InboxStore> Shared<S> {
                 .basic_ack(d.delivery_tag, BasicAckOptions::default())
                 .await?;
         }
-        goodbye(
-            "consumer cancel",
-            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
-        )
-        .await;
-        tokens.hold_while_halted().await;
-        close_channel(&channel, "inbox dead-letter reader stopping").await;
+        stop_consuming(&channel, &tag, &tokens, "inbox dead-letter reader stopping").await;
         Ok(())
     }
 
