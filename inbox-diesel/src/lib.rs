@@ -3,15 +3,17 @@
 
 mod backend;
 mod batch;
+mod dsl;
 mod error;
-mod ops;
 mod outbox;
 mod pg;
 mod pool;
 mod retention;
+mod rows;
 mod schema;
 mod slot;
 mod sqlite;
+mod statements;
 mod store;
 mod tls;
 mod url;
@@ -20,14 +22,12 @@ mod verify;
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use outbox::{
-    enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,
-    DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
+    enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,
+    MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
 };
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use retention::Retention;
-pub use store::{
-    ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder, DEFAULT_BATCH_DEADLINE,
-    DEFAULT_STATEMENT_TIMEOUT,
-};
+pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow};
+pub use store::{Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT};
 pub use tls::init_tls;
 pub use url::{redact, Backend};
