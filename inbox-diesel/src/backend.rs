@@ -103,7 +103,6 @@ pub trait StoreConnection:
 {
 }
 
-
 /// Whose a database error is, which decides what the store does with it.
 ///
 /// Also for a handler that wants to tell its own data's fault (fail permanently) from

@@ -267,7 +267,10 @@ pub(crate) use claim_dsl;
 /// same diesel DSL on both backends.
 macro_rules! outbox_dsl {
     ($schema:ident) => {
-        fn insert_outbox(conn: &mut Self, row: &$crate::rows::NewOutbox<'_>) -> diesel::QueryResult<Option<i64>> {
+        fn insert_outbox(
+            conn: &mut Self,
+            row: &$crate::rows::NewOutbox<'_>,
+        ) -> diesel::QueryResult<Option<i64>> {
             use $crate::schema::$schema::outbox_messages::dsl::*;
             diesel::insert_into(outbox_messages)
                 .values((
@@ -290,13 +293,12 @@ macro_rules! outbox_dsl {
                 .optional()
         }
 
-
         fn load_outbox(
             conn: &mut Self,
             ids: &[i64],
         ) -> diesel::QueryResult<(Vec<inbox_core::OutboxRow>, Vec<inbox_core::UnreadableRow>)> {
-            use $crate::schema::$schema::outbox_messages::dsl::*;
             use diesel::result::Error::DeserializationError;
+            use $crate::schema::$schema::outbox_messages::dsl::*;
             let columns = (
                 id,
                 message_key,
@@ -328,13 +330,16 @@ macro_rules! outbox_dsl {
                     // the client, so the transaction is still usable.
                     Err(DeserializationError(_)) => {
                         for &one in chunk {
-                            let single: diesel::QueryResult<Option<$crate::rows::OutboxTuple>> = outbox_messages
-                                .filter(id.eq(one))
-                                .select(columns)
-                                .first(conn)
-                                .optional();
+                            let single: diesel::QueryResult<Option<$crate::rows::OutboxTuple>> =
+                                outbox_messages
+                                    .filter(id.eq(one))
+                                    .select(columns)
+                                    .first(conn)
+                                    .optional();
                             match single {
-                                Ok(Some(t)) => $crate::rows::decode_into(t, &mut rows, &mut unreadable),
+                                Ok(Some(t)) => {
+                                    $crate::rows::decode_into(t, &mut rows, &mut unreadable)
+                                }
                                 Ok(None) => {}
                                 Err(DeserializationError(err)) => {
                                     let tries: diesel::QueryResult<i32> = outbox_messages
@@ -381,7 +386,10 @@ macro_rules! outbox_dsl {
                         .filter(leased_by.eq(relay))
                         .filter(published_at.is_null()),
                 )
-                .set((published_at.eq(now), leased_until.eq(None::<chrono::DateTime<chrono::Utc>>)))
+                .set((
+                    published_at.eq(now),
+                    leased_until.eq(None::<chrono::DateTime<chrono::Utc>>),
+                ))
                 .execute(conn)?;
             }
             Ok(marked)
@@ -413,7 +421,9 @@ macro_rules! outbox_dsl {
             .execute(conn)
         }
 
-        fn first_unpublished_at(conn: &mut Self) -> diesel::QueryResult<Option<chrono::DateTime<chrono::Utc>>> {
+        fn first_unpublished_at(
+            conn: &mut Self,
+        ) -> diesel::QueryResult<Option<chrono::DateTime<chrono::Utc>>> {
             use $crate::schema::$schema::outbox_fates::dsl::*;
             outbox_fates
                 .filter(published_at.is_null())
@@ -424,7 +434,10 @@ macro_rules! outbox_dsl {
                 .optional()
         }
 
-        fn dead_outbox(conn: &mut Self, limit: i64) -> diesel::QueryResult<Vec<$crate::DeadOutboxRow>> {
+        fn dead_outbox(
+            conn: &mut Self,
+            limit: i64,
+        ) -> diesel::QueryResult<Vec<$crate::DeadOutboxRow>> {
             use $crate::schema::$schema::outbox_fates::dsl::*;
             let tuples: Vec<$crate::rows::DeadTuple> = outbox_fates
                 .filter(dead_at.is_not_null())
@@ -469,7 +482,6 @@ macro_rules! outbox_dsl {
             }
             Ok(revived)
         }
-
     };
 }
 pub(crate) use outbox_dsl;

@@ -271,7 +271,11 @@ fn outbox_row(t: OutboxTuple) -> std::result::Result<OutboxRow, UnreadableRow> {
 }
 
 /// Sorts decoded tuples into readable rows and unreadable ones.
-pub(crate) fn decode_into(t: OutboxTuple, rows: &mut Vec<OutboxRow>, unreadable: &mut Vec<UnreadableRow>) {
+pub(crate) fn decode_into(
+    t: OutboxTuple,
+    rows: &mut Vec<OutboxRow>,
+    unreadable: &mut Vec<UnreadableRow>,
+) {
     match outbox_row(t) {
         Ok(row) => rows.push(row),
         Err(bad) => unreadable.push(bad),
@@ -330,4 +334,3 @@ pub(crate) fn dead_row(t: DeadTuple) -> DeadOutboxRow {
         dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
     }
 }
-

@@ -71,7 +71,6 @@ pub trait ClaimOps: Sized {
     fn read_dead_letters(conn: &mut Self, group: &ConsumerGroup) -> QueryResult<Vec<DeadLetter>>;
 }
 
-
 /// The outbox statements every backend runs, on its own connection type.
 pub trait OutboxOps: Sized {
     /// Inserts a row unless its message key exists; returns its id if it did.
@@ -179,11 +178,21 @@ mod tests {
     fn the_conflict_target_is_the_claim_key() {
         assert_eq!(claim_conflict(false).target, "consumer_group, message_key");
         let due = claim_conflict(true);
-        assert!(due.condition.ends_with("next_attempt_at <= "), "{}", due.condition);
+        assert!(
+            due.condition.ends_with("next_attempt_at <= "),
+            "{}",
+            due.condition
+        );
         assert_eq!(due.close, ")");
         let any = claim_conflict(false);
-        assert!(!any.condition.contains("next_attempt_at"), "{}", any.condition);
+        assert!(
+            !any.condition.contains("next_attempt_at"),
+            "{}",
+            any.condition
+        );
         assert!(any.condition.contains("status IN ('failed', 'started')"));
-        assert!(any.condition.contains("payload_digest = excluded.payload_digest"));
+        assert!(any
+            .condition
+            .contains("payload_digest = excluded.payload_digest"));
     }
 }

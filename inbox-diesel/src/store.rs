@@ -82,8 +82,7 @@ impl<C: StoreConnection> Inner<C> {
         group: &ConsumerGroup,
         message_type: &str,
     ) -> Option<&Arc<dyn DynHandler<C>>> {
-        self.handlers
-            .get(&(group.clone(), message_type.to_owned()))
+        self.handlers.get(&(group.clone(), message_type.to_owned()))
     }
 
     /// The group's crash-detection slot in this process.

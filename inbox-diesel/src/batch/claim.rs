@@ -232,7 +232,11 @@ mod tests {
         for status in ["done", "dead", "failed", "started", "bogus"] {
             let mut s = stored(status, None);
             s.digest = vec![8; 32];
-            assert_eq!(decide(Some(&s), &DIGEST, now()), Found::Collision, "{status}");
+            assert_eq!(
+                decide(Some(&s), &DIGEST, now()),
+                Found::Collision,
+                "{status}"
+            );
         }
     }
 

@@ -35,7 +35,7 @@ fn verdict<C>(
     failure: Option<&HandlerFailure>,
 ) -> (std::result::Result<Duration, DeadLetterReason>, String) {
     let exhausted = policy.is_exhausted(u32::try_from(attempts).unwrap_or(u32::MAX));
-match failure {
+    match failure {
         None => (
             Err(DeadLetterReason::NoHandler),
             format!(
@@ -43,9 +43,7 @@ match failure {
                 d.env.message_type
             ),
         ),
-        Some(f @ HandlerFailure::Decode(_)) => {
-            (Err(DeadLetterReason::DecodeError), f.to_string())
-        }
+        Some(f @ HandlerFailure::Decode(_)) => (Err(DeadLetterReason::DecodeError), f.to_string()),
         Some(f @ HandlerFailure::Handler(e)) => {
             let outcome = match e.kind() {
                 HandlerErrorKind::Permanent => Err(DeadLetterReason::Permanent),

@@ -9,8 +9,7 @@ use inbox_core::{Decision, DynHandler, HandlerError, HandlerFailure, MessageCont
 use super::ownership::{check_transaction, SwallowedDatabaseError, TxCheck};
 use super::retry::TxError;
 use super::run::{
-    attempt_number, depth, failure_is_retryable, panic_message, restore_depth, retryable_cause,
-    Run,
+    attempt_number, depth, failure_is_retryable, panic_message, restore_depth, retryable_cause, Run,
 };
 use super::Delivery;
 use crate::backend::{classify, ErrorClass, StoreConnection};
@@ -66,8 +65,14 @@ impl<C: StoreConnection> Inner<C> {
             let ctx = MessageContext::new(d.env, group, attempt, now);
             let _entered = d.span.enter();
             let called = self.call_in_savepoint(conn, run, &**handler, &ctx);
-            let decision =
-                self.isolated_decision(conn, run, (d, *attempts), &**handler, called, count_contention)?;
+            let decision = self.isolated_decision(
+                conn,
+                run,
+                (d, *attempts),
+                &**handler,
+                called,
+                count_contention,
+            )?;
             decisions.push((d.idx, decision));
         }
         Ok(())
@@ -86,9 +91,9 @@ impl<C: StoreConnection> Inner<C> {
         let outcome = conn.transaction::<_, SavepointError, _>(|conn| {
             let before = depth(conn).map_err(|e| match e {
                 TxError::Retryable(db) => SavepointError::Db(db),
-                _ => SavepointError::Failed(HandlerFailure::Panic(
-                    "broken transaction state".into(),
-                )),
+                _ => {
+                    SavepointError::Failed(HandlerFailure::Panic("broken transaction state".into()))
+                }
             })?;
             let called = Instant::now();
             let result = catch_unwind(AssertUnwindSafe(|| handler.handle_payload(conn, ctx)));
@@ -97,9 +102,9 @@ impl<C: StoreConnection> Inner<C> {
                 Ok(Ok(())) => match check_transaction(conn, run.token) {
                     Ok(TxCheck::Ours) => return Ok(()),
                     // Rolling back to the savepoint makes the transaction usable.
-                    Ok(TxCheck::Aborted(err)) => HandlerFailure::Handler(
-                        HandlerError::transient(SwallowedDatabaseError(err)),
-                    ),
+                    Ok(TxCheck::Aborted(err)) => HandlerFailure::Handler(HandlerError::transient(
+                        SwallowedDatabaseError(err),
+                    )),
                     Ok(TxCheck::Replaced) => {
                         replaced = true;
                         return Err(SavepointError::Db(

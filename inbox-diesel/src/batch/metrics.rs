@@ -7,7 +7,10 @@ use inbox_core::{ConsumerGroup, DeadLetterReason, Decision};
 /// per delivery (each carries the group label, built once here). Counting inside the
 /// transaction would count twice whatever an isolated rerun or a retry after a
 /// deadlock decides again.
-pub(super) fn record_metrics<'a>(group: &ConsumerGroup, decisions: impl IntoIterator<Item = &'a Decision>) {
+pub(super) fn record_metrics<'a>(
+    group: &ConsumerGroup,
+    decisions: impl IntoIterator<Item = &'a Decision>,
+) {
     let (mut processed, mut duplicates, mut retried) = (0u64, 0u64, 0u64);
     let (mut collisions, mut violations) = (0u64, 0u64);
     let mut dead: Vec<(DeadLetterReason, u64)> = Vec::new();

@@ -7,9 +7,13 @@ use std::time::Instant;
 
 use inbox_core::{Decision, MessageContext};
 
-use super::ownership::{check_transaction, ownership_after_failure, Ownership, TxCheck, HANDLERS_SAVEPOINT};
+use super::ownership::{
+    check_transaction, ownership_after_failure, Ownership, TxCheck, HANDLERS_SAVEPOINT,
+};
 use super::retry::TxError;
-use super::run::{attempt_number, failure_is_retryable, restore_depth, retryable_cause, depth, HandlerRun, Run};
+use super::run::{
+    attempt_number, depth, failure_is_retryable, restore_depth, retryable_cause, HandlerRun, Run,
+};
 use crate::backend::StoreConnection;
 use crate::store::Inner;
 

@@ -16,7 +16,8 @@ use crate::backend::{is_retryable, StoreConnection};
 use crate::store::Inner;
 
 /// One handler's share of an optimistic run: (delivery index, context) each.
-pub(super) type HandlerRun<'h, 'e, C> = (&'h Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'e>)>);
+pub(super) type HandlerRun<'h, 'e, C> =
+    (&'h Arc<dyn DynHandler<C>>, Vec<(usize, MessageContext<'e>)>);
 
 /// What a batch's handler run works on: the owned deliveries (with the attempts
 /// before this one), the batch's `now`, and the transaction's token.

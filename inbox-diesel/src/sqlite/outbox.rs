@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
-use diesel::{SqliteConnection, QueryResult};
+use diesel::{QueryResult, SqliteConnection};
 
 use crate::statements::OutboxOps;
 
