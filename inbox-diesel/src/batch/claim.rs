@@ -10,9 +10,9 @@ use inbox_core::{
     ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, HandlerFailure, MessageKey,
 };
 
-use super::retry::TxError;
+use super::delivery::Delivery;
 use super::run::{Mode, Run};
-use super::Delivery;
+use super::tx::TxError;
 use crate::backend::StoreConnection;
 use crate::rows::{ClaimRow, Stored};
 use crate::store::Inner;

@@ -7,10 +7,11 @@ use inbox_core::{ClaimKey, ConsumerGroup, DeadLetterReason, Decision};
 
 use super::claim::phantom;
 use super::dead_letter::dead_letter_row;
+use super::delivery::Delivery;
 use super::metrics::record_metrics;
-use super::retry::{TxError, CONTENDED_RETRY};
+use super::retry::CONTENDED_RETRY;
 use super::run::HUNG;
-use super::Delivery;
+use super::tx::TxError;
 use crate::backend::StoreConnection;
 use crate::rows::FailureUpdate;
 use crate::store::Inner;

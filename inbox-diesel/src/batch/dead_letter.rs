@@ -5,8 +5,8 @@
 use chrono::{DateTime, Utc};
 use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, Envelope};
 
+use super::delivery::Delivery;
 use super::metrics::record_metrics;
-use super::Delivery;
 use crate::backend::StoreConnection;
 use crate::rows::{ClaimRow, NewDeadLetter};
 use crate::store::Inner;

@@ -11,8 +11,8 @@ use inbox_core::{
 
 use super::claim::phantom;
 use super::dead_letter::{dead_letter_row, truncate};
-use super::retry::TxError;
-use super::Delivery;
+use super::delivery::Delivery;
+use super::tx::TxError;
 use crate::backend::{classify, ErrorClass, StoreConnection};
 use crate::rows::FailureUpdate;
 use crate::store::Inner;

@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use inbox_core::{Decision, DynHandler, HandlerError, HandlerFailure, MessageContext};
 
+use super::delivery::Delivery;
 use super::ownership::{check_transaction, SwallowedDatabaseError, TxCheck};
-use super::retry::TxError;
 use super::run::{
     attempt_number, depth, failure_is_retryable, panic_message, restore_depth, retryable_cause, Run,
 };
-use super::Delivery;
+use super::tx::TxError;
 use crate::backend::{classify, ErrorClass, StoreConnection};
 use crate::store::Inner;
 

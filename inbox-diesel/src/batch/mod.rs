@@ -3,6 +3,7 @@
 //!
 //! 1. Orchestration (this module): de-duplicate inside the batch, in rounds of
 //!    distinct keys; first deliveries together, redeliveries through the crash slot.
+//!    Every step works on [`delivery::Delivery`]s and reports [`tx::TxError`].
 //! 2. [`retry`]: the batch transaction, run again after contention (bounded), split
 //!    in halves, or split on a data error until the delivery is alone.
 //! 3. [`claim`]: lock before claim, claim in key order (digest and due time in the
@@ -22,6 +23,7 @@
 mod claim;
 mod crash_loop;
 mod dead_letter;
+mod delivery;
 mod failure;
 mod isolated;
 mod metrics;
@@ -29,48 +31,18 @@ mod optimistic;
 mod ownership;
 mod retry;
 mod run;
+mod tx;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use inbox_core::{ConsumerGroup, Decision, DynHandler, Envelope, MessageKey};
+use inbox_core::{ConsumerGroup, Decision, Envelope, MessageKey};
 
 use crate::backend::StoreConnection;
-use crate::rows::ClaimRow;
 use crate::store::Inner;
 use crate::{Error, Result};
 use dead_letter::unstorable_field;
+use delivery::{Delivery, SharedHandler};
 use metrics::record_metrics;
-
-/// One delivery of the batch, with what the store needs to claim it.
-pub(super) struct Delivery<'a, C> {
-    pub(super) idx: usize,
-    pub(super) env: &'a Envelope,
-    pub(super) digest: [u8; 32],
-    pub(super) handler: Option<&'a Arc<dyn DynHandler<C>>>,
-    /// `inbox.delivery`: group and key from the start, the attempt once the message
-    /// is claimed, the outcome once decided; its handler runs inside it when alone.
-    pub(super) span: tracing::Span,
-}
-
-impl<C> Delivery<'_, C> {
-    pub(super) fn row(&self) -> ClaimRow<'_> {
-        ClaimRow {
-            key: self.env.message_key.as_str(),
-            message_type: &self.env.message_type,
-            tenant: self.env.tenant.as_deref(),
-            digest: &self.digest,
-            payload: &self.env.payload,
-        }
-    }
-
-    pub(super) fn key(&self) -> &str {
-        self.env.message_key.as_str()
-    }
-}
-
-/// A handler as the store holds it.
-type SharedHandler<C> = Arc<dyn DynHandler<C>>;
 
 /// A copy later in the batch with the same digest takes the first copy's decision.
 fn copy_decision(first: &Decision) -> Decision {

@@ -10,10 +10,10 @@ use inbox_core::{Decision, MessageContext};
 use super::ownership::{
     check_transaction, ownership_after_failure, Ownership, TxCheck, HANDLERS_SAVEPOINT,
 };
-use super::retry::TxError;
 use super::run::{
     attempt_number, depth, failure_is_retryable, restore_depth, retryable_cause, HandlerRun, Run,
 };
+use super::tx::TxError;
 use crate::backend::StoreConnection;
 use crate::store::Inner;
 

@@ -3,7 +3,7 @@
 //! Read from the transaction's token before the store decides, never after a
 //! `COMMIT` that PostgreSQL turned into a rollback.
 
-use super::retry::TxError;
+use super::tx::TxError;
 use crate::backend::{classify, ErrorClass, StoreConnection};
 
 /// A handler returned `Ok` although a statement of its own had failed: PostgreSQL

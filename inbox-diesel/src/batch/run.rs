@@ -10,8 +10,8 @@ use chrono::{DateTime, Utc};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use inbox_core::{ConsumerGroup, DynHandler, HandlerFailure, MessageContext};
 
-use super::retry::TxError;
-use super::Delivery;
+use super::delivery::Delivery;
+use super::tx::TxError;
 use crate::backend::{is_retryable, StoreConnection};
 use crate::store::Inner;
 
