@@ -87,7 +87,7 @@ impl EnqueueLimits {
 /// an empty header name); a NUL byte in any of them, in a header value or in the
 /// tenant (PostgreSQL's text refuses it); a body over [`DEFAULT_MAX_OUTBOX_PAYLOAD`]
 /// ([`enqueue_with`] sets another limit). The message key is checked by
-/// [`MessageKey`] itself (1 to 255 bytes, no NUL).
+/// [`MessageKey`](inbox_core::MessageKey) itself (1 to 255 bytes, no NUL).
 ///
 /// ```no_run
 /// use diesel::{Connection, PgConnection};

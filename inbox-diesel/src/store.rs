@@ -390,62 +390,14 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 
     fn assemble(self, check_schema: bool) -> Result<Store<C>> {
-        if let Some(schema) = &self.schema {
-            if C::BACKEND != Backend::Postgres {
-                return Err(Error::Config(
-                    "a schema can only be set on PostgreSQL".to_owned(),
-                ));
-            }
-            if !valid_schema_name(schema) {
-                return Err(Error::InvalidSchemaName(schema.clone()));
-            }
-        }
-        if self.crash_limit == 0 {
-            return Err(Error::Config(
-                "crash_limit must be at least 1, found 0".to_owned(),
-            ));
-        }
-        if self.batch_deadline < Duration::from_millis(1)
-            || self.statement_timeout < Duration::from_millis(1)
-            || self.statement_timeout > self.batch_deadline
-        {
-            return Err(Error::Config(format!(
-                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
-                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
-                self.statement_timeout, self.batch_deadline
-            )));
-        }
-        if self.pool_size == 0 {
-            return Err(Error::Config(
-                "pool_size must be at least 1, found 0".to_owned(),
-            ));
-        }
-        let mut handlers = HashMap::new();
-        for handler in self.handlers {
-            let route = (handler.group().clone(), handler.message_type().to_owned());
-            if handlers.contains_key(&route) {
-                return Err(Error::Core(inbox_core::Error::DuplicateHandler {
-                    group: route.0.to_string(),
-                    message_type: route.1,
-                }));
-            }
-            handlers.insert(route, handler);
-        }
-
-        // Connect once by hand: the driver's own error says why ("connection refused"),
-        // which a pool's time-out would not.
-        let mut first =
-            C::establish_url(&self.url).map_err(|source| Error::connect(&self.url, &source))?;
-        C::on_acquire(&mut first, self.schema.as_deref())?;
-        if self.migrate {
-            C::migrate(&mut first, self.schema.as_deref())?;
-        }
-        // On this connection, before any pool exists: a refused schema leaves no pool
-        // thread behind still connecting (a process that exits on the error would
-        // tear the TLS library down under it).
-        if check_schema {
-            verify::check(&C::catalog(&mut first)?)?;
-        }
+        self.check_settings()?;
+        let handlers = routes(self.handlers)?;
+        let mut first = first_connection::<C>(
+            &self.url,
+            self.schema.as_deref(),
+            self.migrate,
+            check_schema,
+        )?;
         C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
 
@@ -483,6 +435,82 @@ impl<C: StoreConnection> StoreBuilder<C> {
             }),
         })
     }
+
+    /// Refuses settings the store cannot run with, before connecting.
+    fn check_settings(&self) -> Result<()> {
+        if let Some(schema) = &self.schema {
+            if C::BACKEND != Backend::Postgres {
+                return Err(Error::Config(
+                    "a schema can only be set on PostgreSQL".to_owned(),
+                ));
+            }
+            if !valid_schema_name(schema) {
+                return Err(Error::InvalidSchemaName(schema.clone()));
+            }
+        }
+        if self.crash_limit == 0 {
+            return Err(Error::Config(
+                "crash_limit must be at least 1, found 0".to_owned(),
+            ));
+        }
+        if self.batch_deadline < Duration::from_millis(1)
+            || self.statement_timeout < Duration::from_millis(1)
+            || self.statement_timeout > self.batch_deadline
+        {
+            return Err(Error::Config(format!(
+                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
+                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
+                self.statement_timeout, self.batch_deadline
+            )));
+        }
+        if self.pool_size == 0 {
+            return Err(Error::Config(
+                "pool_size must be at least 1, found 0".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The handlers by route; two for one route are refused.
+#[allow(clippy::type_complexity)]
+fn routes<C: StoreConnection>(
+    list: Vec<Arc<dyn DynHandler<C>>>,
+) -> Result<HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>> {
+    let mut handlers = HashMap::new();
+    for handler in list {
+        let route = (handler.group().clone(), handler.message_type().to_owned());
+        if handlers.contains_key(&route) {
+            return Err(Error::Core(inbox_core::Error::DuplicateHandler {
+                group: route.0.to_string(),
+                message_type: route.1,
+            }));
+        }
+        handlers.insert(route, handler);
+    }
+    Ok(handlers)
+}
+
+/// The store's first connection, opened by hand: the driver's own error says why
+/// ("connection refused"), which a pool's time-out would not. Migrates and verifies
+/// on it, before any pool exists: a refused schema leaves no pool thread behind still
+/// connecting (a process that exits on the error would tear the TLS library down
+/// under it).
+fn first_connection<C: StoreConnection>(
+    url: &str,
+    schema: Option<&str>,
+    migrate: bool,
+    check_schema: bool,
+) -> Result<C> {
+    let mut first = C::establish_url(url).map_err(|source| Error::connect(url, &source))?;
+    C::on_acquire(&mut first, schema)?;
+    if migrate {
+        C::migrate(&mut first, schema)?;
+    }
+    if check_schema {
+        verify::check(&C::catalog(&mut first)?)?;
+    }
+    Ok(first)
 }
 
 #[derive(Debug)]

@@ -25,24 +25,7 @@ impl<C: StoreConnection> Inner<C> {
         run: &Run<'_, '_, '_, C>,
         decisions: &mut Vec<(usize, Decision)>,
     ) -> std::result::Result<(), TxError> {
-        let (group, now) = (run.group, run.now);
-        let mut per_handler: Vec<HandlerRun<'_, '_, C>> = Vec::new();
-        for (d, attempts) in run.mine {
-            let attempt = attempt_number(*attempts);
-            d.span.record("attempt", attempt);
-            let Some(handler) = d.handler else {
-                decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
-                continue;
-            };
-            let ctx = MessageContext::new(d.env, group, attempt, now);
-            match per_handler
-                .iter_mut()
-                .find(|(h, _)| Arc::ptr_eq(h, handler))
-            {
-                Some((_, ctxs)) => ctxs.push((d.idx, ctx)),
-                None => per_handler.push((handler, vec![(d.idx, ctx)])),
-            }
-        }
+        let per_handler = self.per_handler(conn, run, decisions)?;
         // Only the store's own transaction has this savepoint: after a failure that
         // left the transaction aborted, rolling back to it tells a swallowed error
         // (ours again, usable) from a handler that ended or restarted it.
@@ -98,5 +81,34 @@ impl<C: StoreConnection> Inner<C> {
             return Err(TxError::Isolate(None));
         }
         Ok(())
+    }
+
+    /// The owned messages grouped by handler, each with its context; a message no
+    /// handler takes fails at once.
+    fn per_handler<'a>(
+        &self,
+        conn: &mut C,
+        run: &Run<'a, '_, 'a, C>,
+        decisions: &mut Vec<(usize, Decision)>,
+    ) -> std::result::Result<Vec<HandlerRun<'a, 'a, C>>, TxError> {
+        let (group, now) = (run.group, run.now);
+        let mut per_handler: Vec<HandlerRun<'_, '_, C>> = Vec::new();
+        for (d, attempts) in run.mine {
+            let attempt = attempt_number(*attempts);
+            d.span.record("attempt", attempt);
+            let Some(handler) = d.handler else {
+                decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
+                continue;
+            };
+            let ctx = MessageContext::new(d.env, group, attempt, now);
+            match per_handler
+                .iter_mut()
+                .find(|(h, _)| Arc::ptr_eq(h, handler))
+            {
+                Some((_, ctxs)) => ctxs.push((d.idx, ctx)),
+                None => per_handler.push((handler, vec![(d.idx, ctx)])),
+            }
+        }
+        Ok(per_handler)
     }
 }
