@@ -17,7 +17,7 @@ use diesel::connection::SimpleConnection;
 use diesel::pg::Pg;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{BigInt, Integer, Text};
 use diesel::{ConnectionResult, PgConnection, QueryResult};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use inbox_core::Clock;
@@ -29,8 +29,11 @@ use listen::Listener;
 
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
 
-/// Serialises concurrent migration runs of several processes (an advisory lock key).
-const MIGRATION_LOCK: i64 = 0x1b0c_5a11_0000_0001;
+/// Serialises concurrent migration runs of several processes on one schema: the first
+/// key of a two-key advisory lock whose second key is the hash of the schema's name, so
+/// stores in different schemas of one database never wait for each other's migrations
+/// (advisory locks are per database).
+const MIGRATION_LOCK: i32 = 0x1b0c_5a11;
 
 impl StoreConnection for PgConnection {}
 
@@ -172,15 +175,15 @@ impl Sealed for PgConnection {
                 "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
             ))?;
         }
-        diesel::sql_query("SELECT pg_advisory_lock($1)")
-            .bind::<BigInt, _>(MIGRATION_LOCK)
+        diesel::sql_query("SELECT pg_advisory_lock($1, hashtext(current_schema()))")
+            .bind::<Integer, _>(MIGRATION_LOCK)
             .execute(conn)?;
         let ran = conn
             .run_pending_migrations(MIGRATIONS)
             .map(|_| ())
             .map_err(Error::Migration);
-        diesel::sql_query("SELECT pg_advisory_unlock($1)")
-            .bind::<BigInt, _>(MIGRATION_LOCK)
+        diesel::sql_query("SELECT pg_advisory_unlock($1, hashtext(current_schema()))")
+            .bind::<Integer, _>(MIGRATION_LOCK)
             .execute(conn)?;
         ran
     }
