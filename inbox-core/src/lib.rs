@@ -32,13 +32,16 @@ mod key;
 #[doc(hidden)]
 pub mod names;
 mod outbox;
+mod relay;
 mod retry;
 mod store;
 mod transport;
 mod url;
 
 pub use clock::{delta, Clock, ManualClock, SystemClock};
-pub use decision::{ClaimInvariantViolated, DeadLetterReason, Decision};
+pub use decision::{
+    check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally, TransportAction,
+};
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, Result};
 pub use handler::{
@@ -51,10 +54,11 @@ pub use handler::{
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
-    relay_in_process, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
+    EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
     OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
 };
-pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
+pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
+pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::{redact_message, redact_url, RedactedError};
