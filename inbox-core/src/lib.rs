@@ -40,7 +40,8 @@ mod url;
 
 pub use clock::{delta, Clock, ManualClock, SystemClock};
 pub use decision::{
-    check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally, TransportAction,
+    check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally,
+    TransportAction,
 };
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, Result};
@@ -54,8 +55,8 @@ pub use handler::{
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
-    EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
-    OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
+    EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,
+    UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
 };
 pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
 pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};

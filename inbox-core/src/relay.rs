@@ -275,7 +275,8 @@ mod tests {
 
     impl OutboxPublisher for FakePublisher {
         fn publish(&mut self, rows: &[OutboxRow], within: Duration) -> Publication {
-            self.calls.push((rows.iter().map(|r| r.id).collect(), within));
+            self.calls
+                .push((rows.iter().map(|r| r.id).collect(), within));
             let mut publication = Publication::default();
             for row in rows {
                 if self.fail.contains(&row.id) {
@@ -340,7 +341,12 @@ mod tests {
     #[test]
     fn each_failure_is_recorded_against_its_row_with_the_backoff() {
         let now = "2026-01-01T00:00:00Z".parse().unwrap();
-        let rows = vec![row(1, 0, now), row(2, 3, now), row(3, 0, now), row(4, 4, now)];
+        let rows = vec![
+            row(1, 0, now),
+            row(2, 3, now),
+            row(3, 0, now),
+            row(4, 4, now),
+        ];
         let unreadable = vec![UnreadableRow {
             id: 9,
             attempts: 1,

@@ -162,10 +162,16 @@ mod tests {
         let s = Duration::from_secs(1);
         let delays: Vec<_> = (0..5).map(|n| exponential_backoff(s, n, 10 * s)).collect();
         assert_eq!(delays, [s, 2 * s, 4 * s, 8 * s, 10 * s]);
-        assert_eq!(exponential_backoff(s, u32::MAX, Duration::MAX), Duration::MAX);
+        assert_eq!(
+            exponential_backoff(s, u32::MAX, Duration::MAX),
+            Duration::MAX
+        );
         assert_eq!(exponential_backoff(Duration::MAX, 1, s), s);
         let tiny = Duration::from_nanos(1);
-        assert_eq!(exponential_backoff(tiny, 40, Duration::MAX), tiny * (1 << 20) * (1 << 20));
+        assert_eq!(
+            exponential_backoff(tiny, 40, Duration::MAX),
+            tiny * (1 << 20) * (1 << 20)
+        );
         assert_eq!(exponential_backoff(Duration::ZERO, 5, s), Duration::ZERO);
     }
 
