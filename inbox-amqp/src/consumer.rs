@@ -115,6 +115,13 @@ impl ConsumerSettings {
         self
     }
 
+    /// These settings, or [`Error::Config`] naming the first one out of range; a
+    /// consumer checks them again when it runs.
+    pub fn checked(self) -> Result<Self> {
+        self.check()?;
+        Ok(self)
+    }
+
     fn check(&self) -> Result<()> {
         if self.workers == 0 || self.batch_size == 0 {
             return Err(Error::Config(
@@ -203,6 +210,10 @@ struct Stored {
     positions: Vec<usize>,
 }
 
+/// A retry to schedule: the delivery's position in its batch, the delay, the
+/// message type.
+type Retry = (usize, Duration, String);
+
 /// What scheduling a batch's retries works on.
 struct Retrying<'a> {
     deliveries: &'a [Delivery],
@@ -257,14 +268,13 @@ impl<S: InboxStore> Consumer<S> {
         let shared = &self.shared;
         shared.settings.check()?;
         let s = &shared.settings;
-        let supervisor = Supervisor {
-            url: &self.url,
-            name: s.connection_name.as_deref(),
-            connect_timeout: s.connect_timeout,
-            backoff_min: s.backoff_min,
-            backoff_max: s.backoff_max,
-            goodbye: "inbox consumer stopping",
-        };
+        let supervisor = Supervisor::new(
+            &self.url,
+            s.connection_name.as_deref(),
+            s.connect_timeout,
+            (s.backoff_min, s.backoff_max),
+            "inbox consumer stopping",
+        )?;
         let shutdown = &shutdown;
         supervisor
             .run(
@@ -463,27 +473,14 @@ impl<S: InboxStore> Shared<S> {
         };
         *backoff.store = self.settings.backoff_min;
 
-        let mut halt = None;
-        let mut retries = Vec::new();
-        for ((decision, &i), envelope) in
-            decisions.into_iter().zip(positions).zip(&stored.envelopes)
-        {
-            actions[i] = match decision.action() {
-                TransportAction::Ack(tally) => {
-                    stats.record(tally);
-                    Action::Ack
-                }
-                TransportAction::RetryThenAck(delay) => {
-                    retries.push((i, delay, envelope.message_type.clone()));
-                    Action::Hold
-                }
-                TransportAction::HoldAndStop(cause) => {
-                    tracing::error!(parent: &span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
-                    halt = Some(cause);
-                    Action::Hold
-                }
-            };
-        }
+        let (retries, halt) = self.carry_out(
+            group,
+            decisions,
+            positions,
+            &stored.envelopes,
+            &mut actions,
+            &span,
+        );
         let retrying = Retrying {
             deliveries: &deliveries,
             actions: &mut actions,
@@ -498,6 +495,41 @@ impl<S: InboxStore> Shared<S> {
             self.halt_group(group, &cause, &tokens.halt);
         }
         Ok(())
+    }
+
+    /// Carries out core's action for each decision: an ack counted, a retry held
+    /// until its copy is confirmed (returned: position, delay, message type), a stop
+    /// held (returned: the cause its group halts for).
+    fn carry_out(
+        &self,
+        group: &ConsumerGroup,
+        decisions: Vec<Decision>,
+        positions: &[usize],
+        envelopes: &[inbox_core::Envelope],
+        actions: &mut [Action],
+        span: &tracing::Span,
+    ) -> (Vec<Retry>, Option<ClaimInvariantViolated>) {
+        let mut halt = None;
+        let mut retries = Vec::new();
+        let envelopes = positions.iter().zip(envelopes);
+        for (decision, (&i, envelope)) in decisions.into_iter().zip(envelopes) {
+            actions[i] = match decision.action() {
+                TransportAction::Ack(tally) => {
+                    self.stats.record(tally);
+                    Action::Ack
+                }
+                TransportAction::RetryThenAck(delay) => {
+                    retries.push((i, delay, envelope.message_type.clone()));
+                    Action::Hold
+                }
+                TransportAction::HoldAndStop(cause) => {
+                    tracing::error!(parent: span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
+                    halt = Some(cause);
+                    Action::Hold
+                }
+            };
+        }
+        (retries, halt)
     }
 
     /// Reads the batch and hands it to the store on a blocking thread (the store is
@@ -574,7 +606,7 @@ impl<S: InboxStore> Shared<S> {
         &self,
         channel: &Channel,
         group: &ConsumerGroup,
-        retries: Vec<(usize, Duration, String)>,
+        retries: Vec<Retry>,
         r: Retrying<'_>,
     ) -> std::result::Result<(), SessionEnd> {
         if retries.is_empty() {
@@ -790,7 +822,7 @@ mod tests {
 
     #[test]
     fn settings_out_of_range_are_refused_by_name() {
-        let refused = |settings: ConsumerSettings| config_error(settings.check());
+        let refused = |settings: ConsumerSettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
         assert!(ConsumerSettings::default().check().is_ok());
         assert!(refused(ConsumerSettings::default().workers(0)).contains("workers"));

@@ -127,6 +127,13 @@ impl RelaySettings {
         self
     }
 
+    /// These settings, or [`Error::Config`] naming the first one out of range; a
+    /// relay checks them again when it runs.
+    pub fn checked(self) -> Result<Self> {
+        self.check()?;
+        Ok(self)
+    }
+
     fn check(&self) -> Result<()> {
         if self.batch_size == 0 || self.relay_id.is_empty() {
             return Err(Error::Config(
@@ -259,14 +266,13 @@ impl<O: OutboxStore> Relay<O> {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         self.settings.check()?;
         let s = &self.settings;
-        let supervisor = Supervisor {
-            url: &self.url,
-            name: s.connection_name.as_deref(),
-            connect_timeout: s.connect_timeout,
-            backoff_min: s.backoff_min,
-            backoff_max: s.backoff_max,
-            goodbye: "relay stopping",
-        };
+        let supervisor = Supervisor::new(
+            &self.url,
+            s.connection_name.as_deref(),
+            s.connect_timeout,
+            (s.backoff_min, s.backoff_max),
+            "relay stopping",
+        )?;
         let (relay, shutdown) = (&self, &shutdown);
         let span = tracing::info_span!("outbox.relay", relay = %s.relay_id);
         supervisor
@@ -497,7 +503,7 @@ mod tests {
 
     #[test]
     fn settings_out_of_range_are_refused_by_name() {
-        let refused = |settings: RelaySettings| config_error(settings.check());
+        let refused = |settings: RelaySettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
         assert!(RelaySettings::default().check().is_ok());
         assert!(refused(RelaySettings::default().lease(0, ms(10))).contains("batch size"));

@@ -17,24 +17,40 @@ use crate::{Error, Result};
 /// How a supervisor connects and backs off.
 pub(crate) struct Supervisor<'a> {
     /// The broker's URL.
-    pub(crate) url: &'a str,
+    url: &'a str,
     /// The connection's name.
-    pub(crate) name: Option<&'a str>,
+    name: Option<&'a str>,
     /// Longest wait for the AMQP handshake.
-    pub(crate) connect_timeout: Duration,
+    connect_timeout: Duration,
     /// First wait before reconnecting.
-    pub(crate) backoff_min: Duration,
+    backoff_min: Duration,
     /// Longest wait before reconnecting.
-    pub(crate) backoff_max: Duration,
+    backoff_max: Duration,
     /// The text of the connection's close.
-    pub(crate) goodbye: &'a str,
+    goodbye: &'a str,
 }
 
-impl Supervisor<'_> {
-    /// Refuses settings it cannot run with.
-    pub(crate) fn check(&self) -> Result<()> {
-        check_backoff(self.backoff_min, self.backoff_max)?;
-        check_connect_timeout(self.connect_timeout)
+impl<'a> Supervisor<'a> {
+    /// A supervisor of connections to `url` named `name`, each handshake given
+    /// `connect_timeout`, reconnecting after `backoff` (min, max), closing with
+    /// `goodbye`; refused when the timeout or the backoff is out of range.
+    pub(crate) fn new(
+        url: &'a str,
+        name: Option<&'a str>,
+        connect_timeout: Duration,
+        (backoff_min, backoff_max): (Duration, Duration),
+        goodbye: &'a str,
+    ) -> Result<Self> {
+        check_backoff(backoff_min, backoff_max)?;
+        check_connect_timeout(connect_timeout)?;
+        Ok(Self {
+            url,
+            name,
+            connect_timeout,
+            backoff_min,
+            backoff_max,
+            goodbye,
+        })
     }
 
     /// Runs sessions until `shutdown` is cancelled or one ends fatally.
@@ -60,7 +76,6 @@ impl Supervisor<'_> {
         S: FnMut(Arc<Connection>, T) -> SF,
         SF: Future<Output = std::result::Result<(), SessionEnd>>,
     {
-        self.check()?;
         let mut backoff = self.backoff_min;
         let mut connected_before = false;
         loop {
@@ -129,14 +144,23 @@ mod tests {
     use super::*;
 
     fn supervisor() -> Supervisor<'static> {
-        Supervisor {
-            url: "amqp://127.0.0.1:1/%2f",
-            name: None,
-            connect_timeout: Duration::from_secs(1),
-            backoff_min: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(5),
-            goodbye: "bye",
-        }
+        let backoff = (Duration::from_millis(100), Duration::from_secs(5));
+        let url = "amqp://127.0.0.1:1/%2f";
+        Supervisor::new(url, None, Duration::from_secs(1), backoff, "bye")
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_when_built() {
+        let s = Duration::from_secs(1);
+        let url = "amqp://127.0.0.1:1/%2f";
+        let refused = |timeout, backoff| {
+            let built = Supervisor::new(url, None, timeout, backoff, "bye");
+            crate::connect::config_error(built.map(|_| ()))
+        };
+        assert!(refused(s, (2 * s, s)).contains("backoff"));
+        assert!(refused(s, (Duration::ZERO, s)).contains("backoff"));
+        assert!(refused(Duration::ZERO, (s, s)).contains("connect timeout"));
     }
 
     #[test]
