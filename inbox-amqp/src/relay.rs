@@ -327,8 +327,10 @@ impl<O: OutboxStore> Relay<O> {
             // The round's store calls and its publishing run on a blocking thread: the
             // store is synchronous, and no database transaction spans the publishing.
             let round = round.clone();
+            let span = tracing::debug_span!("outbox.relay.batch", relay = %s.relay_id);
             let (ran, back) = self
                 .blocking(move |o| {
+                    let _entered = span.enter();
                     let ran = round.run(o, &mut publisher);
                     (ran, publisher)
                 })

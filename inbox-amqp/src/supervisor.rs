@@ -98,7 +98,6 @@ impl<'a> Supervisor<'a> {
             let declared = match declare(Arc::clone(&conn)).await {
                 Ok(declared) => declared,
                 Err(err) => {
-                    close_connection(&conn, self.goodbye).await;
                     if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
                         return Err(err);
                     }

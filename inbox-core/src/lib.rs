@@ -5,7 +5,10 @@
 //! ([`Envelope`], [`MessageKey`], [`ConsumerGroup`], [`ClaimKey`]), the [`Handler`]
 //! trait users implement, the [`RetryPolicy`], the per-delivery [`Decision`] a store
 //! returns, the injectable [`Clock`], the [`InboxStore`] trait transports are generic
-//! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store.
+//! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store. The rules
+//! every transport follows live here once: what a decision means for an ack
+//! ([`Decision::action`]), the decision count ([`check_decision_count`]), the relay
+//! round ([`RelayRound`]) and the backoff ([`exponential_backoff`]).
 //!
 //! With the `derive` feature, `#[derive(Handler)]` (from `inbox-macros`) writes the
 //! `Handler` impl of a handler struct from an `#[inbox(...)]` attribute, checked at
