@@ -12,32 +12,10 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use crate::services_required;
-
-/// The RabbitMQ URL, or `None` (after one line on stderr) when there is none.
-///
-/// From `AMQP_URL`; with the `testcontainers` feature and none set, from a container
-/// started for the test process.
+/// The RabbitMQ URL (see [`crate::services`]), or `None` when it is found nowhere and
+/// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
 pub fn amqp_url() -> Option<String> {
-    #[allow(unused_mut)] // assigned only with the `testcontainers` feature
-    let mut url = std::env::var("AMQP_URL")
-        .ok()
-        .filter(|u| u.starts_with("amqp"));
-    #[cfg(feature = "testcontainers")]
-    if url.is_none() {
-        match crate::containers::rabbitmq() {
-            Ok(started) => url = Some(started),
-            Err(why) => eprintln!("{why}"),
-        }
-    }
-    if url.is_none() {
-        assert!(
-            !services_required(),
-            "INBOX_REQUIRE_SERVICES=1 but AMQP_URL is not set"
-        );
-        eprintln!("skipping: set AMQP_URL=amqp://... to run the RabbitMQ tests");
-    }
-    url
+    crate::services::url_of(crate::Service::Amqp)
 }
 
 /// A connection for the test's own publishing and inspection.

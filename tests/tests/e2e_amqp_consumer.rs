@@ -16,11 +16,8 @@ use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP,
 use inbox_test_support::amqp::{
     self, amqp_url, confirm_channel, eventually, publish, queue_depth, wait_for_confirms, Outgoing,
 };
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, Fixture, PgFixture};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// One test's database schema, broker names and consumer pieces.
 struct Setup {

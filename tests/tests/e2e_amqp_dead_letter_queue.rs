@@ -16,13 +16,10 @@ use inbox_core::{
 use inbox_diesel::{ClaimStatus, Store};
 use inbox_examples::usage::{DailyUsage, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, eventually, queue_depth};
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, Fixture, PgFixture};
 use lapin::options::BasicPublishOptions;
 use lapin::BasicProperties;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// The real store, whose `dead_letter` fails its first `failures` calls; it remembers
 /// whether each call's delivery was a redelivery.

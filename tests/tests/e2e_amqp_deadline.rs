@@ -13,14 +13,11 @@ use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::{ConsumerGroup, RetryLadder};
 use inbox_diesel::Store;
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, eventually, publish, Outgoing};
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 const TYPE: &str = "usage.recorded";
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_handler_is_abandoned_isolated_and_dead_lettered_as_a_crash_loop() {

@@ -22,15 +22,12 @@ use inbox_core::{ConsumerGroup, RetryLadder, RetryPolicy};
 use inbox_diesel::{DeadLetter, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, raw, wait_for_confirms};
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, PgFixture};
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
 
 const MAX_BODY: usize = 1 << 20;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// One test's schema, broker names, store and consumer.
 struct Setup {

@@ -24,11 +24,8 @@ use inbox_core::{
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, eventually, Cuts, Proxy};
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, Fixture, PgFixture};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 struct World {
     db: PgFixture,
