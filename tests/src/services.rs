@@ -264,6 +264,19 @@ mod tests {
         assert!(!answers("amqp://guest:guest@127.0.0.1:1/%2f"));
     }
 
+    /// The guard of honest counts: a test whose service is missing panics (fails)
+    /// unless skipping was asked for, and always with `INBOX_REQUIRE_SERVICES=1`.
+    #[test]
+    fn a_missing_service_fails_the_test_unless_skipping_was_asked_for() {
+        let outcome = std::panic::catch_unwind(|| {
+            unavailable(Service::Redis, "nothing answers (in this test)", "start it")
+        });
+        assert_eq!(outcome.is_err(), !services_skipped());
+        if services_required() {
+            assert!(outcome.is_err(), "INBOX_REQUIRE_SERVICES=1 always fails");
+        }
+    }
+
     #[test]
     fn passwords_are_hidden_in_messages() {
         assert_eq!(
