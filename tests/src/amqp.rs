@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_amqp::Topology;
+use inbox_core::RetryLadder;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -16,6 +18,24 @@ use tokio::sync::watch;
 /// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
 pub fn amqp_url() -> Option<String> {
     crate::services::url_of(crate::Service::Amqp)
+}
+
+/// A broker name prefix no other test uses: `<unique_name(tag)>.`.
+pub fn unique_prefix(tag: &str) -> String {
+    format!("{}.", crate::unique_name(tag))
+}
+
+/// The tests' topology: exchange `billing` under `prefix`, retry tiers of
+/// `ladder_ms` milliseconds, and queues the broker deletes 120 s after their last
+/// consumer is gone (should the test die before its cleanup).
+pub fn test_topology(prefix: &str, ladder_ms: &[u64]) -> Topology {
+    let ladder = ladder_ms.iter().map(|&n| Duration::from_millis(n));
+    Topology::new("billing")
+        .expect("exchange name")
+        .prefix(prefix)
+        .expect("prefix")
+        .ladder(RetryLadder::new(ladder).expect("retry ladder"))
+        .queue_expires(Duration::from_secs(120))
 }
 
 /// A connection for the test's own publishing and inspection.

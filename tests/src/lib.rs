@@ -79,6 +79,17 @@ pub fn example_path(name: &str) -> std::path::PathBuf {
     path
 }
 
+/// A URL that cannot connect and the password no error built from it may print (the
+/// credential tests).
+pub struct CredentialCase {
+    /// What the case tries.
+    pub name: &'static str,
+    /// `{addr}` stands for the server's host:port.
+    pub url: &'static str,
+    /// The secret in the URL.
+    pub password: &'static str,
+}
+
 /// A name no other test (or test process) uses.
 pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
