@@ -574,3 +574,38 @@ fn postgres_a_migration_in_one_schema_never_waits_for_another_schema() {
         panic!("a store of another schema waited for a migration: {err}");
     }
 }
+
+/// Stores of one new schema built at once all succeed: the schema is created under
+/// the migration lock. Created before the lock, two `CREATE SCHEMA IF NOT EXISTS`
+/// raced into a unique violation in `pg_namespace`.
+#[test]
+fn postgres_stores_creating_one_schema_at_once_all_succeed() {
+    let Some(url) = inbox_test_support::postgres_url() else {
+        return;
+    };
+    for _ in 0..5 {
+        let schema = inbox_test_support::unique_name("t");
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+        let builds: Vec<_> = (0..4)
+            .map(|_| {
+                let (url, schema, barrier) = (url.clone(), schema.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    Store::<diesel::PgConnection>::builder(url)
+                        .schema(schema)
+                        .build()
+                        .map(drop)
+                })
+            })
+            .collect();
+        let results: Vec<_> = builds.into_iter().map(|b| b.join().unwrap()).collect();
+        let mut conn = <diesel::PgConnection as diesel::Connection>::establish(&url).unwrap();
+        conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .unwrap();
+        for result in results {
+            if let Err(err) = result {
+                panic!("a store creating its schema at the same time as another failed: {err}");
+            }
+        }
+    }
+}

@@ -17,7 +17,7 @@ use diesel::connection::SimpleConnection;
 use diesel::pg::Pg;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::sql_types::{BigInt, Integer, Text};
+use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel::{ConnectionResult, PgConnection, QueryResult};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use inbox_core::Clock;
@@ -169,22 +169,29 @@ impl Sealed for PgConnection {
     }
 
     fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
-        if let Some(schema) = schema {
-            let q = quoted(schema);
-            conn.batch_execute(&format!(
-                "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
-            ))?;
-        }
-        diesel::sql_query("SELECT pg_advisory_lock($1, hashtext(current_schema()))")
+        // The lock comes first: two stores creating one schema at once would otherwise
+        // race in `CREATE SCHEMA IF NOT EXISTS` (a unique violation in pg_namespace).
+        let lock = |conn: &mut Self, verb: &str| {
+            diesel::sql_query(format!(
+                "SELECT pg_advisory_{verb}($1, hashtext(coalesce($2, current_schema())))"
+            ))
             .bind::<Integer, _>(MIGRATION_LOCK)
-            .execute(conn)?;
-        let ran = conn
-            .run_pending_migrations(MIGRATIONS)
-            .map(|_| ())
-            .map_err(Error::Migration);
-        diesel::sql_query("SELECT pg_advisory_unlock($1, hashtext(current_schema()))")
-            .bind::<Integer, _>(MIGRATION_LOCK)
-            .execute(conn)?;
+            .bind::<Nullable<Text>, _>(schema)
+            .execute(conn)
+        };
+        lock(conn, "lock")?;
+        let ran = (|| {
+            if let Some(schema) = schema {
+                let q = quoted(schema);
+                conn.batch_execute(&format!(
+                    "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
+                ))?;
+            }
+            conn.run_pending_migrations(MIGRATIONS)
+                .map(|_| ())
+                .map_err(Error::Migration)
+        })();
+        lock(conn, "unlock")?;
         ran
     }
 
