@@ -8,7 +8,7 @@ use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySett
 use inbox_core::{
     ConsumerGroup, Envelope, InProcessTransport, OutboxStore, RetryLadder, RetryPolicy,
 };
-use inbox_diesel::{enqueue, Store, StoreConnection};
+use inbox_diesel::{enqueue, Store, StoreBuilder, StoreConnection};
 
 use super::check::{check, Report};
 use super::contract::{
@@ -79,12 +79,22 @@ pub fn open_store<C: StoreConnection + CreditDb>(
     roles: Roles,
     ladder: Option<RetryLadder>,
 ) -> Result<Store<C>, BoxError> {
+    let mut builder = store_builder::<C>(config, roles);
+    if let Some(ladder) = ladder {
+        builder = builder.retry_ladder(ladder);
+    }
+    build_store(builder)
+}
+
+/// The store's builder with the handlers of `roles` (in [`Config::schema`] on
+/// PostgreSQL), for a caller that sets more (a clock, a pool size).
+pub fn store_builder<C: StoreConnection + CreditDb>(
+    config: &Config,
+    roles: Roles,
+) -> StoreBuilder<C> {
     let mut builder = Store::<C>::builder(config.database_url.clone()).pool_size(6);
     if C::BACKEND == inbox_diesel::Backend::Postgres {
         builder = builder.schema(config.schema.clone());
-    }
-    if let Some(ladder) = ladder {
-        builder = builder.retry_ladder(ladder);
     }
     if roles.ledger {
         let (failed, succeeded) = config.ledger().handlers();
@@ -93,6 +103,13 @@ pub fn open_store<C: StoreConnection + CreditDb>(
     if roles.runner {
         builder = builder.handler(RunnerHandler::new(config.exchange(), config.mix));
     }
+    builder
+}
+
+/// Builds the store, then applies the example's own migrations.
+pub fn build_store<C: StoreConnection + CreditDb>(
+    builder: StoreBuilder<C>,
+) -> Result<Store<C>, BoxError> {
     let store = builder.build()?;
     store.connection()?.migrate_credit()?;
     Ok(store)
@@ -296,14 +313,12 @@ pub async fn declare(amqp_url: &str, prefix: &str) -> Result<(), BoxError> {
     result
 }
 
-/// Messages ready in the example's queues (not counting unacked ones).
-pub async fn ready_messages(amqp_url: &str, prefix: &str) -> Result<u64, BoxError> {
+/// Messages ready in the example's group queues (not counting unacked ones).
+pub async fn ready_messages(channel: &lapin::Channel, prefix: &str) -> Result<u64, BoxError> {
     use lapin::options::QueueDeclareOptions;
     use lapin::types::FieldTable;
-    let conn = lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await?;
     let topology = topology(prefix, ladder())?;
     let mut total = 0u64;
-    let channel = conn.create_channel().await?;
     for group in topology.groups() {
         let queue = channel
             .queue_declare(
@@ -317,7 +332,6 @@ pub async fn ready_messages(amqp_url: &str, prefix: &str) -> Result<u64, BoxErro
             .await?;
         total += u64::from(queue.message_count());
     }
-    let _ = conn.close(200, "counted".into()).await;
     Ok(total)
 }
 
@@ -433,6 +447,9 @@ pub async fn simulate_amqp<C: StoreConnection + CreditDb>(
     let (exchange, seed) = (config.exchange(), config.mix.seed);
     tokio::task::spawn_blocking(move || submit_simulated(&submitter, &exchange, jobs, seed))
         .await??;
+    let counter =
+        lapin::Connection::connect(&amqp_url, lapin::ConnectionProperties::default()).await?;
+    let channel = counter.create_channel().await?;
     let started = Instant::now();
     let mut quiet = 0;
     loop {
@@ -445,7 +462,7 @@ pub async fn simulate_amqp<C: StoreConnection + CreditDb>(
             Ok::<_, BoxError>((check_store(&s)?, s.oldest_unpublished_age()?))
         })
         .await??;
-        let ready = ready_messages(&amqp_url, &config.prefix).await?;
+        let ready = ready_messages(&channel, &config.prefix).await?;
         if report.pending == 0 && unpublished.is_none() && ready == 0 {
             quiet += 1;
         } else {
@@ -465,6 +482,8 @@ pub async fn simulate_amqp<C: StoreConnection + CreditDb>(
             .into());
         }
     }
+    let _ = channel.close(200, "done".into()).await;
+    let _ = counter.close(200, "done".into()).await;
     shutdown.cancel();
     let stats = running.await??;
     let report = tokio::task::spawn_blocking(move || check_store(&store)).await??;
