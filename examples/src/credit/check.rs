@@ -153,13 +153,13 @@ pub fn check(jobs: &[JobRow], ledger: &[LedgerRow]) -> Report {
                 Some(_) => {}
             }
         }
-        if job.refunded != !refunds.is_empty() {
+        if job.refunded == refunds.is_empty() {
             v(
                 "refund_flag",
                 format!("refunded = {}, {} refund rows", job.refunded, refunds.len()),
             );
         }
-        if job.reclaimed != !reclaims.is_empty() {
+        if job.reclaimed == reclaims.is_empty() {
             v(
                 "reclaim_flag",
                 format!(

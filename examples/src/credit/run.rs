@@ -79,11 +79,52 @@ pub fn open_store<C: StoreConnection + CreditDb>(
     roles: Roles,
     ladder: Option<RetryLadder>,
 ) -> Result<Store<C>, BoxError> {
+    if C::BACKEND == inbox_diesel::Backend::Postgres {
+        create_schema(config)?;
+    }
     let mut builder = store_builder::<C>(config, roles);
     if let Some(ladder) = ladder {
         builder = builder.retry_ladder(ladder);
     }
     build_store(builder)
+}
+
+/// Creates the PostgreSQL schema under an advisory lock: two processes starting at
+/// once on a new schema would otherwise race in `CREATE SCHEMA IF NOT EXISTS`, which
+/// is not safe against a concurrent creation (the loser fails on
+/// `pg_namespace_nspname_index`).
+fn create_schema(config: &Config) -> Result<(), BoxError> {
+    use diesel::connection::SimpleConnection;
+    use diesel::Connection;
+    let schema = &config.schema;
+    let valid = !schema.is_empty()
+        && schema.len() <= 63
+        && schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && schema
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !valid {
+        return Err(format!(
+            "CREDIT_SCHEMA must be 1 to 63 characters of [a-z0-9_] starting with a letter or _, \
+             found {schema:?}"
+        )
+        .into());
+    }
+    let url = &config.database_url;
+    let mut conn = diesel::PgConnection::establish(url).map_err(|e| {
+        format!(
+            "could not connect to {}: {}",
+            inbox_diesel::redact(url),
+            inbox_core::RedactedError::new(&e, url)
+        )
+    })?;
+    conn.transaction(|conn| {
+        conn.batch_execute(&format!(
+            "SELECT pg_advisory_xact_lock(hashtext('credit_ledger.create_schema')); \
+             CREATE SCHEMA IF NOT EXISTS \"{schema}\""
+        ))
+    })?;
+    Ok(())
 }
 
 /// The store's builder with the handlers of `roles` (in [`Config::schema`] on
