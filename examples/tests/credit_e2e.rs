@@ -591,6 +591,13 @@ fn signals_from_any_client_follow_the_contract() {
             ("x-5".into(), "decode_error".into())
         ]
     );
+    // Loud: the unknown job's dead letter is an error line naming the job.
+    let log = scene.log("ledger.log");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("key=x-4") && l.contains("no-such-job")),
+        "{log}"
+    );
     let (j, entries) = job(first_success);
     assert_eq!((j.state.as_str(), j.refunded), ("delivered", false));
     assert_eq!(entries, [("charge".into(), -40)]);

@@ -63,7 +63,14 @@ pub struct SucceededHandler {
     group: ConsumerGroup,
 }
 
-fn unknown_job(job_id: &str) -> HandlerError {
+/// A signal for a job that does not exist: permanent (dead-lettered), and loud.
+fn unknown_job(job_id: &str, ctx: &MessageContext<'_>) -> HandlerError {
+    tracing::error!(
+        job_id,
+        key = %ctx.message_key(),
+        message_type = %ctx.envelope().message_type,
+        "a signal for a job that does not exist; it is dead-lettered"
+    );
     HandlerError::permanent(format!("no job {job_id:?}: a signal for an unknown job"))
 }
 
@@ -101,7 +108,7 @@ impl<C: StoreConnection + CreditDb> Handler<C> for FailedHandler {
         )?;
         let Some(fate) = fate else {
             if refunded.is_none() && !conn.job_exists(&msg.job_id)? {
-                return Err(unknown_job(&msg.job_id));
+                return Err(unknown_job(&msg.job_id, ctx));
             }
             return Ok(());
         };
@@ -158,7 +165,7 @@ impl<C: StoreConnection + CreditDb> Handler<C> for SucceededHandler {
         // Unconditional: the guard decides whether there is a refund to take back.
         conn.reclaim(&msg.job_id, now)?;
         if !delivered && !conn.job_exists(&msg.job_id)? {
-            return Err(unknown_job(&msg.job_id));
+            return Err(unknown_job(&msg.job_id, ctx));
         }
         Ok(())
     }
@@ -208,7 +215,7 @@ impl<C: StoreConnection + CreditDb> Handler<C> for RunnerHandler {
         let now = ctx.now();
         if conn.start(&msg.job_id, msg.attempt, now)?.is_none() {
             if !conn.job_exists(&msg.job_id)? {
-                return Err(unknown_job(&msg.job_id));
+                return Err(unknown_job(&msg.job_id, ctx));
             }
             return Ok(());
         }
