@@ -18,38 +18,16 @@ use inbox_examples::credit::run::{self, Config, Roles};
 use inbox_examples::credit::{CreditDb, Mix};
 use serde_json::Value;
 
+/// The servers as the test support finds them (a variable, else the default local
+/// address); a missing one fails the test unless `INBOX_SKIP_SERVICES=1`.
 fn services() -> Option<(String, String)> {
-    inbox_diesel::init_tls();
-    let db = std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| u.starts_with("postgres"));
-    let amqp = std::env::var("AMQP_URL").ok();
-    match (db, amqp) {
-        (Some(db), Some(amqp)) => Some((db, amqp)),
-        _ => {
-            assert!(
-                !inbox_test_support::services_required(),
-                "INBOX_REQUIRE_SERVICES=1 but DATABASE_URL or AMQP_URL is missing"
-            );
-            eprintln!(
-                "skipping: set DATABASE_URL and AMQP_URL to run the credit ledger's processes"
-            );
-            None
-        }
-    }
+    let db = inbox_test_support::postgres_url()?;
+    Some((db, inbox_test_support::amqp::amqp_url()?))
 }
 
 /// `cargo test` builds the package's examples next to its test binaries.
 fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = dir.join("examples").join("credit_ledger");
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --example credit_ledger`",
-        path.display()
-    );
-    path
+    inbox_test_support::example_path("credit_ledger")
 }
 
 /// Kills the child if the test fails first (a stray consumer keeps consuming).
