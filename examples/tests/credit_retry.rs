@@ -129,13 +129,18 @@ fn postgres_backoff_is_capped_and_the_last_attempt_is_dead() {
         return;
     };
     let schema = inbox_test_support::unique_name("credit_retry");
-    backoff_is_capped_and_the_last_attempt_dead_letters::<PgConnection>(
-        url.clone(),
-        schema.clone(),
-    );
-    let mut conn = PgConnection::establish(&url).unwrap();
-    conn.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .unwrap();
+    /// Drops the schema, also when the test fails.
+    struct Schema(String, String);
+    impl Drop for Schema {
+        fn drop(&mut self) {
+            if let Ok(mut conn) = PgConnection::establish(&self.0) {
+                let _ =
+                    conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.1));
+            }
+        }
+    }
+    let _schema = Schema(url.clone(), schema.clone());
+    backoff_is_capped_and_the_last_attempt_dead_letters::<PgConnection>(url, schema);
 }
 
 #[test]
