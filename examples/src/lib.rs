@@ -2,6 +2,7 @@
 //! `daily_usage(user_id, day, total)`, on PostgreSQL or SQLite with the same handler.
 
 pub mod bench;
+pub mod credit;
 pub mod quickstart;
 pub mod usage;
 
@@ -15,7 +16,7 @@ mod readme {}
 /// `info`, everything else (lapin, diesel, ...) at `warn`.
 pub const DEFAULT_LOG_FILTER: &str =
     "warn,inbox_core=info,inbox_diesel=info,inbox_amqp=info,inbox_examples=info,\
-     quickstart=info,usage_consumer=info,usage_producer=info";
+     quickstart=info,usage_consumer=info,usage_producer=info,credit_ledger=info";
 
 /// Logs `tracing` events to stderr, as a user's service would: filtered by `RUST_LOG`
 /// (`RUST_LOG=debug`, `RUST_LOG=inbox_amqp=debug,warn`, ...), else by
