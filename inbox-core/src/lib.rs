@@ -47,7 +47,7 @@ pub use decision::{
     TransportAction,
 };
 pub use envelope::{payload_digest, Envelope};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorChain, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,

@@ -84,7 +84,11 @@ fn delivery_limit_dead_letters_record_the_attempts_known<F: Fixture>(fx: &F) {
         ]
     );
     assert_eq!(
-        store.claim(&key("failing-b")).unwrap().unwrap().status,
+        store
+            .claim_record(&key("failing-b"))
+            .unwrap()
+            .unwrap()
+            .status,
         ClaimStatus::Dead
     );
 }
@@ -169,7 +173,7 @@ fn a_broker_dead_letter_waiting_on_a_committing_worker_reports_already_done() {
         DeadLetterOutcome::AlreadyDone
     );
     assert!(store.dead_letters(&g).unwrap().is_empty());
-    let claim = store.claim(&key("racing")).unwrap().unwrap();
+    let claim = store.claim_record(&key("racing")).unwrap().unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);
     assert_eq!(fx.connect().effects_of("racing").unwrap(), 1);
 }

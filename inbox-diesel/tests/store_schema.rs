@@ -534,7 +534,7 @@ fn claim_status_round_trips() {
     let routes = store.routes();
     assert_eq!(routes, [(group(GROUP), "usage.recorded".to_owned())]);
     let claim = store
-        .claim(&inbox_core::ClaimKey::new(
+        .claim_record(&inbox_core::ClaimKey::new(
             group(GROUP),
             inbox_core::MessageKey::new("k").unwrap(),
         ))

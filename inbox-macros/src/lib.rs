@@ -20,6 +20,8 @@ mod expand;
 // on this crate, so this crate cannot call it; one file compiled twice means a name the
 // derive accepts at compile time is exactly one `ConsumerGroup::new` accepts at run time.
 #[allow(dead_code)] // the message key rules are inbox-core's alone
+// `pub` where inbox-core exports it; private here.
+#[allow(unreachable_pub)]
 #[path = "../../inbox-core/src/names.rs"]
 mod names;
 mod retry;

@@ -65,7 +65,7 @@ impl World {
             .unwrap()
             .ladder(ladder)
             .queue_expires(Duration::from_secs(120))
-            .routes(inbox_core::InboxStore::routes(&store));
+            .with_routes(inbox_core::InboxStore::routes(&store));
         Some(Self {
             db,
             url,
