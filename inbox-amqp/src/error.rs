@@ -32,9 +32,9 @@ pub enum Error {
     /// An AMQP operation failed.
     #[error("amqp error")]
     Amqp(#[from] lapin::Error),
-    /// The store failed.
-    #[error("store error")]
-    Store(#[source] inbox_core::Error),
+    /// The store failed (`inbox-core`'s error, printed as itself).
+    #[error(transparent)]
+    Store(inbox_core::Error),
     /// A setting was rejected before anything ran: which one, what it must be and
     /// what it was.
     #[error("invalid {setting}: expected {expected}, found {found}")]

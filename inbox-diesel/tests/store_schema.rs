@@ -507,7 +507,11 @@ fn connect_errors_keep_the_driver_error_and_hide_the_password() {
     let err = Store::<diesel::PgConnection>::builder("postgres://app:s3cret@127.0.0.1:1/billing")
         .build()
         .expect_err("nothing listens on port 1");
-    let msg = err.to_string();
+    assert_eq!(
+        err.to_string(),
+        "could not connect to postgres://app:***@127.0.0.1:1/billing"
+    );
+    let msg = inbox_core::ErrorChain(&err).to_string();
     assert!(
         msg.starts_with("could not connect to postgres://app:***@127.0.0.1:1/billing: "),
         "{msg}"
