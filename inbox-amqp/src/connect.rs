@@ -163,6 +163,13 @@ mod tests {
             for text in everything_printed(&err) {
                 assert!(!text.contains(password), "{url}: {text}");
             }
+            // The cause is the source, not also part of the message.
+            let cause = std::error::Error::source(&err).map(ToString::to_string);
+            assert_eq!(
+                err.to_string(),
+                format!("could not connect to {}", redact_url(url))
+            );
+            assert!(cause.is_some_and(|c| !c.is_empty()), "{err:?}");
         }
     }
 }

@@ -44,7 +44,7 @@ pub const MAX_OUTBOX_NAME_LEN: usize = 255;
 /// ```
 /// use inbox_diesel::{EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD};
 /// assert_eq!(EnqueueLimits::default().max_payload, DEFAULT_MAX_OUTBOX_PAYLOAD);
-/// let larger = EnqueueLimits::default().with_max_payload(64 * 1024 * 1024);
+/// let larger = EnqueueLimits::default().max_payload(64 * 1024 * 1024);
 /// assert_eq!(larger.max_payload, 64 * 1024 * 1024);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,7 +65,7 @@ impl Default for EnqueueLimits {
 
 impl EnqueueLimits {
     /// Sets the largest body.
-    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+    pub fn max_payload(mut self, bytes: usize) -> Self {
         self.max_payload = bytes;
         self
     }

@@ -188,7 +188,12 @@ fn an_unreadable_stored_dead_letter_is_an_error_and_kept<F: Fixture>(fx: &F) {
     let g = group(GROUP);
     assert_eq!(
         store
-            .dead_letter(&g, &usage("poison", 1), DeadLetterReason::DeliveryLimit, "limit")
+            .dead_letter(
+                &g,
+                &usage("poison", 1),
+                DeadLetterReason::DeliveryLimit,
+                "limit"
+            )
             .unwrap(),
         DeadLetterOutcome::Recorded
     );
@@ -216,5 +221,8 @@ fn an_unreadable_stored_dead_letter_is_an_error_and_kept<F: Fixture>(fx: &F) {
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason, DeadLetterReason::DeliveryLimit);
-    assert_eq!(dead[0].headers.get("origin").map(String::as_str), Some("test"));
+    assert_eq!(
+        dead[0].headers.get("origin").map(String::as_str),
+        Some("test")
+    );
 }

@@ -748,7 +748,7 @@ where
         }
     }
     // A configured limit, both ways.
-    let limits = EnqueueLimits::default().with_max_payload(10);
+    let limits = EnqueueLimits::default().max_payload(10);
     let mut small = msg("s1");
     small.payload = vec![b'x'; 10];
     id_of(enqueue_with(&mut *conn, &small, clock.now(), &limits).unwrap());

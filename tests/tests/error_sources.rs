@@ -21,7 +21,9 @@ fn once(err: &(dyn std::error::Error + 'static), cause: &str) {
     let chain = ErrorChain(err).to_string();
     assert_eq!(chain.matches(cause).count(), 1, "{chain}");
     assert!(
-        everything_printed(err).iter().any(|text| text.contains(cause)),
+        everything_printed(err)
+            .iter()
+            .any(|text| text.contains(cause)),
         "{err:?}"
     );
 }
