@@ -28,7 +28,10 @@ fn delivered(env: Envelope, count: Option<u32>) -> Envelope {
     }
 }
 
-inbox_test_support::on_both_backends!(delivery_limit_dead_letters_record_the_attempts_known);
+inbox_test_support::on_both_backends!(
+    delivery_limit_dead_letters_record_the_attempts_known,
+    an_unreadable_stored_dead_letter_is_an_error_and_kept,
+);
 
 /// The larger of the claim's handled failures and the broker's deliveries.
 fn delivery_limit_dead_letters_record_the_attempts_known<F: Fixture>(fx: &F) {
@@ -177,8 +180,6 @@ fn a_broker_dead_letter_waiting_on_a_committing_worker_reports_already_done() {
     assert_eq!(claim.status, ClaimStatus::Done);
     assert_eq!(fx.connect().effects_of("racing").unwrap(), 1);
 }
-
-inbox_test_support::on_both_backends!(an_unreadable_stored_dead_letter_is_an_error_and_kept);
 
 /// A stored reason no `DeadLetterReason` is stored as, or headers that are not a JSON
 /// object of strings, make reading the dead letters fail, naming the row and what is
