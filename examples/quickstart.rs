@@ -51,7 +51,7 @@ fn main() -> ExitCode {
             }
         }
         Err(err) => {
-            eprintln!("quickstart failed: {err}");
+            eprintln!("quickstart failed: {}", inbox_core::ErrorChain(&*err));
             ExitCode::FAILURE
         }
     }

@@ -27,7 +27,7 @@ async fn main() -> ExitCode {
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("usage_consumer: {err}");
+            eprintln!("usage_consumer: {}", inbox_core::ErrorChain(&*err));
             ExitCode::FAILURE
         }
     }

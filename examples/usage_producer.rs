@@ -30,7 +30,7 @@ async fn main() -> ExitCode {
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("usage_producer: {err}");
+            eprintln!("usage_producer: {}", inbox_core::ErrorChain(&*err));
             ExitCode::FAILURE
         }
     }

@@ -559,7 +559,7 @@ fn signals_from_any_client_follow_the_contract() {
         .dead_letters(&group)
         .unwrap()
         .into_iter()
-        .map(|d| (d.key, d.reason))
+        .map(|d| (d.key, d.reason.as_str().to_owned()))
         .collect();
     letters.sort();
     assert_eq!(

@@ -81,20 +81,22 @@ pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, 
     *backoff = exponential_backoff(*backoff, 1, max);
 }
 
-/// The message of a configuration error; panics on anything else.
+/// The setting a refusal names and the value it found; panics on anything else.
 #[cfg(test)]
-pub(crate) fn config_error(checked: Result<()>) -> String {
+pub(crate) fn config_error(checked: Result<()>) -> (&'static str, String) {
     match checked {
-        Err(Error::Config(msg)) => msg,
-        other => panic!("expected a configuration error, got {other:?}"),
+        Err(Error::InvalidSetting { setting, found, .. }) => (setting, found),
+        other => panic!("expected an invalid setting, got {other:?}"),
     }
 }
 
 /// Refuses a connect timeout of zero.
 pub(crate) fn check_connect_timeout(within: Duration) -> Result<()> {
     if within.is_zero() {
-        return Err(Error::Config(
-            "the connect timeout must be greater than zero".to_owned(),
+        return Err(Error::invalid(
+            "connect_timeout",
+            "a duration above zero",
+            "0ns",
         ));
     }
     Ok(())
@@ -103,9 +105,11 @@ pub(crate) fn check_connect_timeout(within: Duration) -> Result<()> {
 /// Refuses a backoff that is zero or whose minimum exceeds its maximum.
 pub(crate) fn check_backoff(min: Duration, max: Duration) -> Result<()> {
     if min.is_zero() || min > max {
-        return Err(Error::Config(format!(
-            "backoff must satisfy 0 < min <= max, found {min:?}..{max:?}"
-        )));
+        return Err(Error::invalid(
+            "backoff",
+            "0 < min <= max",
+            format_args!("{min:?}..{max:?}"),
+        ));
     }
     Ok(())
 }
@@ -159,6 +163,13 @@ mod tests {
             for text in everything_printed(&err) {
                 assert!(!text.contains(password), "{url}: {text}");
             }
+            // The cause is the source, not also part of the message.
+            let cause = std::error::Error::source(&err).map(ToString::to_string);
+            assert_eq!(
+                err.to_string(),
+                format!("could not connect to {}", redact_url(url))
+            );
+            assert!(cause.is_some_and(|c| !c.is_empty()), "{err:?}");
         }
     }
 }

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use inbox_core::{
     check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
-    DeadLetterOutcome, DeadLetterReason, Decision, InboxStore, Tally, TransportAction,
+    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, InboxStore, Tally, TransportAction,
 };
 
 use crate::connect::{
@@ -115,7 +115,7 @@ impl ConsumerSettings {
         self
     }
 
-    /// These settings, or [`Error::Config`] naming the first one out of range; a
+    /// These settings, or [`Error::InvalidSetting`] naming the first one out of range; a
     /// consumer checks them again when it runs.
     pub fn checked(self) -> Result<Self> {
         self.check()?;
@@ -123,16 +123,18 @@ impl ConsumerSettings {
     }
 
     fn check(&self) -> Result<()> {
-        if self.workers == 0 || self.batch_size == 0 {
-            return Err(Error::Config(
-                "workers and batch_size must be at least 1".to_owned(),
-            ));
+        if self.workers == 0 {
+            return Err(Error::invalid("workers", "at least 1", 0));
+        }
+        if self.batch_size == 0 {
+            return Err(Error::invalid("batch", "a batch size of at least 1", 0));
         }
         if usize::from(self.prefetch) < self.batch_size {
-            return Err(Error::Config(format!(
-                "prefetch ({}) must be at least batch_size ({})",
-                self.prefetch, self.batch_size
-            )));
+            return Err(Error::invalid(
+                "prefetch",
+                "at least the batch size",
+                format_args!("{} with a batch size of {}", self.prefetch, self.batch_size),
+            ));
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
         check_connect_timeout(self.connect_timeout)?;
@@ -256,7 +258,7 @@ impl<S: InboxStore> Consumer<S> {
     /// A consumer of every route of `store`, through `topology` (whose groups are
     /// completed from the store's routes).
     pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
-        let topology = topology.routes(store.routes());
+        let topology = topology.with_routes(store.routes());
         Self {
             url: url.into(),
             shared: Arc::new(Shared {
@@ -355,9 +357,10 @@ impl<S: InboxStore> Shared<S> {
         let mut outcome = Ok(());
         while let Some(joined) = tasks.join_next().await {
             let ended = joined.unwrap_or_else(|err| {
-                Err(SessionEnd::Fatal(Error::Config(format!(
-                    "a consumer task failed: {err}"
-                ))))
+                Err(SessionEnd::Fatal(Error::TaskFailed {
+                    task: "consumer worker",
+                    source: err,
+                }))
             });
             if let Err(end) = ended {
                 // One task's end ends the session: the others finish their batch.
@@ -489,7 +492,7 @@ impl<S: InboxStore> Shared<S> {
             Ok(decisions) => decisions,
             Err(err) => {
                 // Nothing of the batch committed: everything comes back.
-                tracing::error!(parent: &span, error = %err, "store failed; requeueing the batch");
+                tracing::error!(parent: &span, error = %ErrorChain(&err), "store failed; requeueing the batch");
                 let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
                 stats.add(Counter::Requeued, requeued as u64);
                 self.settle(channel, &deliveries, &actions).await?;
@@ -595,7 +598,7 @@ impl<S: InboxStore> Shared<S> {
                     let recorded =
                         store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason);
                     if let Err(err) = &recorded {
-                        tracing::error!(error = %err, "recording a malformed delivery failed");
+                        tracing::error!(error = %ErrorChain(&err), "recording a malformed delivery failed");
                     }
                     (i, recorded.is_ok())
                 })
@@ -622,9 +625,12 @@ impl<S: InboxStore> Shared<S> {
             },
             None => task.await,
         };
-        joined
-            .map(Some)
-            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))
+        joined.map(Some).map_err(|source| {
+            SessionEnd::Fatal(Error::TaskFailed {
+                task: "store",
+                source,
+            })
+        })
     }
 
     /// Publishes each retry copy with a confirm to its tier and acks its original
@@ -766,13 +772,16 @@ impl<S: InboxStore> Shared<S> {
                 let outcome =
                     tokio::task::spawn_blocking(move || store.dead_letter(&g, &env, reason, &why))
                         .await
-                        .map_err(|err| {
-                            SessionEnd::Fatal(Error::Config(format!("store task failed: {err}")))
+                        .map_err(|source| {
+                            SessionEnd::Fatal(Error::TaskFailed {
+                                task: "store",
+                                source,
+                            })
                         })?;
                 match outcome {
                     Ok(outcome) => break Some(outcome),
                     Err(err) => {
-                        tracing::error!(group = %group, key = %envelope.message_key, error = %err, ?backoff, "recording a broker dead letter failed; keeping the message and trying again");
+                        tracing::error!(group = %group, key = %envelope.message_key, error = %ErrorChain(&err), ?backoff, "recording a broker dead letter failed; keeping the message and trying again");
                         tokio::select! {
                             biased;
                             () = tokens.stop.cancelled() => break None,
@@ -853,12 +862,23 @@ mod tests {
         let refused = |settings: ConsumerSettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
         assert!(ConsumerSettings::default().check().is_ok());
-        assert!(refused(ConsumerSettings::default().workers(0)).contains("workers"));
+        let found = |setting: &'static str, found: &str| (setting, found.to_owned());
+        assert_eq!(
+            refused(ConsumerSettings::default().workers(0)),
+            found("workers", "0")
+        );
+        assert_eq!(
+            refused(ConsumerSettings::default().batch(0, ms(5))),
+            found("batch", "0")
+        );
         let thin = ConsumerSettings::default().prefetch(10).batch(20, ms(5));
-        assert!(refused(thin).contains("prefetch (10) must be at least batch_size (20)"));
+        assert_eq!(
+            refused(thin),
+            found("prefetch", "10 with a batch size of 20")
+        );
         let inverted = ConsumerSettings::default().backoff(ms(9), ms(1));
-        assert!(refused(inverted).contains("backoff"));
+        assert_eq!(refused(inverted), found("backoff", "9ms..1ms"));
         let no_wait = ConsumerSettings::default().connect_timeout(Duration::ZERO);
-        assert!(refused(no_wait).contains("connect timeout"));
+        assert_eq!(refused(no_wait), found("connect_timeout", "0ns"));
     }
 }

@@ -4,7 +4,7 @@
 pub enum Error {
     /// The broker could not be reached; lapin's error is kept, as text with every
     /// password of the URL taken out (a URL lapin cannot parse is quoted back whole).
-    #[error("could not connect to {url}: {source}")]
+    #[error("could not connect to {url}")]
     Connect {
         /// The URL, password redacted.
         url: String,
@@ -30,17 +30,48 @@ pub enum Error {
         detail: String,
     },
     /// An AMQP operation failed.
-    #[error("amqp error: {0}")]
+    #[error("amqp error")]
     Amqp(#[from] lapin::Error),
-    /// The store failed.
-    #[error("store error: {0}")]
-    Store(#[source] inbox_core::Error),
-    /// A setting was rejected.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// The store failed (`inbox-core`'s error, printed as itself).
+    #[error(transparent)]
+    Store(inbox_core::Error),
+    /// A setting was rejected before anything ran: which one, what it must be and
+    /// what it was.
+    #[error("invalid {setting}: expected {expected}, found {found}")]
+    InvalidSetting {
+        /// The setting, as its method is named (`workers`, `prefetch`, `backoff`,
+        /// `exchange`, `prefix`, ...).
+        setting: &'static str,
+        /// What the setting must be.
+        expected: &'static str,
+        /// The value given.
+        found: String,
+    },
+    /// A task of the consumer or relay panicked or was cancelled; the run ends.
+    #[error("the {task} task failed")]
+    TaskFailed {
+        /// Which task (`consumer worker`, `store`, `relay store`).
+        task: &'static str,
+        /// Why it ended.
+        #[source]
+        source: tokio::task::JoinError,
+    },
 }
 
 impl Error {
+    /// A rejected setting.
+    pub(crate) fn invalid(
+        setting: &'static str,
+        expected: &'static str,
+        found: impl std::fmt::Display,
+    ) -> Self {
+        Self::InvalidSetting {
+            setting,
+            expected,
+            found: found.to_string(),
+        }
+    }
+
     /// The error of a failed connection to `url`: neither the URL nor lapin's error
     /// (nor any cause below it) keeps a password of `url`.
     pub(crate) fn connect(url: &str, source: &lapin::Error) -> Self {

@@ -6,7 +6,9 @@ use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use inbox_core::{OutboxFate, OutboxStore, RelayRound, RoundReport, DEFAULT_OUTBOX_MAX_ATTEMPTS};
+use inbox_core::{
+    ErrorChain, OutboxFate, OutboxStore, RelayRound, RoundReport, DEFAULT_OUTBOX_MAX_ATTEMPTS,
+};
 
 use crate::connect::{check_backoff, check_connect_timeout, SessionEnd};
 use crate::outbox_publisher::{confirm_channel, AmqpPublisher};
@@ -127,7 +129,7 @@ impl RelaySettings {
         self
     }
 
-    /// These settings, or [`Error::Config`] naming the first one out of range; a
+    /// These settings, or [`Error::InvalidSetting`] naming the first one out of range; a
     /// relay checks them again when it runs.
     pub fn checked(self) -> Result<Self> {
         self.check()?;
@@ -135,20 +137,23 @@ impl RelaySettings {
     }
 
     fn check(&self) -> Result<()> {
-        if self.batch_size == 0 || self.relay_id.is_empty() {
-            return Err(Error::Config(
-                "a relay needs a non-empty id and a batch size of at least 1".to_owned(),
-            ));
+        if self.relay_id.is_empty() {
+            return Err(Error::invalid("relay_id", "a non-empty id", "\"\""));
         }
-        if self.lease_for.is_zero() || self.poll_interval.is_zero() || self.retry_after.is_zero() {
-            return Err(Error::Config(
-                "lease, poll interval and retry delay must be greater than zero".to_owned(),
-            ));
+        if self.batch_size == 0 {
+            return Err(Error::invalid("lease", "a batch size of at least 1", 0));
+        }
+        for (setting, value) in [
+            ("lease", self.lease_for),
+            ("poll_interval", self.poll_interval),
+            ("retry_after", self.retry_after),
+        ] {
+            if value.is_zero() {
+                return Err(Error::invalid(setting, "a duration above zero", "0ns"));
+            }
         }
         if self.max_attempts == 0 {
-            return Err(Error::Config(
-                "max attempts must be at least 1, found 0".to_owned(),
-            ));
+            return Err(Error::invalid("max_attempts", "at least 1", 0));
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
         check_connect_timeout(self.connect_timeout)?;
@@ -320,8 +325,11 @@ impl<O: OutboxStore> Relay<O> {
         let store = Arc::clone(&self.store);
         tokio::task::spawn_blocking(move || f(&store))
             .await
-            .map_err(|err| {
-                SessionEnd::Fatal(Error::Config(format!("relay store task failed: {err}")))
+            .map_err(|source| {
+                SessionEnd::Fatal(Error::TaskFailed {
+                    task: "relay store",
+                    source,
+                })
             })
     }
 
@@ -362,7 +370,7 @@ impl<O: OutboxStore> Relay<O> {
                 Ok(report) => report,
                 // A database outage is not the broker's: wait and lease again.
                 Err(err) => {
-                    tracing::error!(error = %err, "leasing failed");
+                    tracing::error!(error = %ErrorChain(&err), "leasing failed");
                     tokio::time::sleep(s.backoff_min).await;
                     continue;
                 }
@@ -409,7 +417,7 @@ impl<O: OutboxStore> Relay<O> {
         if let Some(err) = &report.mark_error {
             // The rows stay leased; when the lease expires they are published again
             // and the consumers' inboxes absorb the copies.
-            tracing::error!(error = %err, "marking published rows failed");
+            tracing::error!(error = %ErrorChain(&err), "marking published rows failed");
             tokio::time::sleep(self.settings.backoff_min).await;
         } else if marked < confirmed {
             tracing::warn!(
@@ -427,7 +435,7 @@ impl<O: OutboxStore> Relay<O> {
         }
         if let Some(err) = &report.record_error {
             // Unrecorded, the rows are simply leased again when the lease expires.
-            tracing::error!(error = %err, "recording failed publications failed");
+            tracing::error!(error = %ErrorChain(&err), "recording failed publications failed");
         }
         let (returned, nacked, rejected) = publisher.failure_kinds();
         // Rows the store could not read failed on their own too.
@@ -530,12 +538,30 @@ mod tests {
         let refused = |settings: RelaySettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
         assert!(RelaySettings::default().check().is_ok());
-        assert!(refused(RelaySettings::default().lease(0, ms(10))).contains("batch size"));
-        assert!(refused(RelaySettings::default().relay_id("")).contains("non-empty id"));
-        assert!(refused(RelaySettings::default().lease(5, Duration::ZERO)).contains("lease"));
-        assert!(refused(RelaySettings::default().max_attempts(0)).contains("max attempts"));
-        assert!(refused(RelaySettings::default().backoff(ms(9), ms(1))).contains("backoff"));
+        let setting = |settings| refused(settings).0;
+        assert_eq!(setting(RelaySettings::default().lease(0, ms(10))), "lease");
+        assert_eq!(setting(RelaySettings::default().relay_id("")), "relay_id");
+        assert_eq!(
+            setting(RelaySettings::default().lease(5, Duration::ZERO)),
+            "lease"
+        );
+        assert_eq!(
+            setting(RelaySettings::default().poll_interval(Duration::ZERO)),
+            "poll_interval"
+        );
+        assert_eq!(
+            setting(RelaySettings::default().retry_after(Duration::ZERO)),
+            "retry_after"
+        );
+        assert_eq!(
+            setting(RelaySettings::default().max_attempts(0)),
+            "max_attempts"
+        );
+        assert_eq!(
+            refused(RelaySettings::default().backoff(ms(9), ms(1))),
+            ("backoff", "9ms..1ms".to_owned())
+        );
         let no_wait = RelaySettings::default().connect_timeout(Duration::ZERO);
-        assert!(refused(no_wait).contains("connect timeout"));
+        assert_eq!(setting(no_wait), "connect_timeout");
     }
 }

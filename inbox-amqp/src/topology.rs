@@ -57,23 +57,26 @@ pub struct Topology {
     groups: Vec<GroupTopology>,
 }
 
-fn check_name(what: &str, name: &str, allow_empty: bool) -> Result<()> {
+fn check_name(setting: &'static str, name: &str, allow_empty: bool) -> Result<()> {
     if name.is_empty() && !allow_empty {
-        return Err(Error::Config(format!("{what} must not be empty")));
+        return Err(Error::invalid(setting, "a non-empty name", "\"\""));
     }
     if name.len() > 200 {
-        return Err(Error::Config(format!(
-            "{what} must be at most 200 bytes, found {}",
-            name.len()
-        )));
+        return Err(Error::invalid(
+            setting,
+            "at most 200 bytes",
+            format_args!("{} bytes", name.len()),
+        ));
     }
     if let Some(bad) = name
         .chars()
         .find(|c| !matches!(c, 'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' | '-'))
     {
-        return Err(Error::Config(format!(
-            "{what} may only contain [A-Za-z0-9._-], found {bad:?} in {name:?}"
-        )));
+        return Err(Error::invalid(
+            setting,
+            "only [A-Za-z0-9._-]",
+            format_args!("{bad:?} in {name:?}"),
+        ));
     }
     Ok(())
 }
@@ -83,7 +86,7 @@ impl Topology {
     /// retry ladder (1 s, 5 s, 30 s, 2 min, 10 min) and a delivery limit of 20.
     pub fn new(exchange: impl Into<String>) -> Result<Self> {
         let exchange = exchange.into();
-        check_name("exchange name", &exchange, false)?;
+        check_name("exchange", &exchange, false)?;
         Ok(Self {
             exchange,
             prefix: String::new(),
@@ -139,8 +142,12 @@ impl Topology {
         self
     }
 
-    /// Adds every (group, message type) a store's handlers take.
-    pub fn routes(mut self, routes: impl IntoIterator<Item = (ConsumerGroup, String)>) -> Self {
+    /// Adds every (group, message type) a store's handlers take (say
+    /// [`InboxStore::routes`](inbox_core::InboxStore::routes)).
+    pub fn with_routes(
+        mut self,
+        routes: impl IntoIterator<Item = (ConsumerGroup, String)>,
+    ) -> Self {
         for (group, message_type) in routes {
             self = self.group(group, [message_type]);
         }
@@ -361,8 +368,20 @@ mod tests {
             t.retry_queue(&g, Duration::from_secs(3600)),
             "t1.a.b:retry:10m"
         );
-        assert!(Topology::new("bad name").is_err());
-        assert!(t.clone().prefix("x:").is_err());
+        assert!(matches!(
+            Topology::new("bad name"),
+            Err(Error::InvalidSetting {
+                setting: "exchange",
+                ..
+            })
+        ));
+        assert!(matches!(
+            t.clone().prefix("x:"),
+            Err(Error::InvalidSetting {
+                setting: "prefix",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -99,13 +99,10 @@ pub fn check_decision_count(decisions: Vec<Decision>, deliveries: usize) -> Resu
     if decisions.len() == deliveries {
         Ok(decisions)
     } else {
-        Err(Error::Store(
-            format!(
-                "store returned {} decisions for {deliveries} deliveries",
-                decisions.len()
-            )
-            .into(),
-        ))
+        Err(Error::DecisionCount {
+            expected: deliveries,
+            found: decisions.len(),
+        })
     }
 }
 
@@ -132,6 +129,30 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// Every reason.
+    pub const ALL: [Self; 8] = [
+        Self::MaxAttempts,
+        Self::Permanent,
+        Self::DecodeError,
+        Self::KeyCollision,
+        Self::CrashLoop,
+        Self::DeliveryLimit,
+        Self::NoHandler,
+        Self::Malformed,
+    ];
+
+    /// The reason stored as `s` ([`as_str`](Self::as_str) read back), or `None` for
+    /// a text no reason is stored as.
+    ///
+    /// ```
+    /// use inbox_core::DeadLetterReason;
+    /// assert_eq!(DeadLetterReason::parse("crash_loop"), Some(DeadLetterReason::CrashLoop));
+    /// assert_eq!(DeadLetterReason::parse("Crash_Loop"), None);
+    /// ```
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|reason| reason.as_str() == s)
+    }
+
     /// The reason as stored in the dead-letter table.
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -212,15 +233,28 @@ mod tests {
     }
 
     #[test]
+    fn every_reason_reads_back_as_itself() {
+        for reason in DeadLetterReason::ALL {
+            assert_eq!(DeadLetterReason::parse(reason.as_str()), Some(reason));
+            assert_eq!(reason.to_string(), reason.as_str());
+        }
+        assert_eq!(DeadLetterReason::parse(""), None);
+        assert_eq!(DeadLetterReason::parse("max-attempts"), None);
+    }
+
+    #[test]
     fn a_store_must_return_one_decision_per_delivery() {
         let two = vec![Decision::Processed, Decision::Duplicate];
         assert_eq!(check_decision_count(two.clone(), 2).unwrap(), two);
         for deliveries in [0, 1, 3] {
             let err = check_decision_count(two.clone(), deliveries).unwrap_err();
-            assert!(matches!(err, Error::Store(_)), "{err:?}");
+            assert!(
+                matches!(err, Error::DecisionCount { expected, found: 2 } if expected == deliveries),
+                "{err:?}"
+            );
             assert_eq!(
                 err.to_string(),
-                format!("store error: store returned 2 decisions for {deliveries} deliveries")
+                format!("the store returned 2 decisions for {deliveries} deliveries")
             );
         }
     }

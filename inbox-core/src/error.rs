@@ -30,9 +30,53 @@ pub enum Error {
     /// The claim table broke its own invariant; the consumer group must stop.
     #[error(transparent)]
     ClaimInvariantViolated(#[from] ClaimInvariantViolated),
+    /// The store returned another number of decisions than deliveries it was given:
+    /// it broke its contract, and nothing of the batch was acknowledged.
+    #[error("the store returned {found} decisions for {expected} deliveries")]
+    DecisionCount {
+        /// The deliveries handed to the store.
+        expected: usize,
+        /// The decisions it returned.
+        found: usize,
+    },
     /// The store failed; nothing of the batch was acknowledged.
-    #[error("store error: {0}")]
+    #[error("store error")]
     Store(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+/// An error and every cause below it on one line, outermost first, joined by `": "`.
+///
+/// The errors of these crates print their own message only and keep the cause as
+/// their [`source`](std::error::Error::source), so a log line or a stored failure
+/// text that should say why prints the whole chain through this:
+///
+/// ```
+/// use inbox_core::{Error, ErrorChain};
+///
+/// let cause = std::io::Error::other("connection reset");
+/// let err = Error::Store(Box::new(cause));
+/// assert_eq!(err.to_string(), "store error");
+/// assert_eq!(ErrorChain(&err).to_string(), "store error: connection reset");
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'a));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut level = self.0.source();
+        while let Some(cause) = level {
+            write!(f, ": {cause}")?;
+            level = cause.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// `Result` with this crate's [`Error`].

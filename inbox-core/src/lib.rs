@@ -10,6 +10,17 @@
 //! ([`Decision::action`]), the decision count ([`check_decision_count`]), the relay
 //! round ([`RelayRound`]) and the backoff ([`exponential_backoff`]).
 //!
+//! The crates share two conventions. Errors: each crate's `Error` is
+//! `#[non_exhaustive]` and matched by variant (a rejected setting is
+//! `InvalidSetting { setting, expected, found }`, a broken invariant its own variant);
+//! a message says its own level only and keeps its cause as its `source`, which
+//! [`ErrorChain`] prints. Builders: a setter on a builder or settings value takes
+//! `self`, returns `Self` and is named after its setting (`pool_size`, `workers`), and
+//! the checks run once, at `build()` or `checked()`; `with_*` sets or adds a part of
+//! an already-constructed value that is not one of its settings
+//! ([`Envelope::with_tenant`], [`InProcessTransport::with_clock`]); a getter is the
+//! bare noun, and a read that could be taken for an action says what it reads.
+//!
 //! With the `derive` feature, `#[derive(Handler)]` (from `inbox-macros`) writes the
 //! `Handler` impl of a handler struct from an `#[inbox(...)]` attribute, checked at
 //! compile time; `use inbox_core::Handler;` brings the trait and the derive.
@@ -47,7 +58,7 @@ pub use decision::{
     TransportAction,
 };
 pub use envelope::{payload_digest, Envelope};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorChain, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,

@@ -257,7 +257,7 @@ macro_rules! claim_dsl {
                     replayed_at,
                 ))
                 .load(conn)?;
-            Ok(rows.into_iter().map($crate::rows::dead_letter).collect())
+            rows.into_iter().map($crate::rows::dead_letter).collect()
         }
     };
 }

@@ -11,7 +11,7 @@ pub enum Error {
     /// The database could not be reached; the driver's own error is kept, as text
     /// with every password of the URL taken out (libpq quotes parts of the URL back,
     /// a bad percent escape of the password among them).
-    #[error("could not connect to {url}: {source}")]
+    #[error("could not connect to {url}")]
     Connect {
         /// The URL, password redacted.
         url: String,
@@ -20,13 +20,13 @@ pub enum Error {
         source: inbox_core::RedactedError,
     },
     /// The connection pool failed.
-    #[error("connection pool error: {0}")]
+    #[error("connection pool error")]
     Pool(#[from] diesel::r2d2::PoolError),
     /// A schema name is not a plain identifier.
     #[error("invalid schema name {0:?}: expected [a-z_][a-z0-9_]*, at most 63 bytes")]
     InvalidSchemaName(String),
     /// Running the embedded migrations failed.
-    #[error("migration failed: {0}")]
+    #[error("migration failed")]
     Migration(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
     /// The live schema does not enforce the claim key the store uses.
     #[error("claim index mismatch: expected {expected}, found {found} on {table}")]
@@ -40,9 +40,18 @@ pub enum Error {
         /// The table, schema-qualified where the backend has schemas.
         table: String,
     },
-    /// A setting was rejected.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// A setting was rejected before anything ran: which one, what it must be and
+    /// what it was.
+    #[error("invalid {setting}: expected {expected}, found {found}")]
+    InvalidSetting {
+        /// The setting, as its builder method or argument is named (`pool_size`,
+        /// `crash_limit`, `lease_for`, ...).
+        setting: &'static str,
+        /// What the setting must be.
+        expected: &'static str,
+        /// The value given.
+        found: String,
+    },
     /// An outbox message was refused before it was written.
     #[error("invalid outbox message {key}: {reason}")]
     InvalidOutboxMessage {
@@ -52,7 +61,7 @@ pub enum Error {
         reason: String,
     },
     /// A database statement failed.
-    #[error("database error: {0}")]
+    #[error("database error")]
     Database(#[from] diesel::result::Error),
     /// The connection was left inside a transaction it could not unwind.
     #[error("connection left at transaction depth {found}, expected {expected}")]
@@ -62,7 +71,8 @@ pub enum Error {
         /// The depth found.
         found: u32,
     },
-    /// An invariant of the store's own code was broken (a bug in this crate).
+    /// An invariant of the store's own code was broken (a bug in this crate); the
+    /// text says which.
     #[error("internal error: {0}")]
     Internal(&'static str),
     /// An `inbox-core` error (invalid key, invariant violation, ...).
@@ -98,6 +108,19 @@ pub enum SchemaProblem {
 }
 
 impl Error {
+    /// A rejected setting.
+    pub(crate) fn invalid(
+        setting: &'static str,
+        expected: &'static str,
+        found: impl std::fmt::Display,
+    ) -> Self {
+        Self::InvalidSetting {
+            setting,
+            expected,
+            found: found.to_string(),
+        }
+    }
+
     /// The error of a failed connection to `url`: neither the URL nor the driver's
     /// error (nor any cause below it) keeps a password of `url`.
     pub(crate) fn connect(url: &str, source: &diesel::ConnectionError) -> Self {
@@ -185,6 +208,10 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
+            "could not connect to postgres://app:***@db/x"
+        );
+        assert_eq!(
+            inbox_core::ErrorChain(&err).to_string(),
             "could not connect to postgres://app:***@db/x: connection refused"
         );
     }

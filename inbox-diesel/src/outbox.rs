@@ -44,7 +44,7 @@ pub const MAX_OUTBOX_NAME_LEN: usize = 255;
 /// ```
 /// use inbox_diesel::{EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD};
 /// assert_eq!(EnqueueLimits::default().max_payload, DEFAULT_MAX_OUTBOX_PAYLOAD);
-/// let larger = EnqueueLimits::default().with_max_payload(64 * 1024 * 1024);
+/// let larger = EnqueueLimits::default().max_payload(64 * 1024 * 1024);
 /// assert_eq!(larger.max_payload, 64 * 1024 * 1024);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,7 +65,7 @@ impl Default for EnqueueLimits {
 
 impl EnqueueLimits {
     /// Sets the largest body.
-    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+    pub fn max_payload(mut self, bytes: usize) -> Self {
         self.max_payload = bytes;
         self
     }
@@ -271,10 +271,16 @@ fn micros(t: DateTime<Utc>) -> DateTime<Utc> {
     t.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(t)
 }
 
-/// `now + d`, or an error naming both when it is out of range.
-fn later(now: DateTime<Utc>, d: Duration, what: &str) -> Result<DateTime<Utc>> {
-    now.checked_add_signed(delta(d))
-        .ok_or_else(|| Error::Config(format!("{what} of {d:?} after {now} is out of range")))
+/// `now + d`, or an [`Error::InvalidSetting`] naming `setting` when it is out of
+/// range.
+fn later(now: DateTime<Utc>, d: Duration, setting: &'static str) -> Result<DateTime<Utc>> {
+    now.checked_add_signed(delta(d)).ok_or_else(|| {
+        Error::invalid(
+            setting,
+            "a duration that, added to now, stays within the calendar",
+            format_args!("{d:?} after {now}"),
+        )
+    })
 }
 
 fn truncate(s: &str) -> &str {
@@ -315,15 +321,13 @@ impl<C: StoreConnection> Store<C> {
 
     fn lease_rows(&self, relay: &str, limit: usize, lease_for: Duration) -> Result<Lease> {
         if relay.is_empty() {
-            return Err(Error::Config("a relay name must not be empty".to_owned()));
+            return Err(Error::invalid("relay", "a non-empty relay name", "\"\""));
         }
         if lease_for.is_zero() {
-            return Err(Error::Config(
-                "a lease must last longer than zero, found 0s".to_owned(),
-            ));
+            return Err(Error::invalid("lease_for", "a duration above zero", "0s"));
         }
         let now = self.clock().now();
-        let until = later(now, lease_for, "a lease")?;
+        let until = later(now, lease_for, "lease_for")?;
         let mut lease = Lease {
             relay: relay.to_owned(),
             until,
@@ -361,7 +365,7 @@ impl<C: StoreConnection> Store<C> {
         let fates = failures
             .iter()
             .map(|f| match f.fate {
-                OutboxFate::RetryAfter(delay) => Ok((later(now, delay, "a retry")?, None)),
+                OutboxFate::RetryAfter(delay) => Ok((later(now, delay, "retry_after")?, None)),
                 OutboxFate::Dead => Ok((now, Some(now))),
                 _ => Err(Error::Internal("an outbox fate this store does not know")),
             })

@@ -47,11 +47,15 @@ impl Retention {
         longest_retry_delay: Duration,
     ) -> Result<Self> {
         if done_claims < longest_retry_delay {
-            return Err(Error::Config(format!(
-                "done-claim retention ({done_claims:?}) is shorter than the longest retry \
-                 delay ({longest_retry_delay:?}): a retried copy arriving after its claim \
-                 was deleted would be processed again"
-            )));
+            // A retried copy arriving after its claim was deleted would be processed
+            // again.
+            return Err(Error::InvalidSetting {
+                setting: "done_claims",
+                expected: "a retention at least as long as the longest retry delay",
+                found: format!(
+                    "{done_claims:?}, with a longest retry delay of {longest_retry_delay:?}"
+                ),
+            });
         }
         Ok(Self {
             published,
@@ -97,9 +101,7 @@ impl<C: StoreConnection> Store<C> {
         delete: fn(&mut C, DateTime<Utc>, i64) -> QueryResult<usize>,
     ) -> Result<u64> {
         if batch == 0 {
-            return Err(Error::Config(
-                "a purge batch must be at least 1 row, found 0".to_owned(),
-            ));
+            return Err(Error::invalid("batch", "at least 1 row", 0));
         }
         // One cutoff for the whole purge: the loop does not chase a moving clock.
         let Some(cutoff) = self.clock().now().checked_sub_signed(delta(window)) else {
@@ -125,10 +127,15 @@ mod tests {
     #[test]
     fn refuses_a_claim_window_shorter_than_the_longest_retry() {
         let s = Duration::from_secs;
-        let err = Retention::new(s(0), s(599), s(600))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("(599s)") && err.contains("(600s)"), "{err}");
+        let err = Retention::new(s(0), s(599), s(600)).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                Error::InvalidSetting { setting: "done_claims", found, .. }
+                    if found == "599s, with a longest retry delay of 600s"
+            ),
+            "{err:?}"
+        );
         assert!(Retention::new(s(0), s(600), s(600)).is_ok());
     }
 }

@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
-use inbox_core::{MessageKey, OutboxMessage, OutboxRow, UnreadableRow};
+use inbox_core::{DeadLetterReason, MessageKey, OutboxMessage, OutboxRow, UnreadableRow};
 use std::collections::BTreeMap;
 
 /// A claim's state.
@@ -93,8 +93,9 @@ pub struct DeadLetter {
     pub headers: BTreeMap<String, String>,
     /// Handled failures when it was dead-lettered.
     pub attempts: i32,
-    /// Why (`max_attempts`, `permanent`, `decode_error`, `key_collision`, `crash_loop`, ...).
-    pub reason: String,
+    /// Why; stored as its text (`max_attempts`, `permanent`, `decode_error`,
+    /// `key_collision`, `crash_loop`, `delivery_limit`, `no_handler`, `malformed`).
+    pub reason: DeadLetterReason,
     /// The last failure.
     pub last_error: Option<String>,
     /// When.
@@ -195,21 +196,36 @@ pub(crate) fn claim_record(t: ClaimTuple) -> QueryResult<ClaimRecord> {
     })
 }
 
-pub(crate) fn dead_letter(t: DeadLetterTuple) -> DeadLetter {
-    DeadLetter {
+/// A stored dead letter, or a deserialization error naming the row and what of it
+/// cannot be read (an unknown reason, headers that are not a JSON object of strings).
+pub(crate) fn dead_letter(t: DeadLetterTuple) -> QueryResult<DeadLetter> {
+    let unreadable = |problem: String| {
+        diesel::result::Error::DeserializationError(
+            format!("dead letter {}: {problem}", t.0).into(),
+        )
+    };
+    let reason = DeadLetterReason::parse(&t.8)
+        .ok_or_else(|| unreadable(format!("unknown stored reason {:?}", t.8)))?;
+    let headers = serde_json::from_str(&t.6).map_err(|err| {
+        unreadable(format!(
+            "headers {:?} are not a JSON object of strings: {err}",
+            t.6
+        ))
+    })?;
+    Ok(DeadLetter {
         id: t.0,
         group: t.1,
         key: t.2,
         message_type: t.3,
         tenant: t.4,
         payload: t.5,
-        headers: serde_json::from_str(&t.6).unwrap_or_default(),
+        headers,
         attempts: t.7,
-        reason: t.8,
+        reason,
         last_error: t.9,
         dead_lettered_at: t.10,
         replayed_at: t.11,
-    }
+    })
 }
 
 /// A row to insert.

@@ -94,11 +94,11 @@ macro_rules! inbox_tables {
 }
 
 /// PostgreSQL tables.
-pub mod pg {
+pub(crate) mod pg {
     inbox_tables!(Timestamptz);
 }
 
 /// SQLite tables.
-pub mod sqlite {
+pub(crate) mod sqlite {
     inbox_tables!(TimestamptzSqlite);
 }

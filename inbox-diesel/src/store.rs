@@ -302,8 +302,9 @@ impl<C: StoreConnection> Store<C> {
         self.inner.process(group, batch)
     }
 
-    /// Reads one claim.
-    pub fn claim(&self, key: &ClaimKey) -> Result<Option<ClaimRecord>> {
+    /// Reads the stored claim of `key`, if there is one; it claims nothing (the
+    /// claim itself is made by [`process_batch`](Self::process_batch)).
+    pub fn claim_record(&self, key: &ClaimKey) -> Result<Option<ClaimRecord>> {
         let mut conn = self.connection()?;
         Ok(C::read_claim(&mut conn, key)?)
     }
@@ -491,7 +492,9 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 
     /// Like [`StoreBuilder::build`] but without verifying the schema. For tests that
-    /// sabotage the schema on purpose; a production store uses `build`.
+    /// sabotage the schema on purpose, so hidden from the documentation; a store
+    /// uses `build`.
+    #[doc(hidden)]
     pub fn build_unchecked(self) -> Result<Store<C>> {
         self.assemble(false)
     }
@@ -547,8 +550,10 @@ impl<C: StoreConnection> StoreBuilder<C> {
     fn check_settings(&self) -> Result<()> {
         if let Some(schema) = &self.schema {
             if C::BACKEND != Backend::Postgres {
-                return Err(Error::Config(
-                    "a schema can only be set on PostgreSQL".to_owned(),
+                return Err(Error::invalid(
+                    "schema",
+                    "no schema on SQLite (schemas are PostgreSQL's)",
+                    format_args!("{schema:?}"),
                 ));
             }
             if !valid_schema_name(schema) {
@@ -556,24 +561,29 @@ impl<C: StoreConnection> StoreBuilder<C> {
             }
         }
         if self.crash_limit == 0 {
-            return Err(Error::Config(
-                "crash_limit must be at least 1, found 0".to_owned(),
+            return Err(Error::invalid("crash_limit", "at least 1", 0));
+        }
+        if self.batch_deadline < Duration::from_millis(1) {
+            return Err(Error::invalid(
+                "batch_deadline",
+                "at least 1 ms",
+                format_args!("{:?}", self.batch_deadline),
             ));
         }
-        if self.batch_deadline < Duration::from_millis(1)
-            || self.statement_timeout < Duration::from_millis(1)
+        if self.statement_timeout < Duration::from_millis(1)
             || self.statement_timeout > self.batch_deadline
         {
-            return Err(Error::Config(format!(
-                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
-                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
-                self.statement_timeout, self.batch_deadline
-            )));
+            return Err(Error::invalid(
+                "statement_timeout",
+                "at least 1 ms and at most batch_deadline",
+                format_args!(
+                    "{:?} with batch_deadline {:?}",
+                    self.statement_timeout, self.batch_deadline
+                ),
+            ));
         }
         if self.pool_size == 0 {
-            return Err(Error::Config(
-                "pool_size must be at least 1, found 0".to_owned(),
-            ));
+            return Err(Error::invalid("pool_size", "at least 1", 0));
         }
         Ok(())
     }

@@ -81,7 +81,7 @@ fn a_swallowed_database_error_is_a_recorded_failure_never_an_ack<F: Fixture>(fx:
                     "{k}: {decision:?}"
                 );
                 assert_eq!(conn.effects_of(k).unwrap(), 0, "{k}");
-                let claim = store.claim(&key(k)).unwrap().expect("claim");
+                let claim = store.claim_record(&key(k)).unwrap().expect("claim");
                 assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
                 assert!(claim
                     .last_error
@@ -202,7 +202,9 @@ fn copies_are_judged_against_the_stored_claim_not_the_first_copy<F: Fixture>(fx:
     );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 3);
-    assert!(dead.iter().all(|d| d.reason == "key_collision"));
+    assert!(dead
+        .iter()
+        .all(|d| d.reason == inbox_core::DeadLetterReason::KeyCollision));
 }
 
 fn with_type(env: Envelope, message_type: &str) -> Envelope {
@@ -237,7 +239,7 @@ fn nul_bytes_are_dead_lettered_malformed_and_batch_mates_go_on<F: Fixture>(fx: &
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 2);
     let by_type = dead.iter().find(|d| d.key == "nul-type").unwrap();
-    assert_eq!(by_type.reason, "malformed");
+    assert_eq!(by_type.reason, inbox_core::DeadLetterReason::Malformed);
     assert_eq!(by_type.message_type, "usage\\0recorded");
     assert_eq!(
         by_type
@@ -386,17 +388,17 @@ fn contention_inside_a_handler_counts_once_the_free_reruns_are_spent<F: Fixture>
     assert_eq!(decisions[0], Decision::Processed);
     assert_eq!(decisions[1], Decision::RetryAfter(Duration::from_secs(1)));
     assert_eq!(decisions[2], Decision::Processed);
-    let claim = store.claim(&key("hot")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("hot")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
     for _ in 0..2 {
         clock.advance(Duration::from_secs(120));
         store.process_batch(&g, &[usage("hot", 1)]).unwrap();
     }
-    let claim = store.claim(&key("hot")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("hot")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 3));
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].reason, "max_attempts");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::MaxAttempts);
 }
 
 /// `retry_after(Duration::MAX)` overflowed `now + delay` and panicked out of
@@ -413,7 +415,7 @@ fn a_huge_retry_delay_saturates_instead_of_panicking<F: Fixture>(fx: &F) {
         store.process_batch(&g, &[usage("k", 1)]).unwrap(),
         [Decision::RetryAfter(MAX_RETRY_DELAY)]
     );
-    let claim = store.claim(&key("k")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("k")).unwrap().expect("claim");
     let expected = start_time() + TimeDelta::from_std(MAX_RETRY_DELAY).unwrap();
     assert_eq!(claim.next_attempt_at, Some(expected));
 }
@@ -600,7 +602,7 @@ fn a_hung_handler_releases_its_locks_at_the_batch_deadline() {
     let outcome = worker.join().unwrap();
     assert!(outcome.is_err(), "{outcome:?}");
     assert_eq!(fx.connect().effect_count().unwrap(), 0);
-    assert!(store.claim(&key("hang")).unwrap().is_none());
+    assert!(store.claim_record(&key("hang")).unwrap().is_none());
     assert_eq!(
         store
             .process_batch(&group(GROUP), &[usage("next", 1)])
@@ -631,7 +633,7 @@ fn a_statement_past_the_timeout_is_a_failure_of_its_message() {
         "{decisions:?}"
     );
     assert_eq!(decisions[1], Decision::Processed);
-    let claim = store.claim(&key("slow")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("slow")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
 }
 
@@ -669,9 +671,13 @@ fn a_redelivery_that_hangs_is_counted_like_a_crash() {
 #[test]
 fn batch_deadline_and_statement_timeout_are_checked_when_built() {
     let fx = inbox_test_support::SqliteFixture::new();
-    for (deadline, statement) in [
-        (Duration::ZERO, Duration::ZERO),
-        (Duration::from_secs(1), Duration::from_secs(2)),
+    for (deadline, statement, setting) in [
+        (Duration::ZERO, Duration::ZERO, "batch_deadline"),
+        (
+            Duration::from_secs(1),
+            Duration::from_secs(2),
+            "statement_timeout",
+        ),
     ] {
         let built = fx
             .builder()
@@ -679,7 +685,10 @@ fn batch_deadline_and_statement_timeout_are_checked_when_built() {
             .statement_timeout(statement)
             .build();
         assert!(
-            matches!(built, Err(inbox_diesel::Error::Config(_))),
+            matches!(
+                built,
+                Err(inbox_diesel::Error::InvalidSetting { setting: s, .. }) if s == setting
+            ),
             "{deadline:?}/{statement:?}: {built:?}"
         );
     }
@@ -703,7 +712,7 @@ fn a_long_error_is_cut_on_a_char_boundary<F: Fixture>(fx: &F) {
         .process_batch(&g, &[usage("long", 1), usage("exact", 1)])
         .unwrap();
     let long = store
-        .claim(&key("long"))
+        .claim_record(&key("long"))
         .unwrap()
         .unwrap()
         .last_error
@@ -711,7 +720,7 @@ fn a_long_error_is_cut_on_a_char_boundary<F: Fixture>(fx: &F) {
     assert_eq!(long.len(), 3999, "cut back to the character boundary");
     assert!(format!("x{}", "é".repeat(3000)).starts_with(&long));
     let exact = store
-        .claim(&key("exact"))
+        .claim_record(&key("exact"))
         .unwrap()
         .unwrap()
         .last_error
@@ -782,11 +791,11 @@ fn a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched<F
         ),
         1
     );
-    let claim = store.claim(&key("k")).unwrap().unwrap();
+    let claim = store.claim_record(&key("k")).unwrap().unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].reason, "delivery_limit");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::DeliveryLimit);
     // Its own payload's dead letter is not counted again.
     let (_, again) = inbox_test_support::metrics::capture(|| {
         store

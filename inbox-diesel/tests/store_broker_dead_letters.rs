@@ -27,7 +27,10 @@ fn delivered(env: Envelope, count: Option<u32>) -> Envelope {
     }
 }
 
-inbox_test_support::on_both_backends!(delivery_limit_dead_letters_record_the_attempts_known);
+inbox_test_support::on_both_backends!(
+    delivery_limit_dead_letters_record_the_attempts_known,
+    an_unreadable_stored_dead_letter_is_an_error_and_kept,
+);
 
 /// The larger of the claim's handled failures and the broker's deliveries.
 fn delivery_limit_dead_letters_record_the_attempts_known<F: Fixture>(fx: &F) {
@@ -82,7 +85,11 @@ fn delivery_limit_dead_letters_record_the_attempts_known<F: Fixture>(fx: &F) {
         ]
     );
     assert_eq!(
-        store.claim(&key("failing-b")).unwrap().unwrap().status,
+        store
+            .claim_record(&key("failing-b"))
+            .unwrap()
+            .unwrap()
+            .status,
         ClaimStatus::Dead
     );
 }
@@ -167,7 +174,54 @@ fn a_broker_dead_letter_waiting_on_a_committing_worker_reports_already_done() {
         DeadLetterOutcome::AlreadyDone
     );
     assert!(store.dead_letters(&g).unwrap().is_empty());
-    let claim = store.claim(&key("racing")).unwrap().unwrap();
+    let claim = store.claim_record(&key("racing")).unwrap().unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);
     assert_eq!(fx.connect().effects_of("racing").unwrap(), 1);
+}
+
+/// A stored reason no `DeadLetterReason` is stored as, or headers that are not a JSON
+/// object of strings, make reading the dead letters fail, naming the row and what is
+/// wrong, instead of guessing; the row is kept and reads again once repaired.
+fn an_unreadable_stored_dead_letter_is_an_error_and_kept<F: Fixture>(fx: &F) {
+    let store = fx.builder().build().unwrap();
+    let g = group(GROUP);
+    assert_eq!(
+        store
+            .dead_letter(
+                &g,
+                &usage("poison", 1),
+                DeadLetterReason::DeliveryLimit,
+                "limit"
+            )
+            .unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    let unreadable = |problem: &str| {
+        let err = store.dead_letters(&g).expect_err(problem);
+        assert!(
+            matches!(
+                err,
+                inbox_diesel::Error::Database(diesel::result::Error::DeserializationError(_))
+            ),
+            "{err:?}"
+        );
+        let text = inbox_core::ErrorChain(&err).to_string();
+        assert!(text.contains(problem), "{text}");
+    };
+
+    fx.execute("UPDATE inbox_dead_letters SET reason = 'exploded'");
+    unreadable("unknown stored reason \"exploded\"");
+    fx.execute("UPDATE inbox_dead_letters SET reason = 'delivery_limit', headers = 'not json'");
+    unreadable("headers \"not json\" are not a JSON object of strings");
+    fx.execute("UPDATE inbox_dead_letters SET headers = '{\"n\": 1}'");
+    unreadable("are not a JSON object of strings");
+
+    fx.execute("UPDATE inbox_dead_letters SET headers = '{\"origin\": \"test\"}'");
+    let dead = store.dead_letters(&g).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, DeadLetterReason::DeliveryLimit);
+    assert_eq!(
+        dead[0].headers.get("origin").map(String::as_str),
+        Some("test")
+    );
 }

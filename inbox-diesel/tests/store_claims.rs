@@ -62,7 +62,7 @@ fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
     );
     assert_eq!(calls.lock().unwrap().len(), 1);
     assert_eq!(fx.connect().effects_of("a").unwrap(), 1);
-    let claim = store.claim(&key("a")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("a")).unwrap().expect("claim");
     assert_eq!(
         (claim.status, claim.attempts, claim.starts),
         (ClaimStatus::Done, 0, 0)
@@ -97,7 +97,7 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
         let decision = store.process_batch(&g, std::slice::from_ref(&msg)).unwrap();
         let delay = Duration::from_secs(expected_delays[attempt - 1]);
         assert_eq!(decision, [Decision::RetryAfter(delay)], "attempt {attempt}");
-        let claim = store.claim(&key("poison")).unwrap().expect("claim");
+        let claim = store.claim_record(&key("poison")).unwrap().expect("claim");
         assert_eq!(claim.attempts, attempt as i32);
         assert_eq!(claim.status, ClaimStatus::Failed);
         assert_eq!(
@@ -129,7 +129,7 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
         decision,
         [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]
     );
-    let claim = store.claim(&key("poison")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("poison")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 4));
     assert_eq!(calls.lock().unwrap().len(), 4);
 
@@ -145,7 +145,7 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
 
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1, "dead-lettered exactly once");
-    assert_eq!(dead[0].reason, "max_attempts");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::MaxAttempts);
     assert_eq!(dead[0].attempts, 4);
     assert_eq!(dead[0].payload, msg.payload);
     assert_eq!(dead[0].tenant.as_deref(), Some("acme"));
@@ -168,7 +168,7 @@ fn first_failure_of_a_new_message_is_recorded<F: Fixture>(fx: &F) {
     // The claim was inserted in the same transaction as the handler's savepoint; it
     // survives the savepoint's rollback.
     let claim = store
-        .claim(&key("new"))
+        .claim_record(&key("new"))
         .unwrap()
         .expect("the claim survives");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
@@ -183,11 +183,11 @@ fn permanent_error_dead_letters_at_once<F: Fixture>(fx: &F) {
         store.process_batch(&g, &[usage("bad", 1)]).unwrap(),
         [Decision::DeadLettered(DeadLetterReason::Permanent)]
     );
-    let claim = store.claim(&key("bad")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("bad")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 1));
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].reason, "permanent");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::Permanent);
     assert_eq!(dead[0].last_error.as_deref(), Some("bad is invalid"));
 }
 
@@ -218,7 +218,7 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
     assert_eq!(other.effects_of("boom").unwrap(), 0);
     assert_eq!(other.effects_of("nested").unwrap(), 0);
     for k in ["boom", "nested"] {
-        let claim = store.claim(&key(k)).unwrap().expect("claim");
+        let claim = store.claim_record(&key(k)).unwrap().expect("claim");
         assert_eq!(
             (claim.status, claim.attempts),
             (ClaimStatus::Failed, 1),
@@ -256,7 +256,7 @@ fn key_collision_after_success<F: Fixture>(fx: &F) {
         );
     }
     assert_eq!(calls.lock().unwrap().len(), 1);
-    let claim = store.claim(&key("k")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("k")).unwrap().expect("claim");
     assert_eq!(
         claim.status,
         ClaimStatus::Done,
@@ -264,7 +264,9 @@ fn key_collision_after_success<F: Fixture>(fx: &F) {
     );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 2);
-    assert!(dead.iter().all(|d| d.reason == "key_collision"));
+    assert!(dead
+        .iter()
+        .all(|d| d.reason == inbox_core::DeadLetterReason::KeyCollision));
     assert_eq!(dead[0].payload, usage("k", 2).payload);
 }
 
@@ -293,7 +295,7 @@ fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
         );
     }
     assert_eq!(calls.lock().unwrap().len(), 1);
-    let claim = store.claim(&key("k")).unwrap().expect("claim");
+    let claim = store.claim_record(&key("k")).unwrap().expect("claim");
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Failed, 1));
     // The original is still retried and applied once.
     assert_eq!(
@@ -361,7 +363,7 @@ fn batch_of_100_with_3_failures<F: Fixture>(fx: &F) {
     );
     assert_eq!(fx.connect().effect_count().unwrap(), 97);
     for k in ["m-013", "m-050", "m-087"] {
-        assert_eq!(store.claim(&key(k)).unwrap().unwrap().attempts, 1);
+        assert_eq!(store.claim_record(&key(k)).unwrap().unwrap().attempts, 1);
     }
     // The optimistic run stops at the first failure (m-013, the 14th key in key
     // order); the isolated run records that known failure without calling its handler
@@ -396,7 +398,7 @@ fn undecodable_payload_is_dead_lettered<F: Fixture>(fx: &F) {
     );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].reason, "decode_error");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::DecodeError);
     assert_eq!(dead[0].payload, bad.payload, "nothing is lost");
     assert!(dead[0]
         .last_error
@@ -456,7 +458,7 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
             .unwrap(),
         [Decision::RetryAfter(Duration::from_secs(42))]
     );
-    let claim = store.claim(&key("k")).unwrap().unwrap();
+    let claim = store.claim_record(&key("k")).unwrap().unwrap();
     assert_eq!(
         claim.next_attempt_at,
         Some(start_time() + chrono::Duration::seconds(42))
@@ -523,7 +525,7 @@ fn retry_ladder_records_the_delay_actually_used<F: Fixture>(fx: &F) {
         let now = clock.now();
         let decision = store.process_batch(&g, &[usage("k", 1)]).unwrap();
         assert_eq!(decision, [Decision::RetryAfter(ms(tier))]);
-        let claim = store.claim(&key("k")).unwrap().unwrap();
+        let claim = store.claim_record(&key("k")).unwrap().unwrap();
         assert_eq!(
             claim.next_attempt_at,
             Some(now + chrono::Duration::milliseconds(tier as i64))
@@ -561,7 +563,7 @@ fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
         DeadLetterOutcome::Recorded
     );
     assert_eq!(
-        store.claim(&key("failing")).unwrap().unwrap().status,
+        store.claim_record(&key("failing")).unwrap().unwrap().status,
         ClaimStatus::Dead
     );
     assert_eq!(
@@ -590,9 +592,9 @@ fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
             .unwrap(),
         DeadLetterOutcome::Recorded
     );
-    assert_eq!(store.claim(&key("made-up")).unwrap(), None);
+    assert_eq!(store.claim_record(&key("made-up")).unwrap(), None);
 
-    let reasons: Vec<(String, String)> = store
+    let reasons: Vec<(String, DeadLetterReason)> = store
         .dead_letters(&g)
         .unwrap()
         .into_iter()
@@ -601,9 +603,9 @@ fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
     assert_eq!(
         reasons,
         [
-            ("failing".into(), "delivery_limit".into()),
-            ("unseen".into(), "delivery_limit".into()),
-            ("made-up".into(), "malformed".into()),
+            ("failing".into(), DeadLetterReason::DeliveryLimit),
+            ("unseen".into(), DeadLetterReason::DeliveryLimit),
+            ("made-up".into(), DeadLetterReason::Malformed),
         ]
     );
     assert_eq!(

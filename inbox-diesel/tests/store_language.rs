@@ -221,7 +221,7 @@ fn a_deadlock_on_a_translated_server_reruns_the_batch_without_counting() {
     assert_eq!(decisions, [Decision::Processed, Decision::Processed]);
     assert_eq!(calls.len(), 3, "the deadlock's loser ran again: {calls:?}");
     for k in ["a", "b"] {
-        let claim = store.claim(&key(k)).unwrap().unwrap();
+        let claim = store.claim_record(&key(k)).unwrap().unwrap();
         assert_eq!(
             (claim.status, claim.attempts, claim.last_error),
             (ClaimStatus::Done, 0, None),
@@ -291,7 +291,7 @@ fn a_role_that_may_not_set_lc_messages_is_warned_about_once() {
     assert!((2..=3).contains(&calls.len()), "{calls:?}");
     let mut retried = 0;
     for (k, decision) in ["a", "b"].into_iter().zip(decisions) {
-        let claim = store.claim(&key(k)).unwrap().unwrap();
+        let claim = store.claim_record(&key(k)).unwrap().unwrap();
         if let Decision::RetryAfter(_) = decision {
             retried += 1;
             assert_eq!(

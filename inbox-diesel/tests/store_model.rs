@@ -629,7 +629,7 @@ fn store_view<C: ReadEffects + StoreConnection>(
     for (i, name) in names.iter().enumerate() {
         let key = ClaimKey::new(g.clone(), MessageKey::new(name.as_str()).unwrap());
         let found = store
-            .claim(&key)
+            .claim_record(&key)
             .map_err(|e| TestCaseError::fail(format!("reading claim {name}: {e}")))?;
         if let Some(c) = found {
             let view = claim_view(
@@ -649,7 +649,12 @@ fn store_view<C: ReadEffects + StoreConnection>(
         .map(|d| {
             let amount = serde_json::from_slice::<inbox_test_support::Usage>(&d.payload)
                 .map_or(-1, |u| u.amount);
-            (label(names, &d.key), amount, d.reason, d.attempts)
+            (
+                label(names, &d.key),
+                amount,
+                d.reason.as_str().to_owned(),
+                d.attempts,
+            )
         })
         .collect();
     dead_letters.sort();

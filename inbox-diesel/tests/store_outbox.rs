@@ -20,8 +20,9 @@ use inbox_diesel::{
     enqueue, enqueue_with, ClaimStatus, EnqueueLimits, Error, Retention, Store, StoreConnection,
     DEFAULT_MAX_OUTBOX_PAYLOAD,
 };
-use inbox_test_support::start_time;
-use inbox_test_support::{group, usage, Fixture, Outcome, Recorder, TestConn};
+use inbox_test_support::{
+    group, rejected_setting, start_time, usage, Fixture, Outcome, Recorder, TestConn,
+};
 
 const GROUP: &str = "billing.daily-usage";
 const LEASE: Duration = Duration::from_secs(30);
@@ -206,8 +207,9 @@ fn enqueue_rolled_back<C: StoreConnection>(store: &Store<C>, message: &OutboxMes
     let result = conn.transaction(|conn| {
         let outcome = enqueue(conn, message, store.clock().now())?;
         assert!(matches!(outcome, EnqueueOutcome::Enqueued { .. }));
-        Err::<(), _>(inbox_diesel::Error::Config(
-            "business rule failed".to_owned(),
+        // A business rule failed after the enqueue.
+        Err::<(), _>(inbox_diesel::Error::Database(
+            diesel::result::Error::RollbackTransaction,
         ))
     });
     assert!(result.is_err());
@@ -537,13 +539,10 @@ where
     let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     id_of(enqueue_committed(&store, &msg("a")));
-    let err = store
-        .lease("relay-1", 10, Duration::ZERO)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("a lease must last longer than zero"), "{err}");
-    let err = store.lease("", 10, LEASE).unwrap_err().to_string();
-    assert!(err.contains("relay name must not be empty"), "{err}");
+    let err = store.lease("relay-1", 10, Duration::ZERO).unwrap_err();
+    assert_eq!(rejected_setting(&err), Some("lease_for"), "{err:?}");
+    let err = store.lease("", 10, LEASE).unwrap_err();
+    assert_eq!(rejected_setting(&err), Some("relay"), "{err:?}");
     assert_eq!(fx.connect().outbox()[0].leased_by, None);
     assert!(store.lease("relay-1", 0, LEASE).unwrap().rows.is_empty());
     assert_eq!(fx.connect().outbox()[0].leased_by, None);
@@ -593,11 +592,15 @@ where
 
     // Now is start + 2h: with a 1 h window the rows published at start are old.
     let retention = Retention::new(secs(3600), secs(3600), secs(600)).unwrap();
-    let err = store
-        .purge_published(&retention, 0)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("at least 1 row"), "{err}");
+    let err = store.purge_published(&retention, 0).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidSetting { setting: "batch", expected: "at least 1 row", found }
+                if found == "0"
+        ),
+        "{err:?}"
+    );
     assert_eq!(
         store.purge_published(&retention, 2).unwrap(),
         3,
@@ -635,12 +638,14 @@ fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
     store.process_batch(&g, &[usage("recent", 1)]).unwrap();
     clock.advance(secs(60));
 
-    let err = Retention::new(secs(3600), secs(599), secs(600))
-        .unwrap_err()
-        .to_string();
+    let err = Retention::new(secs(3600), secs(599), secs(600)).unwrap_err();
     assert!(
-        err.contains("done-claim retention (599s)") && err.contains("longest retry delay (600s)"),
-        "{err}"
+        matches!(
+            &err,
+            Error::InvalidSetting { setting: "done_claims", found, .. }
+                if found == "599s, with a longest retry delay of 600s"
+        ),
+        "{err:?}"
     );
 
     let retention = Retention::new(secs(3600), secs(3600), secs(600)).unwrap();
@@ -648,7 +653,7 @@ fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
     assert_eq!(store.purge_done_claims(&retention, 2).unwrap(), 0);
     let claim = |k: &str| {
         store
-            .claim(&inbox_core::ClaimKey::new(
+            .claim_record(&inbox_core::ClaimKey::new(
                 g.clone(),
                 MessageKey::new(k).unwrap(),
             ))
@@ -738,7 +743,7 @@ where
         }
     }
     // A configured limit, both ways.
-    let limits = EnqueueLimits::default().with_max_payload(10);
+    let limits = EnqueueLimits::default().max_payload(10);
     let mut small = msg("s1");
     small.payload = vec![b'x'; 10];
     id_of(enqueue_with(&mut *conn, &small, clock.now(), &limits).unwrap());

@@ -111,7 +111,7 @@ fn deadlock_inside_a_handler_retries_the_batch_without_counting() {
         2,
         "the batch ran again after the deadlock"
     );
-    let claim = store.claim(&key("dl")).unwrap().unwrap();
+    let claim = store.claim_record(&key("dl")).unwrap().unwrap();
     assert_eq!(
         (claim.status, claim.attempts),
         (ClaimStatus::Done, 0),
@@ -185,7 +185,7 @@ fn crash_loop_is_dead_lettered<F: Fixture>(fx: &F, backend: &str, location: &str
 
     // A first delivery that crashes commits nothing, no mark either.
     assert!(crash_in_child(backend, location, "poison", false));
-    assert_eq!(store.claim(&key("poison")).unwrap(), None);
+    assert_eq!(store.claim_record(&key("poison")).unwrap(), None);
 
     // Redeliveries: each commits a start mark, then dies before any outcome.
     for starts in 1..=3 {
@@ -194,7 +194,7 @@ fn crash_loop_is_dead_lettered<F: Fixture>(fx: &F, backend: &str, location: &str
             "child {starts} crashed"
         );
         let claim = store
-            .claim(&key("poison"))
+            .claim_record(&key("poison"))
             .unwrap()
             .expect("mark committed");
         assert_eq!(
@@ -215,10 +215,10 @@ fn crash_loop_is_dead_lettered<F: Fixture>(fx: &F, backend: &str, location: &str
     assert!(calls.lock().unwrap().is_empty());
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].reason, "crash_loop");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::CrashLoop);
     assert_eq!(dead[0].payload, usage("poison", 1).payload);
     assert_eq!(
-        store.claim(&key("poison")).unwrap().unwrap().status,
+        store.claim_record(&key("poison")).unwrap().unwrap().status,
         ClaimStatus::Dead
     );
 
@@ -270,7 +270,7 @@ fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
     assert!(matches!(first[2], Decision::RetryAfter(_)));
     for k in ["ok", "bad", "fails"] {
         assert_eq!(
-            store.claim(&key(k)).unwrap().unwrap().starts,
+            store.claim_record(&key(k)).unwrap().unwrap().starts,
             0,
             "first delivery of {k} left a mark"
         );
@@ -293,13 +293,13 @@ fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
     assert_eq!(calls.lock().unwrap().len(), calls_before, "no handler ran");
     for k in ["ok", "bad", "fails"] {
         assert_eq!(
-            store.claim(&key(k)).unwrap().unwrap().starts,
+            store.claim_record(&key(k)).unwrap().unwrap().starts,
             0,
             "redelivery of {k} left a mark"
         );
     }
     assert_eq!(
-        store.claim(&key("fails")).unwrap().unwrap().status,
+        store.claim_record(&key("fails")).unwrap().unwrap().status,
         ClaimStatus::Failed
     );
 }
@@ -347,7 +347,7 @@ fn sqlite_busy_is_retried_not_counted() {
         .unwrap();
     release.join().unwrap();
     assert_eq!(decisions, [Decision::Processed]);
-    let claim = store.claim(&key("busy")).unwrap().unwrap();
+    let claim = store.claim_record(&key("busy")).unwrap().unwrap();
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Done, 0));
 }
 
@@ -386,14 +386,18 @@ fn sqlite_busy_past_the_retries_defers_the_batch_uncounted() {
         ]
     );
     assert!(calls.lock().unwrap().is_empty());
-    assert_eq!(store.claim(&key("a")).unwrap(), None, "nothing recorded");
-    assert_eq!(store.claim(&key("b")).unwrap(), None);
+    assert_eq!(
+        store.claim_record(&key("a")).unwrap(),
+        None,
+        "nothing recorded"
+    );
+    assert_eq!(store.claim_record(&key("b")).unwrap(), None);
     // Once the writer is gone, the same deliveries go through, attempts untouched.
     let decisions = store
         .process_batch(&group(GROUP), &[usage("a", 1), usage("b", 1)])
         .unwrap();
     assert_eq!(decisions, [Decision::Processed, Decision::Processed]);
-    assert_eq!(store.claim(&key("a")).unwrap().unwrap().attempts, 0);
+    assert_eq!(store.claim_record(&key("a")).unwrap().unwrap().attempts, 0);
 }
 
 /// Folds, but a fold of more than one message always deadlocks: only a split batch
@@ -458,7 +462,7 @@ fn a_batch_that_keeps_deadlocking_is_split() {
     let mut conn = fx.connect();
     for i in 0..4 {
         assert_eq!(conn.effects_of(&format!("s{i}")).unwrap(), 1);
-        let claim = store.claim(&key(&format!("s{i}"))).unwrap().unwrap();
+        let claim = store.claim_record(&key(&format!("s{i}"))).unwrap().unwrap();
         assert_eq!(claim.attempts, 0, "a deadlock is not the message's fault");
     }
 }

@@ -41,7 +41,7 @@ fn review_a_restart_followed_by_an_error_is_taken_for_a_swallowed_error() {
         .process_batch(&g, &[usage("a-rogue", 1), usage("b", 1)])
         .unwrap();
     let applied_b = fx.connect().effects_of("b").unwrap();
-    let claim_b = store.claim(&key("b")).unwrap().map(|c| c.status);
+    let claim_b = store.claim_record(&key("b")).unwrap().map(|c| c.status);
     assert!(
         all_stop(&decisions),
         "decisions {decisions:?}; b applied {applied_b} times, its claim {claim_b:?}"
@@ -289,7 +289,7 @@ fn review_a_malformed_delivery_is_dead_lettered_again_on_every_redelivery() {
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(
         dead.iter()
-            .filter(|d| d.reason == DeadLetterReason::Malformed.as_str())
+            .filter(|d| d.reason == DeadLetterReason::Malformed)
             .count(),
         1,
         "decisions {decisions:?}; {} dead letters: {:?}",
@@ -333,7 +333,7 @@ fn review_a_handler_that_moves_the_search_path_stops_and_leaves_the_connection_c
         .builder()
         .build()
         .unwrap()
-        .claim(&key("next"))
+        .claim_record(&key("next"))
         .unwrap();
     assert!(
         matches!(next.as_deref(), Ok([Decision::Processed]))

@@ -505,7 +505,11 @@ fn connect_errors_keep_the_driver_error_and_hide_the_password() {
     let err = Store::<diesel::PgConnection>::builder("postgres://app:s3cret@127.0.0.1:1/billing")
         .build()
         .expect_err("nothing listens on port 1");
-    let msg = err.to_string();
+    assert_eq!(
+        err.to_string(),
+        "could not connect to postgres://app:***@127.0.0.1:1/billing"
+    );
+    let msg = inbox_core::ErrorChain(&err).to_string();
     assert!(
         msg.starts_with("could not connect to postgres://app:***@127.0.0.1:1/billing: "),
         "{msg}"
@@ -531,7 +535,7 @@ fn claim_status_round_trips() {
     let routes = store.routes();
     assert_eq!(routes, [(group(GROUP), "usage.recorded".to_owned())]);
     let claim = store
-        .claim(&inbox_core::ClaimKey::new(
+        .claim_record(&inbox_core::ClaimKey::new(
             group(GROUP),
             inbox_core::MessageKey::new("k").unwrap(),
         ))

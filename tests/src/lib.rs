@@ -41,6 +41,39 @@ pub fn everything_printed(err: &(dyn std::error::Error + 'static)) -> Vec<String
     printed
 }
 
+/// The first level of `err`'s chain whose own message repeats the message of its
+/// cause, as `(level, cause)`; `None` when every level prints only itself (a
+/// reporter walking the chain then prints each cause once).
+pub fn cause_printed_twice(err: &(dyn std::error::Error + 'static)) -> Option<(String, String)> {
+    let mut level = Some(err);
+    while let Some(e) = level {
+        if let Some(cause) = e.source() {
+            let (own, below) = (e.to_string(), cause.to_string());
+            if !below.is_empty() && own.contains(&below) {
+                return Some((own, below));
+            }
+        }
+        level = e.source();
+    }
+    None
+}
+
+/// The setting an [`inbox_diesel::Error::InvalidSetting`] in `err`'s chain names
+/// (the store's errors reach callers of `inbox-core` traits boxed in
+/// `inbox_core::Error::Store`).
+pub fn rejected_setting(err: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    let mut level = Some(err);
+    while let Some(e) = level {
+        if let Some(inbox_diesel::Error::InvalidSetting { setting, .. }) =
+            e.downcast_ref::<inbox_diesel::Error>()
+        {
+            return Some(setting);
+        }
+        level = e.source();
+    }
+    None
+}
+
 /// The PostgreSQL URL (see [`services`]), or `None` when it is found nowhere and
 /// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
 pub fn postgres_url() -> Option<String> {

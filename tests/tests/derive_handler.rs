@@ -193,7 +193,7 @@ fn trace<F: Fixture>(
             .iter()
             .map(|k| {
                 let key = ClaimKey::new(g.clone(), MessageKey::new(*k).unwrap());
-                store.claim(&key).unwrap()
+                store.claim_record(&key).unwrap()
             })
             .collect(),
         dead_letters: store.dead_letters(&g).unwrap(),

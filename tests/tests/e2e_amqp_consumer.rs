@@ -10,7 +10,9 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, StatsSnapshot, Topology};
-use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryPolicy};
+use inbox_core::{
+    ConsumerGroup, DeadLetterReason, Handler, HandlerError, MessageContext, RetryPolicy,
+};
 use inbox_diesel::{ClaimStatus, Store, StoreBuilder};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{
@@ -229,13 +231,13 @@ async fn failing_message_climbs_the_retry_ladder_then_dead_letters_once() {
 
     let key = &workload.events[0].0;
     let claim = store
-        .claim(&inbox_core::ClaimKey::new(setup.group.clone(), key.clone()))
+        .claim_record(&inbox_core::ClaimKey::new(setup.group.clone(), key.clone()))
         .unwrap()
         .unwrap();
     assert_eq!((claim.status, claim.attempts), (ClaimStatus::Dead, 4));
     let dead = store.dead_letters(&setup.group).unwrap();
     assert_eq!(dead.len(), 1, "dead-lettered exactly once");
-    assert_eq!(dead[0].reason, "max_attempts");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::MaxAttempts);
     assert_eq!(dead[0].tenant.as_deref(), Some("acme"));
     assert_eq!(totals(&store), workload.expected_totals());
     let conn = amqp::connect(&setup.url).await;
@@ -304,23 +306,26 @@ async fn malformed_deliveries_are_dead_lettered_and_consuming_goes_on() {
     })
     .await;
     let dead = store.dead_letters(&setup.group).unwrap();
-    let reasons: BTreeMap<String, String> = dead
+    let reasons: BTreeMap<String, DeadLetterReason> = dead
         .iter()
-        .map(|d| (d.last_error.clone().unwrap_or_default(), d.reason.clone()))
+        .map(|d| (d.last_error.clone().unwrap_or_default(), d.reason))
         .collect();
     let reason_of = |needle: &str| {
         reasons
             .iter()
             .find(|(err, _)| err.contains(needle))
-            .map(|(_, r)| r.clone())
+            .map(|(_, r)| *r)
             .unwrap_or_else(|| panic!("no dead letter mentions {needle:?}: {reasons:?}"))
     };
-    assert_eq!(reason_of("no message_id"), "malformed");
-    assert_eq!(reason_of("exceeds the limit"), "malformed");
-    assert_eq!(reason_of("does not decode"), "decode_error");
+    assert_eq!(reason_of("no message_id"), DeadLetterReason::Malformed);
+    assert_eq!(reason_of("exceeds the limit"), DeadLetterReason::Malformed);
+    assert_eq!(reason_of("does not decode"), DeadLetterReason::DecodeError);
     // The contract refuses it when the body is decoded.
-    assert_eq!(reason_of("amount must be 1 to"), "decode_error");
-    assert_eq!(reason_of("no handler"), "no_handler");
+    assert_eq!(
+        reason_of("amount must be 1 to"),
+        DeadLetterReason::DecodeError
+    );
+    assert_eq!(reason_of("no handler"), DeadLetterReason::NoHandler);
     assert_eq!(dead.len(), 5);
     assert_eq!(stats.malformed, 2);
     assert_eq!(
@@ -451,7 +456,7 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
     let dead = store.dead_letters(&setup.group).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].key, "returned-again-and-again");
-    assert_eq!(dead[0].reason, "delivery_limit");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::DeliveryLimit);
     assert_eq!(dead[0].message_type, MESSAGE_TYPE);
     assert_eq!(dead[0].payload, event);
     // What is known of the attempts: the broker's three deliveries.
@@ -468,7 +473,7 @@ async fn the_broker_dead_letters_at_its_delivery_limit_and_the_runtime_records_i
         dead[0].last_error
     );
     let claim = store
-        .claim(&inbox_core::ClaimKey::new(
+        .claim_record(&inbox_core::ClaimKey::new(
             setup.group.clone(),
             inbox_core::MessageKey::new("returned-again-and-again").unwrap(),
         ))

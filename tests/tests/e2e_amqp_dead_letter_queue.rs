@@ -123,9 +123,9 @@ async fn a_store_outage_keeps_the_broker_dead_letter_until_it_is_recorded() {
     let dead = inner.dead_letters(&group).unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].key, "given-up-on");
-    assert_eq!(dead[0].reason, "delivery_limit");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::DeliveryLimit);
     let claim = inner
-        .claim(&inbox_core::ClaimKey::new(
+        .claim_record(&inbox_core::ClaimKey::new(
             group.clone(),
             inbox_core::MessageKey::new("given-up-on").unwrap(),
         ))

@@ -312,7 +312,7 @@ fn crash_looping_message_is_dead_lettered_and_the_rest_processed_once() {
     assert_eq!(scene.settled(), 300);
     let dead = scene.store.dead_letters(&scene.group()).unwrap();
     assert_eq!(dead.len(), 1, "only the poison is dead-lettered: {dead:?}");
-    assert_eq!(dead[0].reason, "crash_loop");
+    assert_eq!(dead[0].reason, inbox_core::DeadLetterReason::CrashLoop);
     assert_eq!(dead[0].key, workload.events[150].0.as_str());
     // Everything else, including what was in flight during each crash, exactly once.
     workload.events.remove(150);

@@ -603,7 +603,7 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
             let letters = find(&dead, ident);
             match letters.as_slice() {
                 [one]
-                    if one.reason == *reason
+                    if one.reason.as_str() == *reason
                         && one.last_error.as_deref().unwrap_or("").contains(detail) => {}
                 other => problems.push(format!(
                     "{}: expected one dead letter ({reason}, {detail:?}), found {:?}",

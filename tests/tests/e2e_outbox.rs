@@ -55,7 +55,7 @@ impl World {
         )
         .unwrap();
         drop(conn);
-        let topology = topology.routes(inbox_core::InboxStore::routes(&store));
+        let topology = topology.with_routes(inbox_core::InboxStore::routes(&store));
         Some(Self {
             db,
             url,

@@ -87,7 +87,11 @@ where
     );
     let dead = store.dead_letters(&g).unwrap();
     assert_eq!(dead.len(), 5);
-    assert!(dead.iter().all(|d| d.reason == "permanent"), "{dead:?}");
+    assert!(
+        dead.iter()
+            .all(|d| d.reason == inbox_core::DeadLetterReason::Permanent),
+        "{dead:?}"
+    );
 }
 
 /// What the contract refuses is a decode error (dead-lettered at once), what it
