@@ -24,8 +24,8 @@ use inbox_core::{
 use crate::connect::{
     check_backoff, check_connect_timeout, close_channel, goodbye, pause, SessionEnd,
 };
-use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::delivery::{self, Malformed};
+use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::publish::{publish_with_confirm, Confirmed};
 use crate::stats::{ConsumerStats, Counter};
 use crate::supervisor::Supervisor;
@@ -381,7 +381,9 @@ impl<S: InboxStore> Consumer<S> {
                     stop,
                     move |conn| async move { shared.topology.declare(&conn).await },
                     move |conn, ()| async move {
-                        let end = shared.session(&conn, stop, workers_caution, Role::Workers).await;
+                        let end = shared
+                            .session(&conn, stop, workers_caution, Role::Workers)
+                            .await;
                         workers_caution.after(&end);
                         end
                     },
@@ -397,7 +399,9 @@ impl<S: InboxStore> Consumer<S> {
                     stop,
                     move |conn| async move { shared.topology.declare(&conn).await },
                     move |conn, ()| async move {
-                        let end = shared.session(&conn, stop, dlq_caution, Role::DeadLetters).await;
+                        let end = shared
+                            .session(&conn, stop, dlq_caution, Role::DeadLetters)
+                            .await;
                         dlq_caution.after(&end);
                         end
                     },

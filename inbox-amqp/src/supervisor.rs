@@ -145,7 +145,9 @@ impl<'a> Supervisor<'a> {
                     }
                 }
                 Err(SessionEnd::Relaxed) => {
-                    tracing::info!("read without a loss since the unreadable frame; reconnecting normally");
+                    tracing::info!(
+                        "read without a loss since the unreadable frame; reconnecting normally"
+                    );
                 }
             }
         }

@@ -778,7 +778,11 @@ async fn raw_poison_between_neighbours(name: &str, properties: raw::Properties, 
     assert_eq!(found, expected, "{name}: each neighbour applied once");
     // The poison is parked or recorded, once; no neighbour is a dead letter.
     let parked = depths.2 as usize;
-    assert_eq!(parked + dead.len(), 1, "{name}: {depths:?}, {dead_summary:?}");
+    assert_eq!(
+        parked + dead.len(),
+        1,
+        "{name}: {depths:?}, {dead_summary:?}"
+    );
     assert!(
         dead.iter().all(|d| !d.key.starts_with("raw-neighbour-")),
         "{name}: a neighbour was dead-lettered: {dead_summary:?}"
