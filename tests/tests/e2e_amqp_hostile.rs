@@ -6,8 +6,10 @@
 //! Everything a client library can send is published with lapin. What it cannot send
 //! (strings that are not UTF-8, tables nested thousands of levels deep) is written
 //! frame by frame by [`inbox_test_support::amqp::raw`]; those cases break lapin's own
-//! frame parser on the consumer's side and run only with `INBOX_HOSTILE_FRAMES=1`
-//! (see [`frames_gate`]).
+//! frame parser on the consumer's side (see `frames_*`). The table nested thousands
+//! of levels deep runs only with `INBOX_HOSTILE_FRAMES=1` (see [`frames_gate`]): it
+//! needs `RUST_MIN_STACK` in this process; the example consumer's process test
+//! (`examples/tests/hostile_frames_process.rs`) covers it by default.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -670,20 +672,13 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
 ///
 /// - `parse_short_string` decodes with `String::from_utf8`, so a `message_id`, `type`
 ///   or header name that is not UTF-8 fails the frame parser, which fails the whole
-///   connection; the consumer reconnects, is sent the same message first, and fails
-///   again.
+///   connection; the consumer reconnects cautiously (prefetch 1) until the poison has
+///   used up its delivery limits and is parked in `<group>:unreadable`.
 /// - `parse_field_table` / `parse_value` recurse once per nesting level with no bound,
 ///   so a table nested a few thousand levels deep overflows the stack of lapin's I/O
-///   thread and aborts the process.
-///
-/// They run with `INBOX_HOSTILE_FRAMES=1` only, because today they fail (the three
-/// UTF-8 cases, after their 60 s: some 600 reconnects, no delivery ever reaches the
-/// runtime, the neighbour published before the poison is dead-lettered by the broker
-/// as `delivery_limit` after 21 deliveries, unapplied, and the poison, once in the
-/// `:dlq`, breaks the dead-letter reader's connection the same way) or abort the test
-/// process (the nested table: "thread 'lapin-io-loop' has overflowed its stack",
-/// SIGABRT within a second). Ungate them once lapin's parser is bounded or the
-/// runtime guards against it.
+///   thread and aborts the process unless `RUST_MIN_STACK` is large enough (see
+///   `inbox_amqp::frame_parse_stack`). That case runs with `INBOX_HOSTILE_FRAMES=1`
+///   only (set `RUST_MIN_STACK` too): this test process does not set it.
 fn frames_gate(case: &str) -> bool {
     let on = std::env::var("INBOX_HOSTILE_FRAMES").is_ok_and(|v| v == "1");
     if !on {
