@@ -10,7 +10,8 @@
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_PREFIX` (optional prefix of the
 //! exchange and queue names), `RUST_LOG` (log filter; default
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
-//! `warn`).
+//! `warn`), `RUST_MIN_STACK` (default [`inbox_amqp::frame_parse_stack`]: the stack
+//! lapin's frame parser needs for the deepest header table a frame holds).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,16 +22,41 @@ use inbox_core::{RetryLadder, RetryPolicy};
 use inbox_diesel::Store;
 use inbox_examples::usage::{DailyUsage, UsageDb};
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    inbox_examples::init_logging();
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("usage_consumer: {}", inbox_core::ErrorChain(&*err));
-            ExitCode::FAILURE
-        }
+fn main() -> ExitCode {
+    // lapin parses frames on a thread of its own, spawned with the standard library's
+    // default stack, and its parser recurses once per level of a header table: the
+    // deepest table a frame holds needs `inbox_amqp::frame_parse_stack()` bytes, far
+    // more than the default 2 MiB. `RUST_MIN_STACK` sets that default for every
+    // thread spawned without an explicit size (lapin's, tokio's workers and blocking
+    // threads, the pool's). It is set here, first thing in a synchronous `main`,
+    // before any thread exists (the runtime is built below, after it), so no other
+    // thread can read the environment while it changes; a value the user set is kept.
+    if std::env::var_os("RUST_MIN_STACK").is_none() {
+        std::env::set_var(
+            "RUST_MIN_STACK",
+            inbox_amqp::frame_parse_stack().to_string(),
+        );
     }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("usage_consumer: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        inbox_examples::init_logging();
+        match run().await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("usage_consumer: {}", inbox_core::ErrorChain(&*err));
+                ExitCode::FAILURE
+            }
+        }
+    })
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {

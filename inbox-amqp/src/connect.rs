@@ -18,26 +18,58 @@ use crate::{Error, Result};
 pub(crate) enum SessionEnd {
     /// The connection or a channel was lost: reconnect.
     Lost(String),
+    /// The connection was lost to a frame the client cannot parse (a string that is
+    /// not UTF-8 where AMQP has a short string): the broker is healthy, so reconnect
+    /// after the shortest backoff, and cautiously (see `Caution`).
+    Unreadable(String),
+    /// A cautious session has read enough without a loss: reconnect at once,
+    /// normally.
+    Relaxed,
     /// Stop for good.
     Fatal(Error),
 }
 
 impl From<lapin::Error> for SessionEnd {
     fn from(err: lapin::Error) -> Self {
-        Self::Lost(err.to_string())
+        if matches!(err.kind(), lapin::ErrorKind::ParsingError(_)) {
+            Self::Unreadable(err.to_string())
+        } else {
+            Self::Lost(err.to_string())
+        }
     }
+}
+
+/// `url` with its `frame_max` query parameter at most `cap` (added when absent);
+/// `None` when the URL does not parse (connecting reports that).
+pub(crate) fn capped_frame_max(url: &str, cap: u32) -> Option<lapin::uri::AMQPUri> {
+    let mut uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    let asked = uri.query.frame_max.map_or(cap, |asked| asked.min(cap));
+    uri.query.frame_max = Some(asked);
+    Some(uri)
 }
 
 /// Connects, naming the connection, and gives up when the AMQP handshake has not
 /// finished `within` (a peer that accepts the connection and never answers would
 /// otherwise hold it forever: heartbeats only start after the handshake). The error
 /// keeps lapin's cause and hides the password.
-pub(crate) async fn connect(url: &str, name: Option<&str>, within: Duration) -> Result<Connection> {
+/// `frame_max`, when given, caps the frame size asked for (see [`capped_frame_max`]).
+pub(crate) async fn connect(
+    url: &str,
+    name: Option<&str>,
+    within: Duration,
+    frame_max: Option<u32>,
+) -> Result<Connection> {
     let mut props = ConnectionProperties::default();
     if let Some(name) = name {
         props = props.with_connection_name(LongString::from(name));
     }
-    match tokio::time::timeout(within, Connection::connect(url, props)).await {
+    let connecting = async {
+        match frame_max.and_then(|cap| capped_frame_max(url, cap)) {
+            Some(uri) => Connection::connect_uri(uri, props).await,
+            None => Connection::connect(url, props).await,
+        }
+    };
+    match tokio::time::timeout(within, connecting).await {
         Ok(connected) => connected.map_err(|source| Error::connect(url, &source)),
         Err(_) => Err(Error::ConnectTimeout {
             url: redact_url(url),
@@ -129,6 +161,15 @@ mod tests {
         printed
     }
 
+    #[test]
+    fn the_frame_size_asked_for_is_capped() {
+        let asked = |url: &str| capped_frame_max(url, 131_072).and_then(|u| u.query.frame_max);
+        assert_eq!(asked("amqp://127.0.0.1:5672/%2f"), Some(131_072));
+        assert_eq!(asked("amqp://h/%2f?frame_max=1048576"), Some(131_072));
+        assert_eq!(asked("amqp://h/%2f?frame_max=8192&heartbeat=5"), Some(8192));
+        assert_eq!(asked("amqp:not a url"), None);
+    }
+
     /// URLs lapin refuses before any I/O (or that find nothing listening), and the
     /// password each must not print.
     #[test]
@@ -155,7 +196,7 @@ mod tests {
             .build()
             .unwrap_or_else(|e| panic!("runtime: {e}"));
         for (url, password) in cases {
-            let err = match runtime.block_on(connect(url, None, Duration::from_secs(5))) {
+            let err = match runtime.block_on(connect(url, None, Duration::from_secs(5), None)) {
                 Ok(_) => panic!("connected to {}", redact_url(url)),
                 Err(err) => err,
             };

@@ -1,3 +1,5 @@
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +25,7 @@ use crate::connect::{
     check_backoff, check_connect_timeout, close_channel, goodbye, pause, SessionEnd,
 };
 use crate::delivery::{self, Malformed};
+use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::publish::{publish_with_confirm, Confirmed};
 use crate::stats::{ConsumerStats, Counter};
 use crate::supervisor::Supervisor;
@@ -198,6 +201,77 @@ struct Shared<S> {
     topology: Topology,
     settings: ConsumerSettings,
     stats: Arc<ConsumerStats>,
+    /// Per group, cancelled when it halts (for good: across sessions and both
+    /// connections).
+    halts: BTreeMap<ConsumerGroup, CancellationToken>,
+}
+
+/// The prefetch of a dead-letter queue's reader.
+const DLQ_PREFETCH: u16 = 20;
+
+/// Whether a connection's next session is cautious: its last one was lost to a frame
+/// the client cannot parse. Such a frame kills the whole connection (lapin fails the
+/// connection on any parse error), so every delivery in flight on it comes back with
+/// its delivery count raised, and the poison is sent again at once. A cautious session
+/// has one worker per group, prefetch 1 and batches of 1, so the poison travels alone
+/// and each of its bounded tries (the queue's delivery limit) costs no other
+/// delivery of its queue anything; once it has settled as many deliveries as a normal
+/// worker prefetches without a loss, it ends and a normal session starts at once.
+#[derive(Default)]
+struct Caution(AtomicBool);
+
+impl Caution {
+    fn is_on(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Remembers how a session ended.
+    fn after<T>(&self, end: &std::result::Result<T, SessionEnd>) {
+        match end {
+            Err(SessionEnd::Unreadable(_)) => self.0.store(true, Ordering::Relaxed),
+            Err(SessionEnd::Relaxed) => self.0.store(false, Ordering::Relaxed),
+            _ => {}
+        }
+    }
+}
+
+/// How a session's tasks read: normally, or cautiously (see [`Caution`]).
+#[derive(Clone)]
+struct Pace {
+    prefetch: u16,
+    batch_size: usize,
+    /// A cautious session: how many settled deliveries end it, and how many were.
+    relax: Option<(u64, Arc<AtomicU64>)>,
+}
+
+impl Pace {
+    fn new(cautious: bool, prefetch: u16, batch_size: usize) -> Self {
+        if cautious {
+            Self {
+                prefetch: 1,
+                batch_size: 1,
+                relax: Some((u64::from(prefetch), Arc::default())),
+            }
+        } else {
+            Self {
+                prefetch,
+                batch_size,
+                relax: None,
+            }
+        }
+    }
+
+    /// Counts `n` settled deliveries; [`SessionEnd::Relaxed`] once a cautious session
+    /// has settled enough.
+    fn settled(&self, n: usize) -> std::result::Result<(), SessionEnd> {
+        if let Some((enough, settled)) = &self.relax {
+            let total = settled.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
+            if total >= *enough {
+                return Err(SessionEnd::Relaxed);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What to do with one delivery once the store has decided.
@@ -259,6 +333,10 @@ impl<S: InboxStore> Consumer<S> {
     /// completed from the store's routes).
     pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
         let topology = topology.with_routes(store.routes());
+        let halts = topology
+            .groups()
+            .map(|g| (g.clone(), CancellationToken::new()))
+            .collect();
         Self {
             url: url.into(),
             shared: Arc::new(Shared {
@@ -266,6 +344,7 @@ impl<S: InboxStore> Consumer<S> {
                 topology,
                 settings: ConsumerSettings::default(),
                 stats: Arc::default(),
+                halts,
             }),
         }
     }
@@ -294,30 +373,86 @@ impl<S: InboxStore> Consumer<S> {
     ///
     /// The first connection and the topology must succeed, so a misconfigured
     /// consumer fails at startup; later losses reconnect with backoff.
+    ///
+    /// Two connections: one for the group queues' workers, one for the dead-letter
+    /// queues' readers, so that a message in a `:dlq` that cannot even be parsed never
+    /// costs the group queues' deliveries anything. Both declare the topology; a fatal
+    /// end of either ends both. Each asks for frames of at most [`FRAME_MAX`] bytes; a
+    /// warning is logged when `RUST_MIN_STACK` is below what parsing the deepest
+    /// header table such a frame holds needs (see [`frame_parse_stack`](crate::frame_parse_stack)).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let shared = &self.shared;
         shared.settings.check()?;
+        warn_on_small_stack(std::env::var("RUST_MIN_STACK").ok().as_deref());
         let s = &shared.settings;
-        let supervisor = Supervisor::new(
-            &self.url,
-            s.connection_name.as_deref(),
-            s.connect_timeout,
-            (s.backoff_min, s.backoff_max),
-            "inbox consumer stopping",
-        )?;
-        let shutdown = &shutdown;
-        supervisor
-            .run(
-                shutdown,
-                move |conn| async move { shared.topology.declare(&conn).await },
-                move |conn, ()| async move { shared.session(&conn, shutdown).await },
-                || {
-                    shared.stats.add(Counter::Reconnects, 1);
-                    metrics::counter!("inbox_amqp_reconnects_total").increment(1);
-                },
+        let name = s.connection_name.as_deref();
+        let dlq_name = name.map(|n| format!("{n} (dead letters)"));
+        let supervisor = |name, goodbye| {
+            Supervisor::new(
+                &self.url,
+                name,
+                s.connect_timeout,
+                (s.backoff_min, s.backoff_max),
+                goodbye,
             )
-            .await
+            .map(|sup| sup.frame_max(FRAME_MAX))
+        };
+        let groups = supervisor(name, "inbox consumer stopping")?;
+        let dlqs = supervisor(dlq_name.as_deref(), "inbox dead-letter reader stopping")?;
+        let stop = &shutdown.child_token();
+        let reconnected = || {
+            shared.stats.add(Counter::Reconnects, 1);
+            metrics::counter!("inbox_amqp_reconnects_total").increment(1);
+        };
+        let (workers_caution, dlq_caution) = (&Caution::default(), &Caution::default());
+        let workers = async {
+            let ran = groups
+                .run(
+                    stop,
+                    move |conn| async move { shared.topology.declare(&conn).await },
+                    move |conn, ()| async move {
+                        let end = shared
+                            .session(&conn, stop, workers_caution, Role::Workers)
+                            .await;
+                        workers_caution.after(&end);
+                        end
+                    },
+                    reconnected,
+                )
+                .await;
+            stop.cancel();
+            ran
+        };
+        let readers = async {
+            let ran = dlqs
+                .run(
+                    stop,
+                    move |conn| async move { shared.topology.declare(&conn).await },
+                    move |conn, ()| async move {
+                        let end = shared
+                            .session(&conn, stop, dlq_caution, Role::DeadLetters)
+                            .await;
+                        dlq_caution.after(&end);
+                        end
+                    },
+                    reconnected,
+                )
+                .await;
+            stop.cancel();
+            ran
+        };
+        let (workers, readers) = tokio::join!(workers, readers);
+        workers.and(readers)
     }
+}
+
+/// What a connection's sessions run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The group queues' workers.
+    Workers,
+    /// The dead-letter queues' readers.
+    DeadLetters,
 }
 
 impl<S: InboxStore> Shared<S> {
@@ -325,34 +460,61 @@ impl<S: InboxStore> Shared<S> {
         self: &Arc<Self>,
         conn: &Connection,
         shutdown: &CancellationToken,
+        caution: &Caution,
+        role: Role,
     ) -> std::result::Result<(), SessionEnd> {
         let stop = shutdown.child_token();
+        let cautious = caution.is_on();
+        let pace = match role {
+            Role::Workers => Pace::new(cautious, self.settings.prefetch, self.settings.batch_size),
+            Role::DeadLetters => Pace::new(cautious, DLQ_PREFETCH, 1),
+        };
+        if cautious {
+            tracing::info!(
+                dead_letters = role == Role::DeadLetters,
+                "cautious session: one reader per queue, prefetch 1, until {} deliveries are settled",
+                pace.relax.as_ref().map_or(0, |(n, _)| *n)
+            );
+        }
+        let workers = if cautious { 1 } else { self.settings.workers };
         let mut tasks = JoinSet::new();
         for group in self.topology.groups() {
-            if self.stats.is_halted(group) {
+            let Some(halt) = self.halts.get(group) else {
+                continue;
+            };
+            if self.stats.is_halted(group) || halt.is_cancelled() {
+                continue;
+            }
+            let tokens = || Tokens {
+                stop: stop.clone(),
+                halt: halt.clone(),
+            };
+            if role == Role::DeadLetters {
+                let channel = conn.create_channel().await?;
+                let reader = Arc::clone(self).dead_letter_reader(
+                    channel,
+                    group.clone(),
+                    tokens(),
+                    pace.clone(),
+                );
+                tasks.spawn(reader);
                 continue;
             }
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
-            let halt = stop.child_token();
-            for worker in 0..self.settings.workers {
+            for worker in 0..workers {
                 let channel = conn.create_channel().await?;
                 let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
-                let tokens = Tokens {
-                    stop: stop.clone(),
-                    halt: halt.clone(),
-                };
                 tasks.spawn(
                     Arc::clone(self)
-                        .worker(channel, group.clone(), tokens)
+                        .worker(channel, group.clone(), tokens(), pace.clone())
                         .instrument(span),
                 );
             }
-            let channel = conn.create_channel().await?;
-            let tokens = Tokens {
-                stop: stop.clone(),
-                halt,
-            };
-            tasks.spawn(Arc::clone(self).dead_letter_reader(channel, group.clone(), tokens));
+        }
+        if tasks.is_empty() {
+            // Every group halted: hold the connection until shutdown.
+            stop.cancelled().await;
+            return Ok(());
         }
         let mut outcome = Ok(());
         while let Some(joined) = tasks.join_next().await {
@@ -363,9 +525,21 @@ impl<S: InboxStore> Shared<S> {
                 }))
             });
             if let Err(end) = ended {
-                // One task's end ends the session: the others finish their batch.
+                // One task's end ends the session: the others finish their batch. The
+                // gravest end is the session's: fatal, then unreadable (the caution
+                // it starts must not be lost to a relaxed or lost end).
                 stop.cancel();
-                if outcome.is_ok() || matches!(end, SessionEnd::Fatal(_)) {
+                let rank = |end: &SessionEnd| match end {
+                    SessionEnd::Fatal(_) => 3,
+                    SessionEnd::Unreadable(_) => 2,
+                    SessionEnd::Lost(_) => 1,
+                    SessionEnd::Relaxed => 0,
+                };
+                let graver = match &outcome {
+                    Ok(()) => true,
+                    Err(current) => rank(&end) > rank(current),
+                };
+                if graver {
                     outcome = Err(end);
                 }
             }
@@ -378,12 +552,13 @@ impl<S: InboxStore> Shared<S> {
         channel: Channel,
         group: ConsumerGroup,
         tokens: Tokens,
+        pace: Pace,
     ) -> std::result::Result<(), SessionEnd> {
         let settings = &self.settings;
         let mut retry_backoff = settings.backoff_min;
         let mut store_backoff = settings.backoff_min;
         channel
-            .basic_qos(settings.prefetch, BasicQosOptions::default())
+            .basic_qos(pace.prefetch, BasicQosOptions::default())
             .await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -415,7 +590,7 @@ impl<S: InboxStore> Shared<S> {
                 }
             };
             let deadline = Instant::now() + settings.batch_wait;
-            while batch.len() < settings.batch_size {
+            while batch.len() < pace.batch_size {
                 tokio::select! {
                     biased;
                     next = consumer.next() => match next {
@@ -430,8 +605,10 @@ impl<S: InboxStore> Shared<S> {
                 retry: &mut retry_backoff,
                 store: &mut store_backoff,
             };
+            let size = batch.len();
             self.handle_batch(&channel, &group, batch, &tokens, backoff)
                 .await?;
+            pace.settled(size)?;
         }
         // No new deliveries; what was prefetched and not handled goes back to the
         // queue when the channel closes.
@@ -731,8 +908,11 @@ impl<S: InboxStore> Shared<S> {
         channel: Channel,
         group: ConsumerGroup,
         tokens: Tokens,
+        pace: Pace,
     ) -> std::result::Result<(), SessionEnd> {
-        channel.basic_qos(20, BasicQosOptions::default()).await?;
+        channel
+            .basic_qos(pace.prefetch, BasicQosOptions::default())
+            .await?;
         let queue = self.topology.dlq(&group);
         let tag = format!("inbox-dlq-{}-{}", group, channel.id());
         let mut consumer = channel
@@ -799,6 +979,7 @@ impl<S: InboxStore> Shared<S> {
             channel
                 .basic_ack(d.delivery_tag, BasicAckOptions::default())
                 .await?;
+            pace.settled(1)?;
         }
         stop_consuming(&channel, &tag, &tokens, "inbox dead-letter reader stopping").await;
         Ok(())

@@ -29,6 +29,8 @@ pub(crate) struct Supervisor<'a> {
     backoff_max: Duration,
     /// The text of the connection's close.
     goodbye: &'a str,
+    /// The largest frame asked for, if capped.
+    frame_max: Option<u32>,
 }
 
 impl<'a> Supervisor<'a> {
@@ -51,7 +53,15 @@ impl<'a> Supervisor<'a> {
             backoff_min,
             backoff_max,
             goodbye,
+            frame_max: None,
         })
+    }
+
+    /// Asks the broker for frames of at most `frame_max` bytes (lower when the URL
+    /// asks for less).
+    pub(crate) fn frame_max(mut self, frame_max: u32) -> Self {
+        self.frame_max = Some(frame_max);
+        self
     }
 
     /// Runs sessions until `shutdown` is cancelled or one ends fatally.
@@ -62,8 +72,11 @@ impl<'a> Supervisor<'a> {
     /// [`Error::TopologyConflict`] is fatal at any time; later losses reconnect
     /// after a backoff that doubles up to `backoff_max` and is back to
     /// `backoff_min` only after a session that held for `backoff_max` (a connection
-    /// that dies at once must not reconnect in a hot loop). `reconnected` is called
-    /// on every connection after the first.
+    /// that dies at once must not reconnect in a hot loop). A connection lost to a
+    /// frame the client cannot parse ([`SessionEnd::Unreadable`]) reconnects after
+    /// `backoff_min`: the broker is healthy and the poison's deliveries are bounded by
+    /// its queue's delivery limit. A [`SessionEnd::Relaxed`] session reconnects at
+    /// once. `reconnected` is called on every connection after the first.
     pub(crate) async fn run<T, D, DF, S, SF>(
         &self,
         shutdown: &CancellationToken,
@@ -84,7 +97,7 @@ impl<'a> Supervisor<'a> {
                 return Ok(());
             }
             let connected = tokio::select! {
-                c = connect(self.url, self.name, self.connect_timeout) => c,
+                c = connect(self.url, self.name, self.connect_timeout, self.frame_max) => c,
                 () = shutdown.cancelled() => return Ok(()),
             };
             let conn = match connected {
@@ -123,6 +136,19 @@ impl<'a> Supervisor<'a> {
                     backoff = self.backoff_after_session(backoff, started.elapsed());
                     tracing::warn!(%reason, ?backoff, "connection lost; reconnecting");
                     pause(shutdown, &mut backoff, self.backoff_max).await;
+                }
+                Err(SessionEnd::Unreadable(reason)) => {
+                    backoff = self.backoff_min;
+                    tracing::warn!(%reason, ?backoff, "connection lost to a frame the client cannot read; reconnecting cautiously");
+                    tokio::select! {
+                        () = tokio::time::sleep(self.backoff_min) => {}
+                        () = shutdown.cancelled() => {}
+                    }
+                }
+                Err(SessionEnd::Relaxed) => {
+                    tracing::info!(
+                        "read without a loss since the unreadable frame; reconnecting normally"
+                    );
                 }
             }
         }

@@ -13,9 +13,10 @@ use inbox_core::{ConsumerGroup, RetryLadder};
 use crate::connect::close_channel;
 use crate::{Error, Result};
 
-/// The `x-delivery-limit` of a group's dead-letter queue: the largest the broker
-/// takes, so that no number of returns drops a dead letter the store has not recorded.
-const DLQ_DELIVERY_LIMIT: i64 = 2_147_483_647;
+/// The `x-delivery-limit` of a group's dead-letter queue. Past it a message moves to
+/// the group's parking queue `<group>:unreadable` (never dropped): a dead letter no
+/// reader can parse ends there after a bounded number of tries.
+const DLQ_DELIVERY_LIMIT: i64 = 50;
 
 /// One consumer group's queues.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,7 +31,9 @@ struct GroupTopology {
 /// message types, dead-lettering to `<group>:dlq` when the broker's delivery limit (a
 /// backstop, well above the store's crash limit) is reached; a ladder of quorum
 /// retry-tier queues `<group>:retry:<delay>` whose TTL dead-letters back to the
-/// group's queue, at-least-once. `:` is outside the group-name alphabet, so no group's
+/// group's queue, at-least-once; `<group>:dlq` itself dead-letters to the parking
+/// queue `<group>:unreadable` (no consumer: an operator inspects it) after 50
+/// deliveries, what a dead letter no reader can even parse reaches. `:` is outside the group-name alphabet, so no group's
 /// name is another group's tier or dead-letter queue. Every name takes an optional
 /// prefix, so tests and tenants of one broker never collide.
 ///
@@ -41,6 +44,7 @@ struct GroupTopology {
 /// let topology = Topology::new("billing")?.group(group.clone(), ["usage.recorded"]);
 /// assert_eq!(topology.queue(&group), "billing.daily-usage");
 /// assert_eq!(topology.dlq(&group), "billing.daily-usage:dlq");
+/// assert_eq!(topology.unreadable(&group), "billing.daily-usage:unreadable");
 /// assert_eq!(
 ///     topology.retry_queue(&group, std::time::Duration::from_secs(30)),
 ///     "billing.daily-usage:retry:30s"
@@ -190,15 +194,25 @@ impl Topology {
         format!("{}:dlq", self.queue(group))
     }
 
-    /// The dead-letter queue's arguments. It has no dead-letter target of its own, so
-    /// a delivery limit there would drop what it holds (RabbitMQ 4 gives quorum queues
-    /// a default limit of 20): it declares one no return reaches.
-    fn dlq_arguments(&self) -> FieldTable {
+    /// The group's parking queue: dead letters its `:dlq` reader failed to take in
+    /// 50 deliveries (ones the client cannot parse). Nothing consumes it.
+    pub fn unreadable(&self, group: &ConsumerGroup) -> String {
+        format!("{}:unreadable", self.queue(group))
+    }
+
+    /// The dead-letter queue's arguments: a delivery limit (RabbitMQ 4 gives quorum
+    /// queues a default of 20) past which a message moves, at-least-once, to the
+    /// parking queue `unreadable`, never dropped.
+    fn dlq_arguments(&self, unreadable: &str) -> FieldTable {
         let mut args = quorum();
         args.insert(
             "x-delivery-limit".into(),
             AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT),
         );
+        args.insert("x-dead-letter-exchange".into(), long(""));
+        args.insert("x-dead-letter-routing-key".into(), long(unreadable));
+        args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+        args.insert("x-overflow".into(), long("reject-publish"));
         self.expires(&mut args);
         args
     }
@@ -231,8 +245,12 @@ impl Topology {
         for g in &self.groups {
             let queue = self.queue(&g.group);
             let dlq = self.dlq(&g.group);
+            let unreadable = self.unreadable(&g.group);
 
-            declare_queue(connection, &dlq, self.dlq_arguments()).await?;
+            let mut parking = quorum();
+            self.expires(&mut parking);
+            declare_queue(connection, &unreadable, parking).await?;
+            declare_queue(connection, &dlq, self.dlq_arguments(&unreadable)).await?;
 
             let mut args = quorum();
             args.insert("x-dead-letter-exchange".into(), long(""));
@@ -276,12 +294,14 @@ impl Topology {
 }
 
 impl Topology {
-    /// Every queue of the topology: each group's queue, dead-letter queue and tiers.
+    /// Every queue of the topology: each group's queue, dead-letter queue, parking
+    /// queue and tiers.
     pub fn queues(&self) -> Vec<String> {
         let mut queues = Vec::new();
         for g in &self.groups {
             queues.push(self.queue(&g.group));
             queues.push(self.dlq(&g.group));
+            queues.push(self.unreadable(&g.group));
             for tier in self.ladder.tiers() {
                 queues.push(self.retry_queue(&g.group, *tier));
             }
@@ -386,15 +406,27 @@ mod tests {
 
     #[test]
     fn the_dead_letter_queue_never_drops_by_delivery_limit() {
-        let args = Topology::new("billing").unwrap().dlq_arguments();
+        let g = ConsumerGroup::new("a.b").unwrap();
+        let t = Topology::new("billing").unwrap().group(g.clone(), ["t"]);
+        let args = t.dlq_arguments(&t.unreadable(&g));
         let inner = args.inner();
         assert_eq!(inner.get("x-queue-type"), Some(&long("quorum")));
-        // No dead-letter target: a message past a limit would be dropped, so the limit
-        // is one no return reaches (a broker default of 20 would apply otherwise).
-        assert_eq!(inner.get("x-dead-letter-exchange"), None);
+        // Past its bounded limit a message moves to the parking queue, at-least-once
+        // (which the broker honours only with reject-publish), never dropped.
         assert_eq!(
             inner.get("x-delivery-limit"),
-            Some(&AMQPValue::LongLongInt(i64::from(i32::MAX)))
+            Some(&AMQPValue::LongLongInt(50))
         );
+        assert_eq!(inner.get("x-dead-letter-exchange"), Some(&long("")));
+        assert_eq!(
+            inner.get("x-dead-letter-routing-key"),
+            Some(&long("a.b:unreadable"))
+        );
+        assert_eq!(
+            inner.get("x-dead-letter-strategy"),
+            Some(&long("at-least-once"))
+        );
+        assert_eq!(inner.get("x-overflow"), Some(&long("reject-publish")));
+        assert!(t.queues().contains(&"a.b:unreadable".to_owned()));
     }
 }

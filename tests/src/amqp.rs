@@ -491,6 +491,27 @@ pub mod raw {
         properties: &Properties,
         body: &[u8],
     ) -> Result<(), String> {
+        publish_within(
+            url,
+            exchange,
+            routing_key,
+            properties,
+            body,
+            Duration::from_secs(10),
+        )
+        .await
+    }
+
+    /// [`publish`], giving the broker `within` to confirm (a quorum queue takes time
+    /// quadratic in a header table's depth to take it: some 25 s at 20,000 levels).
+    pub async fn publish_within(
+        url: &str,
+        exchange: &str,
+        routing_key: &str,
+        properties: &Properties,
+        body: &[u8],
+        within: Duration,
+    ) -> Result<(), String> {
         let (user, pass, addr, vhost) = parts(url);
         let stream = TcpStream::connect(&addr)
             .await
@@ -557,8 +578,8 @@ pub mod raw {
             let _ = wire.expect(10, 51).await;
             Ok(())
         };
-        tokio::time::timeout(Duration::from_secs(10), steps)
+        tokio::time::timeout(within, steps)
             .await
-            .map_err(|_| "the broker did not answer within 10 s".to_owned())?
+            .map_err(|_| format!("the broker did not answer within {within:?}"))?
     }
 }

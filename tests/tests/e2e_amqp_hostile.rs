@@ -6,8 +6,10 @@
 //! Everything a client library can send is published with lapin. What it cannot send
 //! (strings that are not UTF-8, tables nested thousands of levels deep) is written
 //! frame by frame by [`inbox_test_support::amqp::raw`]; those cases break lapin's own
-//! frame parser on the consumer's side and run only with `INBOX_HOSTILE_FRAMES=1`
-//! (see [`frames_gate`]).
+//! frame parser on the consumer's side (see `frames_*`). The table nested thousands
+//! of levels deep runs only with `INBOX_HOSTILE_FRAMES=1` (see [`frames_gate`]): it
+//! needs `RUST_MIN_STACK` in this process; the example consumer's process test
+//! (`examples/tests/hostile_frames_process.rs`) covers it by default.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -662,20 +664,13 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
 ///
 /// - `parse_short_string` decodes with `String::from_utf8`, so a `message_id`, `type`
 ///   or header name that is not UTF-8 fails the frame parser, which fails the whole
-///   connection; the consumer reconnects, is sent the same message first, and fails
-///   again.
+///   connection; the consumer reconnects cautiously (prefetch 1) until the poison has
+///   used up its delivery limits and is parked in `<group>:unreadable`.
 /// - `parse_field_table` / `parse_value` recurse once per nesting level with no bound,
 ///   so a table nested a few thousand levels deep overflows the stack of lapin's I/O
-///   thread and aborts the process.
-///
-/// They run with `INBOX_HOSTILE_FRAMES=1` only, because today they fail (the three
-/// UTF-8 cases, after their 60 s: some 600 reconnects, no delivery ever reaches the
-/// runtime, the neighbour published before the poison is dead-lettered by the broker
-/// as `delivery_limit` after 21 deliveries, unapplied, and the poison, once in the
-/// `:dlq`, breaks the dead-letter reader's connection the same way) or abort the test
-/// process (the nested table: "thread 'lapin-io-loop' has overflowed its stack",
-/// SIGABRT within a second). Ungate them once lapin's parser is bounded or the
-/// runtime guards against it.
+///   thread and aborts the process unless `RUST_MIN_STACK` is large enough (see
+///   `inbox_amqp::frame_parse_stack`). That case runs with `INBOX_HOSTILE_FRAMES=1`
+///   only (set `RUST_MIN_STACK` too): this test process does not set it.
 fn frames_gate(case: &str) -> bool {
     let on = std::env::var("INBOX_HOSTILE_FRAMES").is_ok_and(|v| v == "1");
     if !on {
@@ -685,7 +680,10 @@ fn frames_gate(case: &str) -> bool {
 }
 
 /// Publishes `properties` raw between two valid neighbours, then runs the consumer:
-/// the neighbours must be applied once and the poison end in the dead letters.
+/// the neighbours must be applied once, delivered at most twice each (the delivery
+/// in flight when the poison first broke the connection), and the poison end in the
+/// dead letters or, if no reader can parse it, in the group's parking queue
+/// `<group>:unreadable`.
 async fn raw_poison_between_neighbours(name: &str, properties: raw::Properties, limit: Duration) {
     let Some(setup) = Setup::new().await else {
         return;
@@ -722,26 +720,66 @@ async fn raw_poison_between_neighbours(name: &str, properties: raw::Properties, 
         .unwrap();
         *expected.entry((200, day())).or_default() += i;
     }
-    let (finished, stats) = run_until(&setup, limit, |setup, _| {
-        setup.totals() == expected && !setup.dead_letters().is_empty()
-    })
-    .await;
+    let consumer = setup.consumer();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    let conn = amqp::connect(&setup.url).await;
+    let unreadable = setup.topology.unreadable(&setup.group);
+    let started = Instant::now();
+    let mut finished = false;
+    while started.elapsed() < limit && !running.is_finished() {
+        let parked = amqp::queue_depth(&conn, &unreadable).await;
+        if setup.totals() == expected && (parked == 1 || !setup.dead_letters().is_empty()) {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(ms(100)).await;
+    }
+    let took = started.elapsed();
+    shutdown.cancel();
+    running
+        .await
+        .unwrap()
+        .expect("the consumer ends cleanly, it does not crash");
+    let stats = stats.snapshot();
     let dead = setup.dead_letters();
     let found = setup.totals();
-    let conn = amqp::connect(&setup.url).await;
     let depths = (
         amqp::queue_depth(&conn, &setup.topology.queue(&setup.group)).await,
         amqp::queue_depth(&conn, &setup.topology.dlq(&setup.group)).await,
+        amqp::queue_depth(&conn, &unreadable).await,
     );
     let _ = conn.close(200, "done".into()).await;
     setup.cleanup().await;
+    eprintln!("{name}: settled in {took:?}; (queue, dlq, unreadable) {depths:?}; {stats:?}");
+    let dead_summary = dead
+        .iter()
+        .map(|d| (&d.key, &d.reason, &d.last_error))
+        .collect::<Vec<_>>();
     assert!(
         finished,
-        "{name}: neighbours applied {found:?} of {expected:?}; (queue, dlq) ready {depths:?}; \
-         dead letters {:?}; {stats:?}",
-        dead.iter()
-            .map(|d| (&d.key, &d.reason, &d.last_error))
-            .collect::<Vec<_>>()
+        "{name}: neighbours applied {found:?} of {expected:?}; (queue, dlq, unreadable) ready \
+         {depths:?}; dead letters {dead_summary:?}; {stats:?}"
+    );
+    assert_eq!(found, expected, "{name}: each neighbour applied once");
+    // The poison is parked or recorded, once; no neighbour is a dead letter.
+    let parked = depths.2 as usize;
+    assert_eq!(
+        parked + dead.len(),
+        1,
+        "{name}: {depths:?}, {dead_summary:?}"
+    );
+    assert!(
+        dead.iter().all(|d| !d.key.starts_with("raw-neighbour-")),
+        "{name}: a neighbour was dead-lettered: {dead_summary:?}"
+    );
+    // The runtime received each neighbour at most twice: the poison cost them at most
+    // the one delivery in flight when it first broke the connection.
+    assert!(
+        stats.received <= 4,
+        "{name}: the neighbours were delivered {} times: {stats:?}",
+        stats.received
     );
 }
 
@@ -775,9 +813,6 @@ async fn a_table_nested_a_hundred_levels_deep_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_a_message_id_that_is_not_utf8() {
-    if !frames_gate("frames_a_message_id_that_is_not_utf8") {
-        return;
-    }
     let props = raw::Properties {
         message_id: Some(b"bad-\xff\xfe-id".to_vec()),
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
@@ -793,9 +828,6 @@ async fn frames_a_message_id_that_is_not_utf8() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_a_type_that_is_not_utf8() {
-    if !frames_gate("frames_a_type_that_is_not_utf8") {
-        return;
-    }
     let props = raw::Properties {
         message_id: Some(b"raw-bad-type".to_vec()),
         message_type: Some(b"usage.\xc3\x28".to_vec()),
@@ -806,9 +838,6 @@ async fn frames_a_type_that_is_not_utf8() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_a_header_name_that_is_not_utf8() {
-    if !frames_gate("frames_a_header_name_that_is_not_utf8") {
-        return;
-    }
     let props = raw::Properties {
         message_id: Some(b"raw-bad-header".to_vec()),
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
