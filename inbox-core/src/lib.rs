@@ -28,6 +28,7 @@ mod decision;
 mod envelope;
 mod error;
 mod handler;
+mod idempotency;
 mod key;
 #[doc(hidden)]
 pub mod names;
@@ -44,6 +45,10 @@ pub use error::{Error, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,
+};
+pub use idempotency::{
+    judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
+    Judgement, RequestFields, Settlement, DEFAULT_IDEMPOTENCY_RETENTION, MAX_IDEMPOTENCY_KEY_LEN,
 };
 /// `#[derive(Handler)]`: implements the [`Handler`](trait@Handler) trait for a
 /// handler struct from its `#[inbox(...)]` attribute.
