@@ -258,6 +258,30 @@ pub struct IdempotencyRecord {
     pub updated_at: DateTime<Utc>,
 }
 
+impl IdempotencyRecord {
+    /// A record of (caller, key) in `status`, its lease, commit and times not set
+    /// (token 0, times at the epoch): for a store reading its rows, and for tests.
+    pub fn from_parts(
+        caller: &str,
+        key: &str,
+        fingerprint: Fingerprint,
+        status: IdempotencyStatus,
+    ) -> Self {
+        Self {
+            caller: caller.to_owned(),
+            key: key.to_owned(),
+            fingerprint,
+            status,
+            lease_token: 0,
+            lease_until: DateTime::UNIX_EPOCH,
+            committed_at: None,
+            response: None,
+            created_at: DateTime::UNIX_EPOCH,
+            updated_at: DateTime::UNIX_EPOCH,
+        }
+    }
+}
+
 /// What to do with a request that carries an idempotency key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -4,6 +4,7 @@
 mod backend;
 mod batch;
 mod error;
+mod idempotency;
 mod ops;
 mod outbox;
 mod pg;
@@ -19,6 +20,10 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
+pub use idempotency::{
+    abandon_request, begin_request, commit_request, read_request, settle_request, NewRequest,
+    IDEMPOTENCY_KEY_COLUMNS,
+};
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,
     DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,

@@ -1,6 +1,6 @@
 //! SQLite specifics.
 
-mod collation;
+pub(crate) mod collation;
 
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
