@@ -2,6 +2,7 @@
 //! `daily_usage(user_id, day, total)`, on PostgreSQL or SQLite with the same handler.
 
 pub mod bench;
+pub mod metered;
 pub mod quickstart;
 pub mod usage;
 
