@@ -75,7 +75,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             "metered".to_owned()
         }
         Some(amqp) => {
-            let topology = Topology::new("metered")?.prefix(config.amqp_prefix.clone())?;
+            let mut topology = Topology::new("metered")?.prefix(config.amqp_prefix.clone())?;
+            if let Some(expires) = config.amqp_queue_expires {
+                topology = topology.queue_expires(expires);
+            }
             let exchange = topology.exchange();
             let consumer = Consumer::new(amqp.clone(), Arc::new(store.clone()), topology)
                 .with_settings(ConsumerSettings::default().connection_name("metered_api"));

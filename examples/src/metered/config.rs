@@ -35,6 +35,9 @@ pub struct Config {
     pub amqp_url: Option<String>,
     /// `METERED_AMQP_PREFIX`: prefix of the exchange and queue names (default none).
     pub amqp_prefix: String,
+    /// `METERED_AMQP_QUEUE_EXPIRES_MS`: `x-expires` of the group queues (for tests;
+    /// default none).
+    pub amqp_queue_expires: Option<Duration>,
 }
 
 /// A setting that does not parse.
@@ -113,6 +116,10 @@ impl Config {
             relay_poll: millis("METERED_RELAY_POLL_MS", 200, 1)?,
             amqp_url: var("AMQP_URL"),
             amqp_prefix: var("METERED_AMQP_PREFIX").unwrap_or_default(),
+            amqp_queue_expires: match var("METERED_AMQP_QUEUE_EXPIRES_MS") {
+                None => None,
+                Some(_) => Some(millis("METERED_AMQP_QUEUE_EXPIRES_MS", 0, 1)?),
+            },
         })
     }
 }
