@@ -550,3 +550,34 @@ fn kill_9_between_debit_and_refund_settles_once_through_rabbitmq() {
     };
     crash_between_debit_and_refund(Some(&amqp));
 }
+
+/// Every debit's settlement message arrives after the deadline, also for requests
+/// that finished: the guarded write from `debited` makes those a no-op.
+#[test]
+fn settlements_of_finished_requests_change_nothing() {
+    let Some((pg, redis)) = services() else { return };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(
+        &schema,
+        &redis,
+        &[("METERED_DEADLINE_MS", "400"), ("METERED_SETTLE_MARGIN_MS", "100")],
+    );
+    let (account, key) = svc.account(1_000, 1_000);
+    assert!(is_done(&svc.speech(&key, Some("delivered"), TEXT)));
+    let cut = svc.speech(&key, Some("cut"), "[fail-after:1] two chunks of text, cut");
+    assert_eq!(cut.lines().last().unwrap()["type"], "error");
+    let seen = (0..600).any(|_| {
+        if svc.stats()["settlements_already_settled"].as_u64().unwrap() >= 2 {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        false
+    });
+    assert!(seen, "both settlements were consumed: {}", svc.stats());
+    assert_eq!(svc.stats()["settlements_refunded"], 0);
+    let (balance, sum, _, refunds) = money(&svc, account);
+    assert_eq!((balance, sum, refunds), (1_000 - 27, 1_000 - 27, 1));
+    let replay = svc.speech(&key, Some("delivered"), TEXT);
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.lines().last().unwrap()["type"], "done");
+}
