@@ -7,13 +7,12 @@
 //! `DATABASE_URL` (required), `REDIS_URL`, `LISTEN_ADDR`, `METERED_SCHEMA`,
 //! `METERED_DEADLINE_MS`, `METERED_SETTLE_MARGIN_MS`, `METERED_CHUNK_DELAY_MS`,
 //! `METERED_RATE_LIMIT`, `METERED_MAX_CONCURRENCY`, `METERED_POOL_SIZE`,
-//! `METERED_RELAY_POLL_MS`, `AMQP_URL`, `METERED_AMQP_PREFIX`.
+//! `METERED_RELAY_POLL_MS`, `METERED_REDIS_PROBE_MS`, `AMQP_URL`, `METERED_AMQP_PREFIX`.
 
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, Topology};
@@ -114,17 +113,19 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         exchange,
     });
     // The only place that may declare the Redis connection dead.
-    let probe_app = Arc::clone(&app);
-    let probe_stop = shutdown.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                _ = probe_stop.cancelled() => return,
+    if let Some(every) = app.config.redis_probe {
+        let probe_app = Arc::clone(&app);
+        let probe_stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = probe_stop.cancelled() => return,
+                }
+                probe_app.advisory.redis().probe().await;
             }
-            probe_app.advisory.redis().probe().await;
-        }
-    });
+        });
+    }
 
     let listener = tokio::net::TcpListener::bind(listen)
         .await

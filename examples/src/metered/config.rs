@@ -31,6 +31,9 @@ pub struct Config {
     /// `METERED_RELAY_POLL_MS`: how often the in-process relay looks for due
     /// settlements (default 200).
     pub relay_poll: Duration,
+    /// `METERED_REDIS_PROBE_MS`: how often the health probe checks Redis in the
+    /// background (default 1000; 0: only `GET /v1/health` probes).
+    pub redis_probe: Option<Duration>,
     /// `AMQP_URL`: when set, settlements go through RabbitMQ instead of in-process.
     pub amqp_url: Option<String>,
     /// `METERED_AMQP_PREFIX`: prefix of the exchange and queue names (default none).
@@ -114,6 +117,8 @@ impl Config {
                 found: pool_size.to_string(),
             })?,
             relay_poll: millis("METERED_RELAY_POLL_MS", 200, 1)?,
+            redis_probe: Some(millis("METERED_REDIS_PROBE_MS", 1000, 0)?)
+                .filter(|d| !d.is_zero()),
             amqp_url: var("AMQP_URL"),
             amqp_prefix: var("METERED_AMQP_PREFIX").unwrap_or_default(),
             amqp_queue_expires: match var("METERED_AMQP_QUEUE_EXPIRES_MS") {
