@@ -557,12 +557,17 @@ fn kill_9_between_debit_and_refund_settles_once_through_rabbitmq() {
 /// that finished: the guarded write from `debited` makes those a no-op.
 #[test]
 fn settlements_of_finished_requests_change_nothing() {
-    let Some((pg, redis)) = services() else { return };
+    let Some((pg, redis)) = services() else {
+        return;
+    };
     let schema = Schema::new(&pg);
     let svc = Service::start(
         &schema,
         &redis,
-        &[("METERED_DEADLINE_MS", "400"), ("METERED_SETTLE_MARGIN_MS", "100")],
+        &[
+            ("METERED_DEADLINE_MS", "400"),
+            ("METERED_SETTLE_MARGIN_MS", "100"),
+        ],
     );
     let (account, key) = svc.account(1_000, 1_000);
     assert!(is_done(&svc.speech(&key, Some("delivered"), TEXT)));
@@ -582,4 +587,48 @@ fn settlements_of_finished_requests_change_nothing() {
     let replay = svc.speech(&key, Some("delivered"), TEXT);
     assert_eq!(replay.status, 200);
     assert_eq!(replay.lines().last().unwrap()["type"], "done");
+}
+
+/// The last row of the state table: a refund that lands while a replay is served is
+/// seen when the record is checked again after serving.
+#[test]
+fn a_refund_landing_while_a_replay_is_served_ends_it_with_an_error_line() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &redis, &[("METERED_CHUNK_DELAY_MS", "300")]);
+    let (account, key) = svc.account(1_000, 1_000);
+    let first = svc.speech(&key, Some("r-1"), TEXT);
+    assert!(is_done(&first));
+    let usage = first.lines().last().unwrap()["usage_id"].as_i64().unwrap();
+    let auth = format!("Bearer {key}");
+    let body = serde_json::json!({ "text": TEXT }).to_string();
+    let mut replay = metered_support::open(
+        &svc.addr,
+        "POST",
+        "/v1/speech",
+        &[("Authorization", &auth), ("Idempotency-Key", "r-1")],
+        Some(&body),
+    );
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.next_line().unwrap()["type"], "chunk");
+    let refund = svc.post(&format!("/admin/usage/{usage}/refund"), &[], "");
+    assert_eq!(refund.status, 200, "{}", refund.text());
+    let mut rest = Vec::new();
+    while let Some(line) = replay.next_line() {
+        rest.push(line);
+    }
+    let last = rest.last().unwrap();
+    assert_eq!(last["type"], "error", "{rest:?}");
+    assert_eq!(last["error"]["code"], "idempotency_refunded");
+    let (balance, sum, _, refunds) = money(&svc, account);
+    assert_eq!((balance, sum, refunds), (1_000, 1_000, 1));
+    let again = svc.speech(&key, Some("r-1"), TEXT);
+    assert_eq!(
+        (again.status, again.code()),
+        (409, "idempotency_refunded".into())
+    );
+    let twice = svc.post(&format!("/admin/usage/{usage}/refund"), &[], "");
+    assert_eq!((twice.status, twice.code()), (409, "not_refundable".into()));
 }

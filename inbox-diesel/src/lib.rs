@@ -21,8 +21,8 @@ mod verify;
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use idempotency::{
-    abandon_request, begin_request, commit_request, read_request, settle_request, NewRequest,
-    IDEMPOTENCY_KEY_COLUMNS,
+    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
+    settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
 };
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,

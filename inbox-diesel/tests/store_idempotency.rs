@@ -13,8 +13,8 @@ use inbox_core::{
     RequestFields, Settlement,
 };
 use inbox_diesel::{
-    abandon_request, begin_request, commit_request, read_request, settle_request, Error,
-    NewRequest, SchemaProblem, Store, StoreConnection,
+    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
+    settle_request, Error, NewRequest, SchemaProblem, Store, StoreConnection,
 };
 use inbox_test_support::{Fixture, PgFixture, SqliteFixture};
 
@@ -165,6 +165,33 @@ fn a_request_refused_before_its_commit_gives_its_key_back<F: Fixture>(fx: &F) {
     assert!(env.commit("a", &k, token).is_err());
 }
 
+fn a_delivered_request_refunded_later_answers_refunded<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let (k, fp) = (key("req-4"), fingerprint("hello", b"secret"));
+    let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+        panic!("executes");
+    };
+    let mut conn = env.store.connection().unwrap();
+    let now = env.clock.now();
+    // Not delivered yet: nothing to refund this way.
+    commit_request(&mut *conn, "a", &k, token, now).unwrap();
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    let body = Settlement::Delivered {
+        response: b"line\n".to_vec(),
+    };
+    assert!(settle_request(&mut *conn, "a", &k, token, &body, now).unwrap());
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token + 1, now).unwrap());
+    assert!(refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    let stored = read_request(&mut *conn, "a", &k).unwrap().unwrap();
+    assert_eq!(
+        (stored.status, stored.response),
+        (IdempotencyStatus::Refunded, None)
+    );
+    drop(conn);
+    assert_eq!(env.begin("a", &k, &fp), IdempotencyAnswer::Refunded);
+}
+
 fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
     let env = env(fx);
     let fp = fingerprint("x", b"s");
@@ -277,6 +304,7 @@ inbox_test_support::on_both_backends!(
     a_committed_request_is_in_flight_until_settled_whatever_its_lease,
     an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first,
     a_request_refused_before_its_commit_gives_its_key_back,
+    a_delivered_request_refunded_later_answers_refunded,
     purges_are_bounded_and_keep_unsettled_commits,
     concurrent_requests_with_one_key_execute_once,
     no_stored_column_holds_the_secret_or_the_request,

@@ -117,8 +117,7 @@ impl Config {
                 found: pool_size.to_string(),
             })?,
             relay_poll: millis("METERED_RELAY_POLL_MS", 200, 1)?,
-            redis_probe: Some(millis("METERED_REDIS_PROBE_MS", 1000, 0)?)
-                .filter(|d| !d.is_zero()),
+            redis_probe: Some(millis("METERED_REDIS_PROBE_MS", 1000, 0)?).filter(|d| !d.is_zero()),
             amqp_url: var("AMQP_URL"),
             amqp_prefix: var("METERED_AMQP_PREFIX").unwrap_or_default(),
             amqp_queue_expires: match var("METERED_AMQP_QUEUE_EXPIRES_MS") {

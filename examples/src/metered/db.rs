@@ -425,13 +425,14 @@ struct Refunded {
 }
 
 /// The refund: the same two row locks in the same order as the debit (balance,
-/// then key), then the guarded write of the usage row from `debited`, then the
+/// then key), then the guarded write of the usage row from `$3` (`debited`; an
+/// operator's refund: `delivered`), then the
 /// ledger row. A refund racing another finds the usage no longer debited; its
 /// statement returns nothing and its transaction is rolled back.
 const REFUND: &str = "\
     WITH u AS ( \
         SELECT id, account_id, api_key_id, amount FROM usage_events \
-        WHERE id = $1 AND status = 'debited' \
+        WHERE id = $1 AND status = $3 \
     ), bal AS ( \
         UPDATE accounts a SET balance = a.balance + u.amount FROM u \
         WHERE a.id = u.account_id RETURNING a.id \
@@ -440,7 +441,7 @@ const REFUND: &str = "\
         WHERE kk.id = u.api_key_id AND EXISTS (SELECT 1 FROM bal) RETURNING kk.id \
     ), mark AS ( \
         UPDATE usage_events e SET status = 'refunded', settled_at = $2 \
-        WHERE e.id = $1 AND e.status = 'debited' AND EXISTS (SELECT 1 FROM k) \
+        WHERE e.id = $1 AND e.status = $3 AND EXISTS (SELECT 1 FROM k) \
         RETURNING e.id, e.account_id, e.amount, e.idempotency_key, e.lease_token \
     ), led AS ( \
         INSERT INTO ledger (account_id, usage_id, kind, amount, created_at) \
@@ -471,10 +472,31 @@ pub fn refund(
     usage_id: i64,
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
+    refund_from(conn, usage_id, "debited", now)
+}
+
+/// An operator's refund of a delivered usage: the same statement from `delivered`,
+/// and the idempotency record from delivered to refunded (a replay being served
+/// sees it when it checks again, and ends with an error line).
+pub fn refund_delivered(
+    conn: &mut PgConnection,
+    usage_id: i64,
+    now: DateTime<Utc>,
+) -> inbox_diesel::Result<bool> {
+    refund_from(conn, usage_id, "delivered", now)
+}
+
+fn refund_from(
+    conn: &mut PgConnection,
+    usage_id: i64,
+    from: &'static str,
+    now: DateTime<Utc>,
+) -> inbox_diesel::Result<bool> {
     let outcome = conn.transaction(|conn| {
         let row: Option<Refunded> = diesel::sql_query(REFUND)
             .bind::<BigInt, _>(usage_id)
             .bind::<Timestamptz, _>(now)
+            .bind::<Text, _>(from)
             .get_result(conn)
             .optional()?;
         let Some(row) = row else {
@@ -483,14 +505,19 @@ pub fn refund(
         };
         if let (Some(key), Some(token)) = (row.idempotency_key, row.lease_token) {
             let key = IdempotencyKey::new(key).map_err(inbox_diesel::Error::from)?;
-            inbox_diesel::settle_request(
-                conn,
-                &row.account_id.to_string(),
-                &key,
-                token,
-                &Settlement::Refunded,
-                now,
-            )?;
+            let caller = row.account_id.to_string();
+            if from == "delivered" {
+                inbox_diesel::refund_delivered_request(conn, &caller, &key, token, now)?;
+            } else {
+                inbox_diesel::settle_request(
+                    conn,
+                    &caller,
+                    &key,
+                    token,
+                    &Settlement::Refunded,
+                    now,
+                )?;
+            }
         }
         Ok(())
     });

@@ -138,6 +138,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/admin/accounts/{id}", get(show_account))
         .route("/admin/keys", post(create_key))
         .route("/admin/usage/{id}", get(show_usage))
+        .route("/admin/usage/{id}/refund", post(refund_usage))
         .route("/admin/stats", get(stats))
         .route("/v1/health", get(health))
         .route("/v1/balance", get(balance))
@@ -254,6 +255,29 @@ async fn show_usage(State(app): State<Arc<App>>, Path(id): Path<String>) -> ApiR
         "refunds": usage.refunds,
     }))
     .into_response())
+}
+
+/// An operator's refund of a delivered usage.
+async fn refund_usage(State(app): State<Arc<App>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::bad_request("the usage id must be an integer"))?;
+    let now = app.store.clock().now();
+    let (refunded, usage) = blocking(&app, move |conn| {
+        let refunded = db::refund_delivered(conn, id, now).map_err(ApiError::internal)?;
+        Ok((refunded, db::usage(conn, id).map_err(ApiError::internal)?))
+    })
+    .await?;
+    let usage = usage
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "usage_not_found", "no such usage"))?;
+    if !refunded {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_refundable",
+            format!("usage {id} is {}, not delivered", usage.status),
+        ));
+    }
+    Ok(axum::Json(json!({"usage_id": usage.id, "status": usage.status})).into_response())
 }
 
 async fn stats(State(app): State<Arc<App>>) -> Response {
@@ -680,8 +704,11 @@ async fn replay(
     let (tx, rx) = mpsc::channel(16);
     let app2 = Arc::clone(app);
     let usage_id = usage.id;
+    let pace = app.config.chunk_delay;
     tokio::spawn(async move {
+        // At the stream's own pace: a replay is served like the original.
         for line in lines {
+            tokio::time::sleep(pace).await;
             if tx.send(line).await.is_err() {
                 return;
             }

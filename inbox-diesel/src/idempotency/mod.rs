@@ -112,6 +112,15 @@ pub trait IdempotencyOps {
         now: DateTime<Utc>,
     ) -> QueryResult<usize>;
 
+    /// Moves a delivered record to refunded, fenced by the token.
+    fn refund_delivered(
+        conn: &mut Self,
+        caller: &str,
+        key: &str,
+        token: i64,
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
     /// Deletes an uncommitted, in-flight record, fenced by the token.
     fn abandon(conn: &mut Self, caller: &str, key: &str, token: i64) -> QueryResult<usize>;
 
@@ -257,6 +266,21 @@ pub fn settle_request<C: AsStoreConnection + ?Sized>(
         now,
     )?;
     Ok(touched == 1)
+}
+
+/// Refunds a request that was delivered (an operator's refund, say): a guarded write
+/// from delivered to refunded that drops the saved response. Returns whether this
+/// write did it. A replay being served meanwhile sees it when it checks the record
+/// again after serving, and ends with an error instead of the saved last line.
+pub fn refund_delivered_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+    token: i64,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let conn = conn.as_store_connection();
+    Ok(<C::Conn as IdempotencyOps>::refund_delivered(conn, caller, key.as_str(), token, now)? == 1)
 }
 
 /// Gives the key back when the request ended before its effect committed (it was
@@ -448,6 +472,23 @@ macro_rules! idempotency_ops {
                     .bind::<BigInt, _>(token)
                     .bind::<Text, _>(status)
                     .bind::<Nullable<Binary>, _>(response)
+                    .bind::<$ts, _>(now)
+                    .execute(conn)
+            }
+
+            fn refund_delivered(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                token: i64,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{BigInt, Text};
+                diesel::sql_query($sql::REFUND_DELIVERED)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(token)
                     .bind::<$ts, _>(now)
                     .execute(conn)
             }

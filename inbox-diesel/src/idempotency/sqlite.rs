@@ -38,6 +38,11 @@ mod sql {
         WHERE caller = ?1 AND idempotency_key = ?2 AND lease_token = ?3 \
           AND status = 'in_flight' AND committed_at IS NOT NULL";
 
+    pub const REFUND_DELIVERED: &str = "\
+        UPDATE idempotency_keys SET status = 'refunded', response = NULL, updated_at = ?4 \
+        WHERE caller = ?1 AND idempotency_key = ?2 AND lease_token = ?3 \
+          AND status = 'delivered'";
+
     pub const ABANDON: &str = "\
         DELETE FROM idempotency_keys \
         WHERE caller = ?1 AND idempotency_key = ?2 AND lease_token = ?3 \
