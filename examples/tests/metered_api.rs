@@ -149,6 +149,7 @@ fn two_hundred_concurrent_requests_never_overdraw_nor_pass_a_cap() {
     let (account, capped) = svc.account(1_000, 300);
     let open = svc.key(account, 1_000_000);
     let text = "ten chars!"; // cost 10
+    let started = std::time::Instant::now();
     let answers: Vec<(bool, HttpResponse)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..200)
             .map(|i| {
@@ -163,6 +164,10 @@ fn two_hundred_concurrent_requests_never_overdraw_nor_pass_a_cap() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    eprintln!(
+        "200 concurrent requests on one account answered in {} ms",
+        started.elapsed().as_millis()
+    );
     let mut codes: BTreeMap<String, usize> = BTreeMap::new();
     let mut charged_on_cap = 0;
     let mut charged = 0;
@@ -396,6 +401,7 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         l.local_addr().unwrap()
     }; // dropped: nothing listens there now
     for (name, url) in [
+        ("healthy", redis.clone()),
         ("stalled", format!("redis://{}", proxy.addr)),
         ("closed", format!("redis://{closed}")),
     ] {
@@ -404,27 +410,38 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         // hanging on a server that never answers.
         let svc = Service::start(&schema, &url, &[("METERED_REDIS_PROBE_MS", "0")]);
         let (account, key) = svc.account(100, 100);
+        let started = std::time::Instant::now();
         for i in 0..3 {
             let r = svc.speech(&key, Some(&format!("{name}-{i}")), TEXT);
             assert!(is_done(&r), "{name}: {}", r.text());
         }
+        // A printed figure, not an assertion.
+        eprintln!(
+            "redis {name}: 3 requests in {} ms",
+            started.elapsed().as_millis()
+        );
         let stats = svc.stats();
-        assert!(
-            stats["redis_fallbacks"].as_u64().unwrap() >= 9,
-            "{name}: {stats}"
-        );
-        assert!(
-            stats["key_cache_fallbacks"].as_u64().unwrap() >= 3,
-            "{name}: {stats}"
-        );
-        assert!(
-            stats["rate_limit_fallbacks"].as_u64().unwrap() >= 3,
-            "{name}: {stats}"
-        );
-        assert!(
-            stats["slot_fallbacks"].as_u64().unwrap() >= 3,
-            "{name}: {stats}"
-        );
+        if name == "healthy" {
+            assert_eq!(stats["redis_fallbacks"], 0, "{stats}");
+            assert!(stats["key_cache_hits"].as_u64().unwrap() >= 2, "{stats}");
+        } else {
+            assert!(
+                stats["redis_fallbacks"].as_u64().unwrap() >= 9,
+                "{name}: {stats}"
+            );
+            assert!(
+                stats["key_cache_fallbacks"].as_u64().unwrap() >= 3,
+                "{name}: {stats}"
+            );
+            assert!(
+                stats["rate_limit_fallbacks"].as_u64().unwrap() >= 3,
+                "{name}: {stats}"
+            );
+            assert!(
+                stats["slot_fallbacks"].as_u64().unwrap() >= 3,
+                "{name}: {stats}"
+            );
+        }
         // 19 credits left: the debit still refuses what the balance does not cover.
         let over = svc.speech(&key, None, TEXT);
         assert_eq!(
@@ -435,7 +452,12 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         let (balance, sum, _, _) = money(&svc, account);
         assert_eq!((balance, sum), (100 - 81, 100 - 81), "{name}");
         let health = svc.get("/v1/health", &[]);
-        assert_eq!(health.json()["redis"], "unavailable", "{name}");
+        let expected = if name == "healthy" {
+            "ok"
+        } else {
+            "unavailable"
+        };
+        assert_eq!(health.json()["redis"], expected, "{name}");
     }
     drop(proxy);
 }

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use super::config::Config;
 use super::db::{self, Debit, DebitError};
-use super::redis::{Advisory, Verdict};
+use super::redis::{Advisory, CacheLookup, Verdict};
 use super::settle::SettlementStats;
 use super::upstream::{self, Chunk};
 
@@ -340,7 +340,8 @@ async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResult<Caller> 
         .to_owned();
     let key_digest = digest(&raw_key);
     let digest_hex = hex(&key_digest);
-    if let Some((account, key_id)) = app.advisory.cached_key(&digest_hex).await {
+    let lookup = app.advisory.cached_key(&digest_hex).await;
+    if let CacheLookup::Hit { account, key_id } = lookup {
         return Ok(Caller {
             raw_key,
             account,
@@ -352,7 +353,9 @@ async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResult<Caller> 
     })
     .await?;
     let (account, key_id) = found.ok_or_else(ApiError::unauthorized)?;
-    app.advisory.cache_key(&digest_hex, account, key_id).await;
+    if lookup == CacheLookup::Miss {
+        app.advisory.cache_key(&digest_hex, account, key_id).await;
+    }
     Ok(Caller {
         raw_key,
         account,

@@ -403,6 +403,22 @@ impl AdvisoryStats {
     }
 }
 
+/// What the key cache said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheLookup {
+    /// Cached: the key's account and id (the debit re-checks the key's state).
+    Hit {
+        /// The account.
+        account: i64,
+        /// The key's id.
+        key_id: i64,
+    },
+    /// Redis answered: not cached.
+    Miss,
+    /// Redis did not answer in time: look in PostgreSQL, and do not try to cache.
+    Unavailable,
+}
+
 /// What the rate limiter says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -504,9 +520,8 @@ impl Advisory {
             .await;
     }
 
-    /// A cached API key (`account_id:key_id`) by its digest, `None` on a miss or a
-    /// fallback.
-    pub async fn cached_key(&self, digest_hex: &str) -> Option<(i64, i64)> {
+    /// A cached API key (`account_id:key_id`) by its digest.
+    pub async fn cached_key(&self, digest_hex: &str) -> CacheLookup {
         let key = format!("{}:key:{digest_hex}", self.prefix);
         match self
             .redis
@@ -521,18 +536,22 @@ impl Advisory {
                     }),
                     _ => None,
                 };
-                if parsed.is_some() {
-                    self.stats.key_cache_hits.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    self.stats.key_cache_misses.fetch_add(1, Ordering::Relaxed);
+                match parsed {
+                    Some((account, key_id)) => {
+                        self.stats.key_cache_hits.fetch_add(1, Ordering::Relaxed);
+                        CacheLookup::Hit { account, key_id }
+                    }
+                    None => {
+                        self.stats.key_cache_misses.fetch_add(1, Ordering::Relaxed);
+                        CacheLookup::Miss
+                    }
                 }
-                parsed
             }
             Err(_) => {
                 self.stats
                     .key_cache_fallbacks
                     .fetch_add(1, Ordering::Relaxed);
-                None
+                CacheLookup::Unavailable
             }
         }
     }
