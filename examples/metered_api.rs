@@ -7,7 +7,8 @@
 //! `DATABASE_URL` (required), `REDIS_URL`, `LISTEN_ADDR`, `METERED_SCHEMA`,
 //! `METERED_DEADLINE_MS`, `METERED_SETTLE_MARGIN_MS`, `METERED_CHUNK_DELAY_MS`,
 //! `METERED_RATE_LIMIT`, `METERED_MAX_CONCURRENCY`, `METERED_POOL_SIZE`,
-//! `METERED_RELAY_POLL_MS`, `METERED_REDIS_PROBE_MS`, `AMQP_URL`, `METERED_AMQP_PREFIX`.
+//! `METERED_RELAY_POLL_MS`, `METERED_REDIS_PROBE_MS`, `METERED_IDEMPOTENCY_RETENTION_MS`,
+//! `AMQP_URL`, `METERED_AMQP_PREFIX`.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -100,6 +101,30 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             exchange
         }
     };
+
+    // Idempotency records expire after the retention, in bounded purges.
+    let (purge_store, retention, purge_stop) = (
+        store.clone(),
+        config.idempotency_retention,
+        shutdown.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let store = purge_store.clone();
+            match tokio::task::spawn_blocking(move || store.purge_idempotency_keys(retention, 1000))
+                .await
+            {
+                Ok(Ok(0)) => {}
+                Ok(Ok(n)) => tracing::info!(purged = n, "expired idempotency keys purged"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+                Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+                _ = purge_stop.cancelled() => return,
+            }
+        }
+    });
 
     let redis = Redis::new(&config.redis_url)?;
     let prefix = format!("metered:{}", config.schema);

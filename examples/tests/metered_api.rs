@@ -654,3 +654,60 @@ fn a_refund_landing_while_a_replay_is_served_ends_it_with_an_error_line() {
     let twice = svc.post(&format!("/admin/usage/{usage}/refund"), &[], "");
     assert_eq!((twice.status, twice.code()), (409, "not_refundable".into()));
 }
+
+/// A stream still running at the deadline is cut and refunded; so is one whose
+/// client went away.
+#[test]
+fn a_stream_past_its_deadline_or_left_by_its_client_is_refunded() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(
+        &schema,
+        &redis,
+        &[
+            ("METERED_DEADLINE_MS", "400"),
+            ("METERED_CHUNK_DELAY_MS", "100"),
+            ("METERED_SETTLE_MARGIN_MS", "60000"),
+        ],
+    );
+    let (account, key) = svc.account(1_000, 1_000);
+    let long = "x".repeat(16 * 20); // 20 chunks, 2 s
+    let r = svc.speech(&key, Some("late"), &long);
+    assert_eq!(r.status, 200);
+    let last = r.lines().last().unwrap().clone();
+    assert_eq!(last["error"]["code"], "deadline_exceeded", "{}", r.text());
+    assert_eq!(last["refunded"], true);
+    assert_eq!(money(&svc, account).0, 1_000);
+
+    let auth = format!("Bearer {key}");
+    let body = serde_json::json!({ "text": long }).to_string();
+    let mut gone = metered_support::open(
+        &svc.addr,
+        "POST",
+        "/v1/speech",
+        &[("Authorization", &auth)],
+        Some(&body),
+    );
+    let usage = gone
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-usage-id")
+        .unwrap()
+        .1
+        .clone();
+    assert_eq!(gone.next_line().unwrap()["type"], "chunk");
+    drop(gone);
+    // Refunded on the request path (the settlement is a minute away).
+    let refunded = (0..600).any(|_| {
+        if svc.json(&format!("/admin/usage/{usage}"))["status"] == "refunded" {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        false
+    });
+    assert!(refunded);
+    let (balance, sum, _, refunds) = money(&svc, account);
+    assert_eq!((balance, sum, refunds), (1_000, 1_000, 2));
+}

@@ -34,6 +34,9 @@ pub struct Config {
     /// `METERED_REDIS_PROBE_MS`: how often the health probe checks Redis in the
     /// background (default 1000; 0: only `GET /v1/health` probes).
     pub redis_probe: Option<Duration>,
+    /// `METERED_IDEMPOTENCY_RETENTION_MS`: how long idempotency records are kept
+    /// (default 86400000, 24 h); purged every minute in batches of 1000.
+    pub idempotency_retention: Duration,
     /// `AMQP_URL`: when set, settlements go through RabbitMQ instead of in-process.
     pub amqp_url: Option<String>,
     /// `METERED_AMQP_PREFIX`: prefix of the exchange and queue names (default none).
@@ -118,6 +121,11 @@ impl Config {
             })?,
             relay_poll: millis("METERED_RELAY_POLL_MS", 200, 1)?,
             redis_probe: Some(millis("METERED_REDIS_PROBE_MS", 1000, 0)?).filter(|d| !d.is_zero()),
+            idempotency_retention: millis(
+                "METERED_IDEMPOTENCY_RETENTION_MS",
+                inbox_core::DEFAULT_IDEMPOTENCY_RETENTION.as_millis() as u64,
+                1,
+            )?,
             amqp_url: var("AMQP_URL"),
             amqp_prefix: var("METERED_AMQP_PREFIX").unwrap_or_default(),
             amqp_queue_expires: match var("METERED_AMQP_QUEUE_EXPIRES_MS") {
