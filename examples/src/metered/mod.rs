@@ -7,4 +7,6 @@ pub mod db;
 pub mod http;
 pub mod redis;
 pub mod settle;
+pub mod speech;
+pub mod stream;
 pub mod upstream;
