@@ -11,8 +11,6 @@
 //! functions that take a connection run inside the caller's transaction, so the
 //! commit mark and the effect commit together.
 
-mod pg;
-mod sqlite;
 mod verify;
 
 use std::time::Duration;
@@ -324,7 +322,7 @@ impl<C: StoreConnection> Store<C> {
                 "a purge batch must be at least 1 row, found 0".to_owned(),
             ));
         }
-        let Some(cutoff) = self.inner.clock.now().checked_sub_signed(delta(retention)) else {
+        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(retention)) else {
             return Ok(0);
         };
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);

@@ -1,4 +1,5 @@
-//! PostgreSQL's idempotency statements and catalog.
+//! PostgreSQL's catalog: the claim table's indexes and columns, as `verify` checks
+//! them.
 
 use diesel::prelude::*;
 use diesel::sql_types::{Array, Bool, Nullable, Text};
@@ -6,72 +7,6 @@ use diesel::PgConnection;
 
 use crate::verify::{Catalog, ColumnInfo, IndexInfo};
 use crate::Result;
-
-mod sql {
-    /// The insert takes a free key; the conflict branch takes over only an
-    /// uncommitted, in-flight record whose lease has ended, with the same
-    /// fingerprint, raising its fencing token. Concurrent requests with one key
-    /// wait on the unique index for the first to commit, then find it taken.
-    pub const BEGIN: &str = "\
-        INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, status, \
-            lease_token, lease_until, created_at, updated_at) \
-        VALUES ($1, $2, $3, 'in_flight', 1, $4, $5, $5) \
-        ON CONFLICT (caller, idempotency_key) DO UPDATE \
-            SET lease_token = idempotency_keys.lease_token + 1, \
-                lease_until = EXCLUDED.lease_until, updated_at = EXCLUDED.updated_at \
-            WHERE idempotency_keys.status = 'in_flight' \
-              AND idempotency_keys.committed_at IS NULL \
-              AND idempotency_keys.lease_until <= EXCLUDED.updated_at \
-              AND idempotency_keys.fingerprint = EXCLUDED.fingerprint \
-        RETURNING lease_token";
-
-    pub const READ: &str = "\
-        SELECT caller, idempotency_key, fingerprint, status, lease_token, lease_until, \
-               committed_at, response, created_at, updated_at \
-        FROM idempotency_keys WHERE caller = $1 AND idempotency_key = $2";
-
-    pub const COMMIT: &str = "\
-        UPDATE idempotency_keys SET committed_at = $4, updated_at = $4 \
-        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
-          AND status = 'in_flight' AND committed_at IS NULL";
-
-    pub const SETTLE: &str = "\
-        UPDATE idempotency_keys SET status = $4, response = $5, updated_at = $6 \
-        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
-          AND status = 'in_flight' AND committed_at IS NOT NULL";
-
-    pub const REFUND_DELIVERED: &str = "\
-        UPDATE idempotency_keys SET status = 'refunded', response = NULL, updated_at = $4 \
-        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
-          AND status = 'delivered'";
-
-    pub const ABANDON: &str = "\
-        DELETE FROM idempotency_keys \
-        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
-          AND status = 'in_flight' AND committed_at IS NULL";
-
-    // SKIP LOCKED: a purge never waits for a running request.
-    pub const PURGE: &str = "\
-        DELETE FROM idempotency_keys WHERE (caller, idempotency_key) IN ( \
-            SELECT caller, idempotency_key FROM idempotency_keys \
-            WHERE created_at < $1 \
-              AND (status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1)) \
-            ORDER BY created_at LIMIT $2 \
-            FOR UPDATE SKIP LOCKED)";
-}
-
-super::idempotency_ops!(PgConnection, diesel::sql_types::Timestamptz, sql);
-
-/// The idempotency table of the store's own schema.
-const TABLE: &str = "to_regclass(format('%I.%I', current_schema(), 'idempotency_keys'))";
-
-#[derive(QueryableByName)]
-struct TableRow {
-    #[diesel(sql_type = Nullable<Text>)]
-    schema: Option<String>,
-    #[diesel(sql_type = Bool)]
-    exists: bool,
-}
 
 #[derive(QueryableByName)]
 struct IndexRow {
@@ -101,14 +36,29 @@ struct ColumnRow {
     loose_collation: Option<String>,
 }
 
-/// The same reading of `pg_index` as the claim table's (see `crate::pg`).
-fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
+#[derive(QueryableByName)]
+struct TableRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    schema: Option<String>,
+    #[diesel(sql_type = Bool)]
+    exists: bool,
+}
+
+/// Reads the claim table of the store's schema from the live catalog.
+pub(crate) fn read(conn: &mut PgConnection) -> Result<Catalog> {
+    read_table(conn, "inbox_claims")
+}
+
+/// Reads one of the store's tables (a constant name) in the store's own schema, the
+/// first of its search path, from the live catalog.
+pub(crate) fn read_table(conn: &mut PgConnection, table_name: &'static str) -> Result<Catalog> {
+    let regclass = format!("to_regclass(format('%I.%I', current_schema(), '{table_name}'))");
     let table: TableRow = diesel::sql_query(format!(
-        "SELECT current_schema()::text AS schema, {TABLE} IS NOT NULL AS exists"
+        "SELECT current_schema()::text AS schema, {regclass} IS NOT NULL AS exists"
     ))
     .get_result(conn)?;
     let name = format!(
-        "{}.idempotency_keys",
+        "{}.{table_name}",
         table.schema.as_deref().unwrap_or("<no schema>")
     );
     if !table.exists {
@@ -119,6 +69,10 @@ fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
             columns: vec![],
         });
     }
+    // Key columns only (not INCLUDE columns), in index order; 0 is an expression.
+    // A deferrable constraint's index checks at commit (NOT indimmediate, whether
+    // initially deferred or not); an index that a failed CREATE INDEX CONCURRENTLY
+    // or a concurrent drop left behind is not valid, ready or live.
     let indexes: Vec<IndexRow> = diesel::sql_query(format!(
         "SELECT ic.relname::text AS name, i.indisunique AS is_unique, \
                 (i.indpred IS NOT NULL) AS is_partial, \
@@ -138,7 +92,7 @@ fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
                       WHERE k.ord <= i.indnkeyatts \
                       ORDER BY k.ord) AS loose_collations \
          FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
-         WHERE i.indrelid = {TABLE} ORDER BY ic.relname"
+         WHERE i.indrelid = {regclass} ORDER BY ic.relname"
     ))
     .load(conn)?;
     let columns: Vec<ColumnRow> = diesel::sql_query(format!(
@@ -146,7 +100,7 @@ fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
                 CASE WHEN NOT c.collisdeterministic THEN c.collname::text END \
                     AS loose_collation \
          FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation \
-         WHERE a.attrelid = {TABLE} AND a.attnum > 0 AND NOT a.attisdropped"
+         WHERE a.attrelid = {regclass} AND a.attnum > 0 AND NOT a.attisdropped"
     ))
     .load(conn)?;
     Ok(Catalog {
