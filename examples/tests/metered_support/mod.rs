@@ -35,23 +35,12 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
-/// The Redis URL the tests use, or `None` (skip) when neither it nor PostgreSQL is
-/// reachable and services are not required.
+/// The PostgreSQL and Redis URLs, found as the test support finds every service
+/// (a variable, else the default local address); `None` only when the service is
+/// missing and `INBOX_SKIP_SERVICES=1` lets the test return early.
 pub fn services() -> Option<(String, String)> {
     let pg = inbox_test_support::postgres_url()?;
-    let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    let addr = redis
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .to_owned();
-    if TcpStream::connect(&addr).is_err() {
-        assert!(
-            !inbox_test_support::services_required(),
-            "INBOX_REQUIRE_SERVICES=1 but Redis at {redis} is not reachable"
-        );
-        eprintln!("skipping: no Redis at {redis}");
-        return None;
-    }
+    let redis = inbox_test_support::redis_url()?;
     Some((pg, redis))
 }
 
