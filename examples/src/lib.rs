@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod credit;
+pub mod metered;
 pub mod quickstart;
 pub mod usage;
 

@@ -10,6 +10,12 @@ pub enum Error {
     /// A consumer group name breaks the name rules.
     #[error("invalid consumer group: {0}")]
     InvalidConsumerGroup(String),
+    /// An idempotency key is empty, longer than 255 bytes or not printable ASCII.
+    #[error("invalid idempotency key: {0}")]
+    InvalidIdempotencyKey(String),
+    /// A request's fingerprint fields were given wrongly (a name twice).
+    #[error("invalid request fields: {0}")]
+    InvalidRequestFields(String),
     /// A retry policy's settings make no sense.
     #[error("invalid retry policy: {0}")]
     InvalidRetryPolicy(String),

@@ -42,6 +42,7 @@ mod decision;
 mod envelope;
 mod error;
 mod handler;
+mod idempotency;
 mod key;
 #[doc(hidden)]
 pub mod names;
@@ -62,6 +63,10 @@ pub use error::{Error, ErrorChain, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,
+};
+pub use idempotency::{
+    judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
+    Judgement, RequestFields, Settlement, DEFAULT_IDEMPOTENCY_RETENTION, MAX_IDEMPOTENCY_KEY_LEN,
 };
 /// `#[derive(Handler)]`: implements the [`Handler`](trait@Handler) trait for a
 /// handler struct from its `#[inbox(...)]` attribute.

@@ -20,7 +20,9 @@ pub(crate) mod private {
     use super::*;
 
     /// Backend operations; sealed, so only this crate's backends implement them.
-    pub trait Sealed: ClaimOps + OutboxOps + RetentionOps + Sized {
+    pub trait Sealed:
+        ClaimOps + OutboxOps + RetentionOps + crate::idempotency::IdempotencyOps + Sized
+    {
         const BACKEND: Backend;
 
         /// What a relay waits for enqueues on (PostgreSQL: the store's LISTEN

@@ -52,6 +52,40 @@ pub enum Error {
         /// The value given.
         found: String,
     },
+    /// The live schema does not enforce the idempotency key the store uses.
+    #[error("idempotency index mismatch: expected {expected}, found {found} on {table}")]
+    IdempotencySchemaMismatch {
+        /// Which requirement the schema breaks.
+        problem: SchemaProblem,
+        /// What the store needs.
+        expected: String,
+        /// What the catalog says.
+        found: String,
+        /// The table, schema-qualified where the backend has schemas.
+        table: String,
+    },
+    /// A request's write was refused: its lease was taken over (another request
+    /// holds a higher fencing token), or the record is no longer in flight. Roll the
+    /// transaction back.
+    #[error("idempotency key {key:?} of caller {caller:?}: lease token {token} was fenced off")]
+    Fenced {
+        /// The caller.
+        caller: String,
+        /// The idempotency key.
+        key: String,
+        /// The token the write carried.
+        token: i64,
+    },
+    /// A stored idempotency record breaks the table's rules.
+    #[error("corrupt idempotency record {key:?} of caller {caller:?}: {reason}")]
+    CorruptIdempotencyRecord {
+        /// The caller.
+        caller: String,
+        /// The idempotency key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An outbox message was refused before it was written.
     #[error("invalid outbox message {key}: {reason}")]
     InvalidOutboxMessage {

@@ -26,6 +26,10 @@
 //!   deliveries and the broker's dead letters; `crash_loop` start marks; `metrics`.
 //! - `store`: [`Store`], [`StoreBuilder`] and the state batches share, whose fields
 //!   only that module touches.
+//! - `idempotency`: idempotency records of requests ([`begin_request`],
+//!   [`commit_request`], [`settle_request`], ...), their statement trait and their
+//!   index check; each backend's statements in `pg/idempotency.rs` and
+//!   `sqlite/idempotency.rs`, its catalog read by `catalog.rs`.
 //! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
 //!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
 //!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
@@ -36,6 +40,7 @@ mod backend;
 mod batch;
 mod dsl;
 mod error;
+mod idempotency;
 mod outbox;
 mod pg;
 mod pool;
@@ -52,6 +57,10 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
+pub use idempotency::{
+    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
+    settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
+};
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,
     MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,

@@ -228,10 +228,12 @@ impl<C: StoreConnection> Store<C> {
 
     /// Checks the live schema: a unique index (or primary key) must cover exactly the
     /// claim key columns, with no predicate and no expression, on NOT NULL columns,
-    /// and no other unique index may constrain a part of them.
+    /// and no other unique index may constrain a part of them. The same holds for the
+    /// idempotency table and its key (caller, idempotency_key).
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
-        verify::check(&C::catalog(&mut conn)?)
+        verify::check(&C::catalog(&mut conn)?)?;
+        crate::idempotency::verify_on(&mut *conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -626,6 +628,7 @@ fn first_connection<C: StoreConnection>(
     }
     if check_schema {
         verify::check(&C::catalog(&mut first)?)?;
+        crate::idempotency::verify_on(&mut first)?;
     }
     Ok(first)
 }

@@ -8,9 +8,6 @@ use diesel::PgConnection;
 use crate::verify::{Catalog, ColumnInfo, IndexInfo};
 use crate::Result;
 
-/// The claim table of the store's own schema: the first schema of its search path.
-const CLAIMS: &str = "to_regclass(format('%I.%I', current_schema(), 'inbox_claims'))";
-
 #[derive(QueryableByName)]
 struct IndexRow {
     #[diesel(sql_type = Text)]
@@ -49,12 +46,19 @@ struct TableRow {
 
 /// Reads the claim table of the store's schema from the live catalog.
 pub(crate) fn read(conn: &mut PgConnection) -> Result<Catalog> {
+    read_table(conn, "inbox_claims")
+}
+
+/// Reads one of the store's tables (a constant name) in the store's own schema, the
+/// first of its search path, from the live catalog.
+pub(crate) fn read_table(conn: &mut PgConnection, table_name: &'static str) -> Result<Catalog> {
+    let regclass = format!("to_regclass(format('%I.%I', current_schema(), '{table_name}'))");
     let table: TableRow = diesel::sql_query(format!(
-        "SELECT current_schema()::text AS schema, {CLAIMS} IS NOT NULL AS exists"
+        "SELECT current_schema()::text AS schema, {regclass} IS NOT NULL AS exists"
     ))
     .get_result(conn)?;
     let name = format!(
-        "{}.inbox_claims",
+        "{}.{table_name}",
         table.schema.as_deref().unwrap_or("<no schema>")
     );
     if !table.exists {
@@ -88,7 +92,7 @@ pub(crate) fn read(conn: &mut PgConnection) -> Result<Catalog> {
                       WHERE k.ord <= i.indnkeyatts \
                       ORDER BY k.ord) AS loose_collations \
          FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
-         WHERE i.indrelid = {CLAIMS} ORDER BY ic.relname"
+         WHERE i.indrelid = {regclass} ORDER BY ic.relname"
     ))
     .load(conn)?;
     let columns: Vec<ColumnRow> = diesel::sql_query(format!(
@@ -96,7 +100,7 @@ pub(crate) fn read(conn: &mut PgConnection) -> Result<Catalog> {
                 CASE WHEN NOT c.collisdeterministic THEN c.collname::text END \
                     AS loose_collation \
          FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation \
-         WHERE a.attrelid = {CLAIMS} AND a.attnum > 0 AND NOT a.attisdropped"
+         WHERE a.attrelid = {regclass} AND a.attnum > 0 AND NOT a.attisdropped"
     ))
     .load(conn)?;
     Ok(Catalog {

@@ -6,6 +6,7 @@
 
 mod catalog;
 mod claims;
+mod idempotency;
 mod listen;
 mod outbox;
 mod retention;

@@ -42,11 +42,16 @@ struct ColumnRow {
 
 /// Reads the claim table from the live catalog.
 pub(crate) fn read(conn: &mut SqliteConnection) -> Result<Catalog> {
-    let columns: Vec<ColumnRow> = diesel::sql_query(
-        "SELECT name, \"notnull\" AS not_null FROM pragma_table_info('inbox_claims')",
-    )
+    read_table(conn, "inbox_claims")
+}
+
+/// Reads one of the store's tables (a constant name) from the live catalog.
+pub(crate) fn read_table(conn: &mut SqliteConnection, table_name: &'static str) -> Result<Catalog> {
+    let columns: Vec<ColumnRow> = diesel::sql_query(format!(
+        "SELECT name, \"notnull\" AS not_null FROM pragma_table_info('{table_name}')"
+    ))
     .load(conn)?;
-    let table = "main.inbox_claims".to_owned();
+    let table = format!("main.{table_name}");
     if columns.is_empty() {
         return Ok(Catalog {
             table,
@@ -55,10 +60,10 @@ pub(crate) fn read(conn: &mut SqliteConnection) -> Result<Catalog> {
             columns: vec![],
         });
     }
-    let rows: Vec<IndexRow> = diesel::sql_query(
+    let rows: Vec<IndexRow> = diesel::sql_query(format!(
         "SELECT name, \"unique\" AS is_unique, partial AS is_partial \
-         FROM pragma_index_list('inbox_claims') ORDER BY name",
-    )
+         FROM pragma_index_list('{table_name}') ORDER BY name"
+    ))
     .load(conn)?;
     let mut indexes = Vec::with_capacity(rows.len());
     for row in rows {
@@ -88,10 +93,10 @@ pub(crate) fn read(conn: &mut SqliteConnection) -> Result<Catalog> {
     }
     // The lookup by key compares under the column's own collation, which only
     // the table's CREATE statement records.
-    let create: Option<TableSqlRow> = diesel::sql_query(
-        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'inbox_claims' \
-         COLLATE NOCASE",
-    )
+    let create: Option<TableSqlRow> = diesel::sql_query(format!(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = '{table_name}' \
+         COLLATE NOCASE"
+    ))
     .get_result(conn)
     .optional()?;
     let declared = super::collation::declared(

@@ -6,6 +6,7 @@
 mod catalog;
 mod claims;
 mod collation;
+mod idempotency;
 mod outbox;
 mod retention;
 

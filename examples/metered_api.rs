@@ -1,0 +1,175 @@
+//! `cargo run --example metered_api`: the metered speech API on PostgreSQL, with Redis
+//! as an advisory cache and settlements relayed in-process (or through RabbitMQ when
+//! `AMQP_URL` is set).
+//!
+//! Prints `metered_api: listening on http://ADDR` once it serves; runs until SIGTERM
+//! or ctrl-c; exits 1 with the error when startup fails. Settings (see the README):
+//! `DATABASE_URL` (required), `REDIS_URL`, `LISTEN_ADDR`, `METERED_SCHEMA`,
+//! `METERED_DEADLINE_MS`, `METERED_SETTLE_MARGIN_MS`, `METERED_CHUNK_DELAY_MS`,
+//! `METERED_RATE_LIMIT`, `METERED_MAX_CONCURRENCY`, `METERED_POOL_SIZE`,
+//! `METERED_RELAY_POLL_MS`, `METERED_REDIS_PROBE_MS`, `METERED_IDEMPOTENCY_RETENTION_MS`,
+//! `AMQP_URL`, `METERED_AMQP_PREFIX`.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use diesel::PgConnection;
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, Topology};
+use inbox_core::{Clock, SystemClock};
+use inbox_diesel::Store;
+use inbox_examples::metered::config::Config;
+use inbox_examples::metered::db;
+use inbox_examples::metered::http::{router, App, ServiceStats};
+use inbox_examples::metered::redis::{Advisory, Redis};
+use inbox_examples::metered::settle::{self, SettlementStats, Settler};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    inbox_examples::init_logging();
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("metered_api: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let config = Config::from_env()?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let settlements = Arc::new(SettlementStats::default());
+    let settler = Settler::new(Arc::clone(&clock), Arc::clone(&settlements));
+    let (url, schema, pool_size) = (
+        config.database_url.clone(),
+        config.schema.clone(),
+        config.pool_size,
+    );
+    let store_clock = Arc::clone(&clock);
+    let store = tokio::task::spawn_blocking(
+        move || -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+            let store = Store::<PgConnection>::builder(url)
+                .schema(schema)
+                .pool_size(pool_size)
+                .clock(store_clock)
+                .handler(settler)
+                .build()?;
+            db::create_schema(&mut *store.connection()?)?;
+            Ok(store)
+        },
+    )
+    .await?
+    .map_err(|e| format!("startup failed: {e}"))?;
+
+    let shutdown = CancellationToken::new();
+    let stop_relay = Arc::new(AtomicBool::new(false));
+    let mut background = Vec::new();
+    let exchange = match &config.amqp_url {
+        None => {
+            let (store, poll, stop) = (store.clone(), config.relay_poll, Arc::clone(&stop_relay));
+            background.push(tokio::task::spawn_blocking(move || {
+                settle::run_in_process(store, poll, stop)
+            }));
+            "metered".to_owned()
+        }
+        Some(amqp) => {
+            let mut topology = Topology::new("metered")?.prefix(config.amqp_prefix.clone())?;
+            if let Some(expires) = config.amqp_queue_expires {
+                topology = topology.queue_expires(expires);
+            }
+            let exchange = topology.exchange();
+            let consumer = Consumer::new(amqp.clone(), Arc::new(store.clone()), topology)
+                .with_settings(ConsumerSettings::default().connection_name("metered_api"));
+            let relay = Relay::new(amqp.clone(), Arc::new(store.clone())).with_settings(
+                RelaySettings::default()
+                    .connection_name("metered_api relay")
+                    .poll_interval(config.relay_poll),
+            );
+            let (c, r) = (shutdown.clone(), shutdown.clone());
+            background.push(tokio::spawn(async move {
+                if let Err(e) = consumer.run(c).await {
+                    tracing::error!(error = %e, "settlement consumer stopped");
+                }
+            }));
+            background.push(tokio::spawn(async move {
+                if let Err(e) = relay.run(r).await {
+                    tracing::error!(error = %e, "settlement relay stopped");
+                }
+            }));
+            exchange
+        }
+    };
+
+    // Idempotency records expire after the retention, in bounded purges.
+    let (purge_store, retention, purge_stop) = (
+        store.clone(),
+        config.idempotency_retention,
+        shutdown.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let store = purge_store.clone();
+            match tokio::task::spawn_blocking(move || store.purge_idempotency_keys(retention, 1000))
+                .await
+            {
+                Ok(Ok(0)) => {}
+                Ok(Ok(n)) => tracing::info!(purged = n, "expired idempotency keys purged"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+                Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+                _ = purge_stop.cancelled() => return,
+            }
+        }
+    });
+
+    let redis = Redis::new(&config.redis_url)?;
+    let prefix = format!("metered:{}", config.schema);
+    let listen = config.listen;
+    let app = Arc::new(App {
+        config,
+        store,
+        advisory: Advisory::new(redis, prefix),
+        settlements,
+        stats: ServiceStats::default(),
+        exchange,
+    });
+    // The only place that may declare the Redis connection dead.
+    if let Some(every) = app.config.redis_probe {
+        let probe_app = Arc::clone(&app);
+        let probe_stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = probe_stop.cancelled() => return,
+                }
+                probe_app.advisory.redis().probe().await;
+            }
+        });
+    }
+
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("could not listen on {listen}: {e}"))?;
+    let addr = listener.local_addr()?;
+    println!("metered_api: listening on http://{addr}");
+    std::io::stdout().flush()?;
+    let serve_stop = shutdown.clone();
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(async move {
+            inbox_amqp::shutdown_signal().await;
+            serve_stop.cancel();
+        })
+        .await?;
+    shutdown.cancel();
+    stop_relay.store(true, Ordering::SeqCst);
+    for task in background {
+        let _ = task.await;
+    }
+    println!("metered_api: stopped");
+    Ok(())
+}

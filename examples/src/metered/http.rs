@@ -1,0 +1,374 @@
+//! The HTTP interface (see the README's "Metered API" section for the contract).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use diesel::PgConnection;
+use inbox_diesel::Store;
+use serde::Deserialize;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::config::Config;
+use super::db;
+use super::redis::{Advisory, CacheLookup};
+use super::settle::SettlementStats;
+
+/// Counters of the request path, for `GET /admin/stats`.
+#[derive(Debug, Default)]
+pub struct ServiceStats {
+    /// Streams that ended with their final line, delivered.
+    pub delivered: AtomicU64,
+    /// Streams cut (upstream failure, deadline, client gone) and refunded.
+    pub refunded: AtomicU64,
+    /// Refunds that failed on the request path (the settlement refunds them later).
+    pub refund_failures: AtomicU64,
+    /// Replays served from a saved response.
+    pub replays: AtomicU64,
+}
+
+/// Everything a request needs.
+pub struct App {
+    /// The settings.
+    pub config: Config,
+    /// The PostgreSQL store (pool, clock, outbox, idempotency records).
+    pub store: Store<PgConnection>,
+    /// Redis, advisory only.
+    pub advisory: Advisory,
+    /// The settlement consumer's counters.
+    pub settlements: Arc<SettlementStats>,
+    /// The request path's counters.
+    pub stats: ServiceStats,
+    /// The exchange settlement messages are published to.
+    pub exchange: String,
+}
+
+/// An error answer: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    pub(crate) fn internal(err: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %err, "request failed");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the server failed; nothing was charged unless a usage id was reported",
+        )
+    }
+
+    pub(crate) fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "expected Authorization: Bearer <api key> with an active key",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+pub(crate) type ApiResult<T> = Result<T, ApiError>;
+
+/// Runs `f` on a pooled connection on a blocking thread.
+pub(crate) async fn blocking<T, F>(app: &Arc<App>, f: F) -> ApiResult<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut PgConnection) -> ApiResult<T> + Send + 'static,
+{
+    let app = Arc::clone(app);
+    tokio::task::spawn_blocking(move || {
+        let mut conn = app.store.connection().map_err(|e| {
+            tracing::error!(error = %e, "no database connection");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable",
+                "the database is unavailable",
+            )
+        })?;
+        f(&mut conn)
+    })
+    .await
+    .map_err(ApiError::internal)?
+}
+
+pub(crate) fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> ApiResult<T> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// The service's routes.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/admin/accounts", post(create_account))
+        .route("/admin/accounts/{id}", get(show_account))
+        .route("/admin/keys", post(create_key))
+        .route("/admin/usage/{id}", get(show_usage))
+        .route("/admin/usage/{id}/refund", post(refund_usage))
+        .route("/admin/stats", get(stats))
+        .route("/v1/health", get(health))
+        .route("/v1/balance", get(balance))
+        .route("/v1/speech", post(super::speech::speech))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .with_state(app)
+}
+
+#[derive(Deserialize)]
+struct NewAccount {
+    balance: i64,
+}
+
+async fn create_account(State(app): State<Arc<App>>, body: Bytes) -> ApiResult<Response> {
+    let req: NewAccount = parse_json(&body)?;
+    if req.balance < 0 {
+        return Err(ApiError::bad_request("balance must be 0 or more"));
+    }
+    let now = app.store.clock().now();
+    let id = blocking(&app, move |conn| {
+        db::create_account(conn, req.balance, now).map_err(ApiError::internal)
+    })
+    .await?;
+    Ok(axum::Json(json!({"account_id": id})).into_response())
+}
+
+async fn show_account(State(app): State<Arc<App>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::bad_request("the account id must be an integer"))?;
+    let summary = blocking(&app, move |conn| {
+        db::account_summary(conn, id).map_err(ApiError::internal)
+    })
+    .await?
+    .ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "account_not_found",
+            "no such account",
+        )
+    })?;
+    Ok(axum::Json(json!({
+        "account_id": summary.account_id,
+        "balance": summary.balance,
+        "ledger_sum": summary.ledger_sum,
+        "ledger_entries": summary.ledger_entries,
+        "refunds": summary.refunds,
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+struct NewKey {
+    account_id: i64,
+    spend_cap: i64,
+}
+
+/// 24 random bytes from the kernel, hex: `mk_` + 48 hex digits.
+fn new_api_key() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 24];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(format!("mk_{}", hex(&bytes)))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn digest(api_key: &str) -> Vec<u8> {
+    Sha256::digest(api_key.as_bytes()).to_vec()
+}
+
+async fn create_key(State(app): State<Arc<App>>, body: Bytes) -> ApiResult<Response> {
+    let req: NewKey = parse_json(&body)?;
+    if req.spend_cap < 0 {
+        return Err(ApiError::bad_request("spend_cap must be 0 or more"));
+    }
+    let api_key = new_api_key().map_err(ApiError::internal)?;
+    let key_digest = digest(&api_key);
+    let now = app.store.clock().now();
+    let created = blocking(&app, move |conn| {
+        db::create_key(conn, req.account_id, &key_digest, req.spend_cap, now)
+            .map_err(ApiError::internal)
+    })
+    .await?;
+    match created {
+        Some(key_id) => {
+            Ok(axum::Json(json!({"api_key": api_key, "key_id": key_id})).into_response())
+        }
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "account_not_found",
+            format!("no account {}", req.account_id),
+        )),
+    }
+}
+
+async fn show_usage(State(app): State<Arc<App>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::bad_request("the usage id must be an integer"))?;
+    let usage = blocking(&app, move |conn| {
+        db::usage(conn, id).map_err(ApiError::internal)
+    })
+    .await?
+    .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "usage_not_found", "no such usage"))?;
+    Ok(axum::Json(json!({
+        "usage_id": usage.id,
+        "account_id": usage.account_id,
+        "amount": usage.amount,
+        "model": usage.model,
+        "status": usage.status,
+        "refunds": usage.refunds,
+    }))
+    .into_response())
+}
+
+/// An operator's refund of a delivered usage.
+async fn refund_usage(State(app): State<Arc<App>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::bad_request("the usage id must be an integer"))?;
+    let now = app.store.clock().now();
+    let (refunded, usage) = blocking(&app, move |conn| {
+        let refunded = db::refund_delivered(conn, id, now).map_err(ApiError::internal)?;
+        Ok((refunded, db::usage(conn, id).map_err(ApiError::internal)?))
+    })
+    .await?;
+    let usage = usage
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "usage_not_found", "no such usage"))?;
+    if !refunded {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_refundable",
+            format!("usage {id} is {}, not delivered", usage.status),
+        ));
+    }
+    Ok(axum::Json(json!({"usage_id": usage.id, "status": usage.status})).into_response())
+}
+
+async fn stats(State(app): State<Arc<App>>) -> Response {
+    let a = &app.advisory.stats;
+    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    axum::Json(json!({
+        "redis_fallbacks": a.fallbacks(),
+        "rate_limit_fallbacks": load(&a.rate_limit_fallbacks),
+        "slot_fallbacks": load(&a.slot_fallbacks),
+        "key_cache_fallbacks": load(&a.key_cache_fallbacks),
+        "key_cache_hits": load(&a.key_cache_hits),
+        "key_cache_misses": load(&a.key_cache_misses),
+        "streams_delivered": load(&app.stats.delivered),
+        "streams_refunded": load(&app.stats.refunded),
+        "refund_failures": load(&app.stats.refund_failures),
+        "replays": load(&app.stats.replays),
+        "settlements_refunded": load(&app.settlements.refunded),
+        "settlements_already_settled": load(&app.settlements.already_settled),
+    }))
+    .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let redis = app.advisory.redis().probe().await;
+    let postgres = blocking(&app, |conn| {
+        use diesel::connection::SimpleConnection;
+        conn.batch_execute("SELECT 1").map_err(ApiError::internal)
+    })
+    .await
+    .is_ok();
+    let status = if postgres {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = json!({
+        "status": if postgres && redis { "ok" } else if postgres { "degraded" } else { "unavailable" },
+        "postgres": if postgres { "ok" } else { "unavailable" },
+        "redis": if redis { "ok" } else { "unavailable" },
+        "redis_fallbacks": app.advisory.stats.fallbacks(),
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+/// The caller: an active API key, looked up in the cache, else in PostgreSQL.
+pub(crate) struct Caller {
+    pub(crate) raw_key: String,
+    pub(crate) account: i64,
+    pub(crate) key_id: i64,
+}
+
+pub(crate) async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResult<Caller> {
+    let raw_key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(ApiError::unauthorized)?
+        .to_owned();
+    let key_digest = digest(&raw_key);
+    let digest_hex = hex(&key_digest);
+    let lookup = app.advisory.cached_key(&digest_hex).await;
+    if let CacheLookup::Hit { account, key_id } = lookup {
+        return Ok(Caller {
+            raw_key,
+            account,
+            key_id,
+        });
+    }
+    let found = blocking(app, move |conn| {
+        db::find_key(conn, &key_digest).map_err(ApiError::internal)
+    })
+    .await?;
+    let (account, key_id) = found.ok_or_else(ApiError::unauthorized)?;
+    if lookup == CacheLookup::Miss {
+        app.advisory.cache_key(&digest_hex, account, key_id).await;
+    }
+    Ok(Caller {
+        raw_key,
+        account,
+        key_id,
+    })
+}
+
+async fn balance(State(app): State<Arc<App>>, headers: HeaderMap) -> ApiResult<Response> {
+    let caller = authenticate(&app, &headers).await?;
+    let key_id = caller.key_id;
+    let b = blocking(&app, move |conn| {
+        db::balance(conn, key_id).map_err(ApiError::internal)
+    })
+    .await?
+    .ok_or_else(ApiError::unauthorized)?;
+    Ok(axum::Json(json!({
+        "account_id": b.account_id,
+        "balance": b.balance,
+        "spend_cap": b.spend_cap,
+        "spent": b.spent,
+    }))
+    .into_response())
+}

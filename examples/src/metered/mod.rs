@@ -1,0 +1,12 @@
+//! `metered_api`: a metered HTTP API that charges before it works and refunds when
+//! it fails, with idempotent replays, Redis as an advisory cache and settlements
+//! that heal a crash between debit and refund. See the README's "Metered API".
+
+pub mod config;
+pub mod db;
+pub mod http;
+pub mod redis;
+pub mod settle;
+pub mod speech;
+pub mod stream;
+pub mod upstream;

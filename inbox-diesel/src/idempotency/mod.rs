@@ -1,0 +1,531 @@
+//! Idempotency keys of requests on the store: begin, commit, settle, abandon, read
+//! and purge the records of `idempotency_keys`, and verify its unique index.
+//!
+//! The rules (see [`inbox_core::judge`]): a key whose effect committed is never
+//! executed again; until the request is settled (delivered or refunded) replays are
+//! in flight, whatever the lease says. The lease (to the request's deadline) only
+//! frees a key whose request died *before* its effect committed, and every later
+//! write of the first request is fenced by its lease token.
+//!
+//! Lock order: the caller's own rows first (a balance, a key), then the record. The
+//! functions that take a connection run inside the caller's transaction, so the
+//! commit mark and the effect commit together.
+
+mod verify;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::result::QueryResult;
+use inbox_core::{
+    delta, judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord,
+    IdempotencyStatus, Judgement, Settlement,
+};
+
+use crate::backend::StoreConnection;
+use crate::verify::Catalog;
+use crate::{AsStoreConnection, Error, Result, Store};
+
+pub(crate) use verify::check;
+
+/// The idempotency table's key columns, in the order of its primary key.
+pub const IDEMPOTENCY_KEY_COLUMNS: [&str; 2] = ["caller", "idempotency_key"];
+
+/// A record as a backend reads it, before its values are checked.
+pub struct RawRecord {
+    pub caller: String,
+    pub key: String,
+    pub fingerprint: Vec<u8>,
+    pub status: String,
+    pub lease_token: i64,
+    pub lease_until: DateTime<Utc>,
+    pub committed_at: Option<DateTime<Utc>>,
+    pub response: Option<Vec<u8>>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl RawRecord {
+    fn check(self) -> Result<IdempotencyRecord> {
+        let corrupt = |reason: String| Error::CorruptIdempotencyRecord {
+            caller: self.caller.clone(),
+            key: self.key.clone(),
+            reason,
+        };
+        let fingerprint = Fingerprint::from_slice(&self.fingerprint).ok_or_else(|| {
+            corrupt(format!(
+                "fingerprint of {} bytes, expected {}",
+                self.fingerprint.len(),
+                Fingerprint::LEN
+            ))
+        })?;
+        let status = IdempotencyStatus::parse(&self.status)
+            .ok_or_else(|| corrupt(format!("unknown status {:?}", self.status)))?;
+        let mut record =
+            IdempotencyRecord::from_parts(&self.caller, &self.key, fingerprint, status);
+        record.lease_token = self.lease_token;
+        record.lease_until = self.lease_until;
+        record.committed_at = self.committed_at;
+        record.response = self.response;
+        record.created_at = self.created_at;
+        record.updated_at = self.updated_at;
+        Ok(record)
+    }
+}
+
+/// The statements of one backend.
+pub trait IdempotencyOps {
+    /// Inserts the record, or takes over an expired, uncommitted one with the same
+    /// fingerprint (raising its token); returns the token, or `None` if the key is
+    /// not free.
+    fn begin(
+        conn: &mut Self,
+        caller: &str,
+        key: &str,
+        fingerprint: &[u8],
+        lease_until: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> QueryResult<Option<i64>>;
+
+    /// Reads one record.
+    fn read(conn: &mut Self, caller: &str, key: &str) -> QueryResult<Option<RawRecord>>;
+
+    /// Marks the effect committed, fenced by the token; returns the rows touched.
+    fn commit(
+        conn: &mut Self,
+        caller: &str,
+        key: &str,
+        token: i64,
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
+    /// Settles a committed, in-flight record, fenced by the token.
+    fn settle(
+        conn: &mut Self,
+        caller: &str,
+        key: &str,
+        token: i64,
+        status: &str,
+        response: Option<&[u8]>,
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
+    /// Moves a delivered record to refunded, fenced by the token.
+    fn refund_delivered(
+        conn: &mut Self,
+        caller: &str,
+        key: &str,
+        token: i64,
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
+    /// Deletes an uncommitted, in-flight record, fenced by the token.
+    fn abandon(conn: &mut Self, caller: &str, key: &str, token: i64) -> QueryResult<usize>;
+
+    /// Deletes up to `limit` records created before `cutoff` that are settled, or
+    /// uncommitted with a lease that ended before it; oldest first.
+    fn purge(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
+
+    /// The idempotency table's indexes and columns from the live catalog.
+    fn idempotency_catalog(conn: &mut Self) -> Result<Catalog>;
+}
+
+/// A request to begin under an idempotency key.
+#[derive(Clone, Copy, Debug)]
+pub struct NewRequest<'a> {
+    /// Whose key it is (an account): one key means one request across all of the
+    /// caller's credentials.
+    pub caller: &'a str,
+    /// The client's key.
+    pub key: &'a IdempotencyKey,
+    /// The request's fingerprint (see [`inbox_core::RequestFields`]).
+    pub fingerprint: &'a Fingerprint,
+    /// The end of the lease: the request's deadline.
+    pub lease_until: DateTime<Utc>,
+}
+
+/// How often `begin_request` tries again when the record it conflicted with is gone
+/// (abandoned or purged meanwhile) or its lease ran out meanwhile.
+const BEGIN_ROUNDS: usize = 3;
+
+/// Begins a request under its idempotency key, in its own short transaction (a
+/// savepoint inside the caller's): the key is this request's
+/// ([`IdempotencyAnswer::Execute`] with the lease's fencing token) or the stored
+/// record answers it (in flight, mismatch, replay, refunded). The database decides,
+/// not a cache: of concurrent requests with one key exactly one executes.
+pub fn begin_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    request: &NewRequest<'_>,
+    now: DateTime<Utc>,
+) -> Result<IdempotencyAnswer> {
+    let conn = conn.as_store_connection();
+    begin_on(conn, request, now)
+}
+
+fn begin_on<C: StoreConnection>(
+    conn: &mut C,
+    request: &NewRequest<'_>,
+    now: DateTime<Utc>,
+) -> Result<IdempotencyAnswer> {
+    let caller = request.caller;
+    let key = request.key.as_str();
+    check_caller(caller)?;
+    for _ in 0..BEGIN_ROUNDS {
+        let taken = C::write_transaction(conn, |conn| {
+            C::begin(
+                conn,
+                caller,
+                key,
+                request.fingerprint.as_bytes(),
+                request.lease_until,
+                now,
+            )
+        })?;
+        if let Some(token) = taken {
+            return Ok(IdempotencyAnswer::Execute { token });
+        }
+        let Some(raw) = C::read(conn, caller, key)? else {
+            continue; // abandoned or purged since the conflict: try again
+        };
+        match judge(&raw.check()?, request.fingerprint, now) {
+            Judgement::Answer(answer) => return Ok(answer),
+            Judgement::TakeOver { .. } => continue,
+            Judgement::Corrupt(reason) => {
+                return Err(Error::CorruptIdempotencyRecord {
+                    caller: caller.to_owned(),
+                    key: key.to_owned(),
+                    reason: reason.to_owned(),
+                })
+            }
+            _ => return Ok(IdempotencyAnswer::InFlight),
+        }
+    }
+    // Still contended after every round: another request holds the key.
+    Ok(IdempotencyAnswer::InFlight)
+}
+
+fn check_caller(caller: &str) -> Result<()> {
+    if caller.is_empty() || caller.len() > 255 || caller.contains('\0') {
+        return Err(Error::InvalidSetting {
+            setting: "caller",
+            expected: "1 to 255 bytes without NUL",
+            found: format!("{} bytes", caller.len()),
+        });
+    }
+    Ok(())
+}
+
+/// Marks the request's effect committed, inside the transaction of the effect (the
+/// debit): from its commit on, the key is never executed again. Fenced: if the
+/// request's lease was taken over, this fails with [`Error::Fenced`] and the caller
+/// must roll its transaction back.
+pub fn commit_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+    token: i64,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let conn = conn.as_store_connection();
+    match <C::Conn as IdempotencyOps>::commit(conn, caller, key.as_str(), token, now)? {
+        1 => Ok(()),
+        _ => Err(Error::Fenced {
+            caller: caller.to_owned(),
+            key: key.as_str().to_owned(),
+            token,
+        }),
+    }
+}
+
+/// Settles a committed request by a guarded write from in flight: delivered with
+/// its saved response, or refunded. Returns whether this write settled it (`false`:
+/// settled already, by this or another process, or fenced). Run it in the same
+/// transaction as the caller's own settlement (the usage row's), after its writes.
+pub fn settle_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+    token: i64,
+    settlement: &Settlement,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let conn = conn.as_store_connection();
+    let response = match settlement {
+        Settlement::Delivered { response } => Some(response.as_slice()),
+        _ => None,
+    };
+    let status = settlement.status().as_str();
+    let touched = <C::Conn as IdempotencyOps>::settle(
+        conn,
+        caller,
+        key.as_str(),
+        token,
+        status,
+        response,
+        now,
+    )?;
+    Ok(touched == 1)
+}
+
+/// Refunds a request that was delivered (an operator's refund, say): a guarded write
+/// from delivered to refunded that drops the saved response. Returns whether this
+/// write did it. A replay being served meanwhile sees it when it checks the record
+/// again after serving, and ends with an error instead of the saved last line.
+pub fn refund_delivered_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+    token: i64,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let conn = conn.as_store_connection();
+    Ok(<C::Conn as IdempotencyOps>::refund_delivered(conn, caller, key.as_str(), token, now)? == 1)
+}
+
+/// Gives the key back when the request ended before its effect committed (it was
+/// refused: no credit, a bad request): a retry with the key executes. Fenced by the
+/// token; returns whether the record was deleted. A committed record is kept.
+pub fn abandon_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+    token: i64,
+) -> Result<bool> {
+    let conn = conn.as_store_connection();
+    Ok(<C::Conn as IdempotencyOps>::abandon(conn, caller, key.as_str(), token)? == 1)
+}
+
+/// Reads the record of (caller, key).
+pub fn read_request<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    caller: &str,
+    key: &IdempotencyKey,
+) -> Result<Option<IdempotencyRecord>> {
+    let conn = conn.as_store_connection();
+    <C::Conn as IdempotencyOps>::read(conn, caller, key.as_str())?
+        .map(RawRecord::check)
+        .transpose()
+}
+
+impl<C: StoreConnection> Store<C> {
+    /// Deletes idempotency records created longer ago than `retention` (24 h is
+    /// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
+    /// transaction, until a batch deletes fewer; returns how many. Settled records
+    /// go, and uncommitted ones whose lease ended before the cutoff; a committed
+    /// request that is not settled yet is kept until it is. A replay after its
+    /// record is gone executes as a new request.
+    ///
+    /// On PostgreSQL rows locked by a running request are skipped (the next purge
+    /// takes them).
+    pub fn purge_idempotency_keys(&self, retention: Duration, batch: usize) -> Result<u64> {
+        if batch == 0 {
+            return Err(Error::InvalidSetting {
+                setting: "batch",
+                expected: "at least 1 row",
+                found: "0".to_owned(),
+            });
+        }
+        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(retention)) else {
+            return Ok(0);
+        };
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let mut conn = self.connection()?;
+        let mut total = 0u64;
+        loop {
+            let deleted = C::write_transaction(&mut *conn, |conn| C::purge(conn, cutoff, limit))?;
+            total += deleted as u64;
+            if deleted < batch {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Reads the idempotency record of (caller, key).
+    pub fn idempotency_record(
+        &self,
+        caller: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<IdempotencyRecord>> {
+        let mut conn = self.connection()?;
+        read_request(&mut *conn, caller, key)
+    }
+}
+
+/// Refuses an idempotency table whose unique indexes do not enforce exactly
+/// (caller, idempotency_key).
+pub(crate) fn verify_on<C: StoreConnection>(conn: &mut C) -> Result<()> {
+    check(&C::idempotency_catalog(conn)?)
+}
+
+/// The statements of [`IdempotencyOps`], written once and expanded per backend with
+/// its timestamp type and its SQL (placeholders differ).
+macro_rules! idempotency_ops {
+    ($conn:ty, $ts:ty, $sql:ident) => {
+        #[derive(diesel::QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            caller: String,
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            idempotency_key: String,
+            #[diesel(sql_type = diesel::sql_types::Binary)]
+            fingerprint: Vec<u8>,
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            status: String,
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            lease_token: i64,
+            #[diesel(sql_type = $ts)]
+            lease_until: chrono::DateTime<chrono::Utc>,
+            #[diesel(sql_type = diesel::sql_types::Nullable<$ts>)]
+            committed_at: Option<chrono::DateTime<chrono::Utc>>,
+            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Binary>)]
+            response: Option<Vec<u8>>,
+            #[diesel(sql_type = $ts)]
+            created_at: chrono::DateTime<chrono::Utc>,
+            #[diesel(sql_type = $ts)]
+            updated_at: chrono::DateTime<chrono::Utc>,
+        }
+
+        #[derive(diesel::QueryableByName)]
+        struct Token {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            lease_token: i64,
+        }
+
+        impl crate::idempotency::IdempotencyOps for $conn {
+            fn begin(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                fingerprint: &[u8],
+                lease_until: chrono::DateTime<chrono::Utc>,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> diesel::QueryResult<Option<i64>> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{Binary, Text};
+                let row: Option<Token> = diesel::sql_query($sql::BEGIN)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<Binary, _>(fingerprint)
+                    .bind::<$ts, _>(lease_until)
+                    .bind::<$ts, _>(now)
+                    .get_result(conn)
+                    .optional()?;
+                Ok(row.map(|r| r.lease_token))
+            }
+
+            fn read(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+            ) -> diesel::QueryResult<Option<crate::idempotency::RawRecord>> {
+                use diesel::prelude::*;
+                use diesel::sql_types::Text;
+                let row: Option<Row> = diesel::sql_query($sql::READ)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .get_result(conn)
+                    .optional()?;
+                Ok(row.map(|r| crate::idempotency::RawRecord {
+                    caller: r.caller,
+                    key: r.idempotency_key,
+                    fingerprint: r.fingerprint,
+                    status: r.status,
+                    lease_token: r.lease_token,
+                    lease_until: r.lease_until,
+                    committed_at: r.committed_at,
+                    response: r.response,
+                    created_at: r.created_at,
+                    updated_at: r.updated_at,
+                }))
+            }
+
+            fn commit(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                token: i64,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{BigInt, Text};
+                diesel::sql_query($sql::COMMIT)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(token)
+                    .bind::<$ts, _>(now)
+                    .execute(conn)
+            }
+
+            fn settle(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                token: i64,
+                status: &str,
+                response: Option<&[u8]>,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{BigInt, Binary, Nullable, Text};
+                diesel::sql_query($sql::SETTLE)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(token)
+                    .bind::<Text, _>(status)
+                    .bind::<Nullable<Binary>, _>(response)
+                    .bind::<$ts, _>(now)
+                    .execute(conn)
+            }
+
+            fn refund_delivered(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                token: i64,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{BigInt, Text};
+                diesel::sql_query($sql::REFUND_DELIVERED)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(token)
+                    .bind::<$ts, _>(now)
+                    .execute(conn)
+            }
+
+            fn abandon(
+                conn: &mut Self,
+                caller: &str,
+                key: &str,
+                token: i64,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::{BigInt, Text};
+                diesel::sql_query($sql::ABANDON)
+                    .bind::<Text, _>(caller)
+                    .bind::<Text, _>(key)
+                    .bind::<BigInt, _>(token)
+                    .execute(conn)
+            }
+
+            fn purge(
+                conn: &mut Self,
+                cutoff: chrono::DateTime<chrono::Utc>,
+                limit: i64,
+            ) -> diesel::QueryResult<usize> {
+                use diesel::prelude::*;
+                use diesel::sql_types::BigInt;
+                diesel::sql_query($sql::PURGE)
+                    .bind::<$ts, _>(cutoff)
+                    .bind::<BigInt, _>(limit)
+                    .execute(conn)
+            }
+
+            fn idempotency_catalog(conn: &mut Self) -> crate::Result<crate::verify::Catalog> {
+                catalog(conn)
+            }
+        }
+    };
+}
+pub(crate) use idempotency_ops;

@@ -1,0 +1,66 @@
+//! PostgreSQL's idempotency statements; the table's catalog is read like the
+//! claim table's.
+
+use diesel::PgConnection;
+
+use crate::verify::Catalog;
+use crate::Result;
+
+mod sql {
+    /// The insert takes a free key; the conflict branch takes over only an
+    /// uncommitted, in-flight record whose lease has ended, with the same
+    /// fingerprint, raising its fencing token. Concurrent requests with one key
+    /// wait on the unique index for the first to commit, then find it taken.
+    pub(super) const BEGIN: &str = "\
+        INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, status, \
+            lease_token, lease_until, created_at, updated_at) \
+        VALUES ($1, $2, $3, 'in_flight', 1, $4, $5, $5) \
+        ON CONFLICT (caller, idempotency_key) DO UPDATE \
+            SET lease_token = idempotency_keys.lease_token + 1, \
+                lease_until = EXCLUDED.lease_until, updated_at = EXCLUDED.updated_at \
+            WHERE idempotency_keys.status = 'in_flight' \
+              AND idempotency_keys.committed_at IS NULL \
+              AND idempotency_keys.lease_until <= EXCLUDED.updated_at \
+              AND idempotency_keys.fingerprint = EXCLUDED.fingerprint \
+        RETURNING lease_token";
+
+    pub(super) const READ: &str = "\
+        SELECT caller, idempotency_key, fingerprint, status, lease_token, lease_until, \
+               committed_at, response, created_at, updated_at \
+        FROM idempotency_keys WHERE caller = $1 AND idempotency_key = $2";
+
+    pub(super) const COMMIT: &str = "\
+        UPDATE idempotency_keys SET committed_at = $4, updated_at = $4 \
+        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
+          AND status = 'in_flight' AND committed_at IS NULL";
+
+    pub(super) const SETTLE: &str = "\
+        UPDATE idempotency_keys SET status = $4, response = $5, updated_at = $6 \
+        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
+          AND status = 'in_flight' AND committed_at IS NOT NULL";
+
+    pub(super) const REFUND_DELIVERED: &str = "\
+        UPDATE idempotency_keys SET status = 'refunded', response = NULL, updated_at = $4 \
+        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
+          AND status = 'delivered'";
+
+    pub(super) const ABANDON: &str = "\
+        DELETE FROM idempotency_keys \
+        WHERE caller = $1 AND idempotency_key = $2 AND lease_token = $3 \
+          AND status = 'in_flight' AND committed_at IS NULL";
+
+    // SKIP LOCKED: a purge never waits for a running request.
+    pub(super) const PURGE: &str = "\
+        DELETE FROM idempotency_keys WHERE (caller, idempotency_key) IN ( \
+            SELECT caller, idempotency_key FROM idempotency_keys \
+            WHERE created_at < $1 \
+              AND (status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1)) \
+            ORDER BY created_at LIMIT $2 \
+            FOR UPDATE SKIP LOCKED)";
+}
+
+crate::idempotency::idempotency_ops!(PgConnection, diesel::sql_types::Timestamptz, sql);
+
+fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
+    super::catalog::read_table(conn, "idempotency_keys")
+}

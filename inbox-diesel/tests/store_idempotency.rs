@@ -1,0 +1,326 @@
+//! Idempotency keys of requests on both backends: one execution per key, a committed
+//! request never executed again, leases fenced by their token, bounded purges, and
+//! the unique index verified at startup.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use inbox_core::{
+    Clock, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, ManualClock,
+    RequestFields, Settlement,
+};
+use inbox_diesel::{
+    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
+    settle_request, Error, NewRequest, SchemaProblem, Store, StoreConnection,
+};
+use inbox_test_support::{Fixture, PgFixture, SqliteFixture};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn start() -> DateTime<Utc> {
+    DateTime::<Utc>::from_timestamp(1_900_000_000, 0).unwrap()
+}
+
+fn fingerprint(text: &str, secret: &[u8]) -> Fingerprint {
+    RequestFields::new()
+        .field("text", text)
+        .unwrap()
+        .field("model", "standard")
+        .unwrap()
+        .fingerprint(secret)
+}
+
+struct Env<C: StoreConnection> {
+    store: Store<C>,
+    clock: Arc<ManualClock>,
+}
+
+fn env<F: Fixture>(fx: &F) -> Env<F::Conn> {
+    let clock = Arc::new(ManualClock::new(start()));
+    let store = fx.builder().clock(clock.clone()).build().unwrap();
+    Env { store, clock }
+}
+
+impl<C: StoreConnection> Env<C> {
+    fn begin(&self, caller: &str, key: &IdempotencyKey, fp: &Fingerprint) -> IdempotencyAnswer {
+        let now = self.clock.now();
+        let mut conn = self.store.connection().unwrap();
+        let request = NewRequest {
+            caller,
+            key,
+            fingerprint: fp,
+            lease_until: now + TimeDelta::from_std(LEASE).unwrap(),
+        };
+        begin_request(&mut *conn, &request, now).unwrap()
+    }
+
+    fn commit(&self, caller: &str, key: &IdempotencyKey, token: i64) -> Result<(), Error> {
+        let mut conn = self.store.connection().unwrap();
+        commit_request(&mut *conn, caller, key, token, self.clock.now())
+    }
+
+    fn settle(&self, caller: &str, key: &IdempotencyKey, token: i64, s: &Settlement) -> bool {
+        let mut conn = self.store.connection().unwrap();
+        settle_request(&mut *conn, caller, key, token, s, self.clock.now()).unwrap()
+    }
+}
+
+fn key(k: &str) -> IdempotencyKey {
+    IdempotencyKey::new(k).unwrap()
+}
+
+fn a_committed_request_is_in_flight_until_settled_whatever_its_lease<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let (k, fp) = (key("req-1"), fingerprint("hello", b"api-key-1"));
+    let IdempotencyAnswer::Execute { token } = env.begin("acct-1", &k, &fp) else {
+        panic!("the first request executes");
+    };
+    assert_eq!(env.begin("acct-1", &k, &fp), IdempotencyAnswer::InFlight);
+    env.commit("acct-1", &k, token).unwrap();
+    // Long past its lease: a committed request is never executed again.
+    env.clock.advance(LEASE * 10);
+    assert_eq!(env.begin("acct-1", &k, &fp), IdempotencyAnswer::InFlight);
+    let stored = env.store.idempotency_record("acct-1", &k).unwrap().unwrap();
+    assert_eq!(stored.status, IdempotencyStatus::InFlight);
+    assert!(stored.committed_at.is_some());
+    let body = b"{\"type\":\"done\"}\n".to_vec();
+    let delivered = Settlement::Delivered {
+        response: body.clone(),
+    };
+    assert!(env.settle("acct-1", &k, token, &delivered));
+    assert_eq!(
+        env.begin("acct-1", &k, &fp),
+        IdempotencyAnswer::Replay { response: body }
+    );
+    // Settled once: a second settlement (a refund racing the delivery) writes nothing.
+    assert!(!env.settle("acct-1", &k, token, &Settlement::Refunded));
+    // Other content, or the same content under another credential: a mismatch.
+    assert_eq!(
+        env.begin("acct-1", &k, &fingerprint("other", b"api-key-1")),
+        IdempotencyAnswer::Mismatch
+    );
+    assert_eq!(
+        env.begin("acct-1", &k, &fingerprint("hello", b"api-key-2")),
+        IdempotencyAnswer::Mismatch
+    );
+    // The key is the caller's: another caller's same key is another request.
+    assert!(matches!(
+        env.begin("acct-2", &k, &fp),
+        IdempotencyAnswer::Execute { .. }
+    ));
+}
+
+fn an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let (k, fp) = (key("req-2"), fingerprint("hello", b"secret"));
+    let IdempotencyAnswer::Execute { token: first } = env.begin("a", &k, &fp) else {
+        panic!("the first request executes");
+    };
+    env.clock.advance(LEASE - Duration::from_secs(1));
+    assert_eq!(env.begin("a", &k, &fp), IdempotencyAnswer::InFlight);
+    env.clock.advance(Duration::from_secs(1));
+    // Another fingerprint never takes a key over.
+    assert_eq!(
+        env.begin("a", &k, &fingerprint("other", b"secret")),
+        IdempotencyAnswer::Mismatch
+    );
+    let IdempotencyAnswer::Execute { token: second } = env.begin("a", &k, &fp) else {
+        panic!("the lease ran out before any commit: the key is free");
+    };
+    assert!(second > first);
+    // The first request's late commit is fenced off: it must roll its debit back.
+    match env.commit("a", &k, first) {
+        Err(Error::Fenced { token, .. }) => assert_eq!(token, first),
+        other => panic!("expected a fenced commit, got {other:?}"),
+    }
+    assert!(!env.settle("a", &k, first, &Settlement::Refunded));
+    env.commit("a", &k, second).unwrap();
+    assert!(env.settle("a", &k, second, &Settlement::Refunded));
+    assert_eq!(env.begin("a", &k, &fp), IdempotencyAnswer::Refunded);
+}
+
+fn a_request_refused_before_its_commit_gives_its_key_back<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let (k, fp) = (key("req-3"), fingerprint("hello", b"secret"));
+    let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+        panic!("executes");
+    };
+    let mut conn = env.store.connection().unwrap();
+    assert!(!abandon_request(&mut *conn, "a", &k, token + 1).unwrap());
+    assert!(abandon_request(&mut *conn, "a", &k, token).unwrap());
+    assert_eq!(read_request(&mut *conn, "a", &k).unwrap(), None);
+    drop(conn);
+    let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+        panic!("the key was given back");
+    };
+    env.commit("a", &k, token).unwrap();
+    let mut conn = env.store.connection().unwrap();
+    // A committed record is never given back.
+    assert!(!abandon_request(&mut *conn, "a", &k, token).unwrap());
+    drop(conn);
+    // Unsettled, a commit mark cannot be made twice either.
+    assert!(env.commit("a", &k, token).is_err());
+}
+
+fn a_delivered_request_refunded_later_answers_refunded<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let (k, fp) = (key("req-4"), fingerprint("hello", b"secret"));
+    let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+        panic!("executes");
+    };
+    let mut conn = env.store.connection().unwrap();
+    let now = env.clock.now();
+    // Not delivered yet: nothing to refund this way.
+    commit_request(&mut *conn, "a", &k, token, now).unwrap();
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    let body = Settlement::Delivered {
+        response: b"line\n".to_vec(),
+    };
+    assert!(settle_request(&mut *conn, "a", &k, token, &body, now).unwrap());
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token + 1, now).unwrap());
+    assert!(refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
+    let stored = read_request(&mut *conn, "a", &k).unwrap().unwrap();
+    assert_eq!(
+        (stored.status, stored.response),
+        (IdempotencyStatus::Refunded, None)
+    );
+    drop(conn);
+    assert_eq!(env.begin("a", &k, &fp), IdempotencyAnswer::Refunded);
+}
+
+fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let fp = fingerprint("x", b"s");
+    for i in 0..5 {
+        let k = key(&format!("settled-{i}"));
+        let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+            panic!("executes");
+        };
+        env.commit("a", &k, token).unwrap();
+        assert!(env.settle("a", &k, token, &Settlement::Refunded));
+    }
+    let open = key("committed-unsettled");
+    let IdempotencyAnswer::Execute { token } = env.begin("a", &open, &fp) else {
+        panic!("executes");
+    };
+    env.commit("a", &open, token).unwrap();
+    let died = key("died-before-commit");
+    assert!(matches!(
+        env.begin("a", &died, &fp),
+        IdempotencyAnswer::Execute { .. }
+    ));
+    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    assert_eq!(env.store.purge_idempotency_keys(day, 2).unwrap(), 0);
+    env.clock.advance(day + LEASE + Duration::from_secs(1));
+    assert!(matches!(
+        env.store.purge_idempotency_keys(day, 0),
+        Err(Error::InvalidSetting {
+            setting: "batch",
+            ..
+        })
+    ));
+    assert_eq!(env.store.purge_idempotency_keys(day, 2).unwrap(), 6);
+    assert!(env.store.idempotency_record("a", &open).unwrap().is_some());
+    assert!(env.store.idempotency_record("a", &died).unwrap().is_none());
+    // A replay after the purge executes as a new request.
+    assert!(matches!(
+        env.begin("a", &key("settled-0"), &fp),
+        IdempotencyAnswer::Execute { .. }
+    ));
+}
+
+fn concurrent_requests_with_one_key_execute_once<F: Fixture>(fx: &F) {
+    let env = Arc::new(env(fx));
+    let k = key("burst");
+    let fp = fingerprint("hello", b"secret");
+    let answers: Vec<IdempotencyAnswer> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..16)
+            .map(|_| {
+                let env = Arc::clone(&env);
+                let (k, fp) = (k.clone(), fp);
+                s.spawn(move || env.begin("a", &k, &fp))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let executed = answers
+        .iter()
+        .filter(|a| matches!(a, IdempotencyAnswer::Execute { .. }))
+        .count();
+    assert_eq!(executed, 1, "{answers:?}");
+    assert!(answers.iter().all(|a| matches!(
+        a,
+        IdempotencyAnswer::Execute { .. } | IdempotencyAnswer::InFlight
+    )));
+}
+
+fn no_stored_column_holds_the_secret_or_the_request<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let k = key("secret-check");
+    let secret = b"mk_raw_api_key_never_stored";
+    let fp = fingerprint("the text sent", secret);
+    assert!(matches!(
+        env.begin("a", &k, &fp),
+        IdempotencyAnswer::Execute { .. }
+    ));
+    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    // The store keeps the HMAC only: recomputing it needs the secret.
+    assert_eq!(stored.fingerprint, fp);
+    assert_ne!(stored.fingerprint, fingerprint("the text sent", b""));
+    assert!(stored.response.is_none());
+}
+
+fn a_wrong_idempotency_index_is_refused_at_startup<F: Fixture>(fx: &F, sabotage: &str) {
+    env(fx); // migrations run, the schema passes
+    fx.execute(sabotage);
+    match fx.builder().build() {
+        Err(Error::IdempotencySchemaMismatch { problem, found, .. }) => {
+            assert_eq!(problem, SchemaProblem::NoClaimIndex, "{found}");
+            assert!(
+                found.contains("unique (idempotency_key) [by_key]"),
+                "{found}"
+            );
+        }
+        other => panic!("expected an idempotency index mismatch, got {other:?}"),
+    }
+    let unchecked = fx.builder().build_unchecked().unwrap();
+    assert!(matches!(
+        unchecked.verify_schema(),
+        Err(Error::IdempotencySchemaMismatch { .. })
+    ));
+}
+
+const SQLITE_SABOTAGE: &str = "DROP TABLE idempotency_keys; CREATE TABLE idempotency_keys (
+    caller TEXT NOT NULL, idempotency_key TEXT NOT NULL, fingerprint BLOB NOT NULL,
+    status TEXT NOT NULL, lease_token INTEGER NOT NULL, lease_until TEXT NOT NULL,
+    committed_at TEXT, response BLOB, created_at TEXT NOT NULL, updated_at TEXT NOT NULL);
+    CREATE UNIQUE INDEX by_key ON idempotency_keys (idempotency_key);";
+
+const PG_SABOTAGE: &str = "ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_pkey;
+    CREATE UNIQUE INDEX by_key ON idempotency_keys (idempotency_key);";
+
+inbox_test_support::on_both_backends!(
+    a_committed_request_is_in_flight_until_settled_whatever_its_lease,
+    an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first,
+    a_request_refused_before_its_commit_gives_its_key_back,
+    a_delivered_request_refunded_later_answers_refunded,
+    purges_are_bounded_and_keep_unsettled_commits,
+    concurrent_requests_with_one_key_execute_once,
+    no_stored_column_holds_the_secret_or_the_request,
+);
+
+#[test]
+fn postgres_refuses_a_wrong_idempotency_index() {
+    if let Some(fx) = PgFixture::new() {
+        a_wrong_idempotency_index_is_refused_at_startup(&fx, PG_SABOTAGE);
+    }
+}
+
+#[test]
+fn sqlite_refuses_a_wrong_idempotency_index() {
+    a_wrong_idempotency_index_is_refused_at_startup(&SqliteFixture::new(), SQLITE_SABOTAGE);
+}
