@@ -2,6 +2,7 @@
 //! `daily_usage(user_id, day, total)`, on PostgreSQL or SQLite with the same handler.
 
 pub mod bench;
+pub mod ops;
 pub mod quickstart;
 pub mod usage;
 
@@ -9,7 +10,7 @@ pub mod usage;
 /// `info`, everything else (lapin, diesel, ...) at `warn`.
 pub const DEFAULT_LOG_FILTER: &str =
     "warn,inbox_core=info,inbox_diesel=info,inbox_amqp=info,inbox_examples=info,\
-     quickstart=info,usage_consumer=info,usage_producer=info";
+     quickstart=info,usage_consumer=info,usage_producer=info,usage_ops=info";
 
 /// Logs `tracing` events to stderr, as a user's service would: filtered by `RUST_LOG`
 /// (`RUST_LOG=debug`, `RUST_LOG=inbox_amqp=debug,warn`, ...), else by

@@ -32,6 +32,7 @@ mod key;
 #[doc(hidden)]
 pub mod names;
 mod outbox;
+mod rebuild;
 mod retry;
 mod store;
 mod transport;
@@ -53,6 +54,11 @@ pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
     relay_in_process, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
     OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
+};
+pub use rebuild::{
+    days_ending, AuditReport, DriftRow, DynRebuild, ForeignPartition, HookError, PartitionDrift,
+    ProjectionRow, Rebuild, RebuildReport, RebuiltPartition, SourceEvent, WindowPartition,
+    DRIFT_SAMPLE,
 };
 pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};

@@ -692,7 +692,7 @@ impl<C: StoreConnection> Inner<C> {
             let mut locks: Vec<(i64, bool)> = items
                 .iter()
                 .filter_map(|d| d.handler.and_then(|h| h.lock()))
-                .map(|l| (l.id(), l.is_exclusive()))
+                .map(|l| (self.lock_key(&l), l.is_exclusive()))
                 .collect();
             // In id order, each once (exclusive if any handler wants it so), so that
             // batches never wait for each other's locks in opposite orders.
@@ -738,7 +738,7 @@ impl<C: StoreConnection> Inner<C> {
                         &d.env.message_key,
                         "the claim insert conflicted but no row exists under the same claim key",
                     ),
-                    Some(s) if s.digest != d.digest => {
+                    Some(s) if s.collides(&d.digest) => {
                         self.dead_letter_collision(conn, group, d, now, "the claimed message")?;
                         Decision::DeadLettered(DeadLetterReason::KeyCollision)
                     }
@@ -1139,7 +1139,7 @@ impl<C: StoreConnection> Inner<C> {
                 }
                 let stored = C::lookup(conn, group, &[row.key])?;
                 match stored.first() {
-                    Some(s) if s.digest != row.digest => return Ok(Marked::Collision),
+                    Some(s) if s.collides(row.digest) => return Ok(Marked::Collision),
                     Some(s) if s.status == ClaimStatus::Done.as_str() => {
                         return Ok(Marked::Already(DeadLetterOutcome::AlreadyDone))
                     }

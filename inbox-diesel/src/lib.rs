@@ -8,6 +8,7 @@ mod ops;
 mod outbox;
 mod pg;
 mod pool;
+mod rebuild;
 mod retention;
 mod schema;
 mod slot;
@@ -24,6 +25,10 @@ pub use outbox::{
     DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
 };
 pub use pool::{PooledStoreConnection, StoreManager};
+pub use rebuild::{
+    RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT, DEFAULT_LOCK_TRIES,
+    DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
+};
 pub use retention::Retention;
 pub use store::{
     ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder, DEFAULT_BATCH_DEADLINE,

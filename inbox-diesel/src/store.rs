@@ -139,6 +139,10 @@ pub(crate) struct Inner<C: StoreConnection> {
     pub schema: Option<String>,
     /// PostgreSQL: the outbox's LISTEN connection, opened on the first wait.
     pub listener: Mutex<crate::outbox::Listener>,
+    /// The projections with rebuild hooks, by name.
+    pub rebuilds: HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>>,
+    /// The schema projection lock keys are scoped to (see `rebuild`).
+    pub lock_scope: String,
 }
 
 impl<C: StoreConnection> Drop for Inner<C> {
@@ -204,6 +208,7 @@ impl<C: StoreConnection> Store<C> {
             pool_size: 4,
             clock: Arc::new(SystemClock),
             handlers: Vec::new(),
+            rebuilds: Vec::new(),
             crash_limit: 3,
             batch_deadline: DEFAULT_BATCH_DEADLINE,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
@@ -238,7 +243,8 @@ impl<C: StoreConnection> Store<C> {
     /// and no other unique index may constrain a part of them.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
-        verify::check(&C::catalog(&mut conn)?)
+        verify::check(&C::catalog(&mut conn)?)?;
+        crate::rebuild::verify(&mut *conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -312,7 +318,8 @@ pub struct StoreBuilder<C: StoreConnection> {
     schema: Option<String>,
     pool_size: u32,
     clock: Arc<dyn Clock>,
-    handlers: Vec<Arc<dyn DynHandler<C>>>,
+    pub(crate) handlers: Vec<Arc<dyn DynHandler<C>>>,
+    pub(crate) rebuilds: Vec<Arc<dyn inbox_core::DynRebuild<C>>>,
     crash_limit: u32,
     batch_deadline: Duration,
     statement_timeout: Duration,
@@ -462,6 +469,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
             }
             handlers.insert(route, handler);
         }
+        let rebuilds = crate::rebuild::register(&handlers, self.rebuilds)?;
 
         // Connect once by hand: the driver's own error says why ("connection refused"),
         // which a pool's time-out would not.
@@ -476,7 +484,9 @@ impl<C: StoreConnection> StoreBuilder<C> {
         // tear the TLS library down under it).
         if check_schema {
             verify::check(&C::catalog(&mut first)?)?;
+            crate::rebuild::verify(&mut first)?;
         }
+        let lock_scope = C::lock_scope(&mut first)?;
         C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
 
@@ -511,6 +521,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 url: self.url,
                 schema: self.schema,
                 listener: Mutex::default(),
+                rebuilds,
+                lock_scope,
             }),
         })
     }
