@@ -131,6 +131,12 @@ impl TryFrom<RawUsage> for UsageRecorded {
 }
 
 impl UsageRecorded {
+    /// The event's envelope under `key` (the body as the contract writes it).
+    pub fn envelope(&self, key: MessageKey) -> Envelope {
+        let payload = serde_json::to_vec(self).unwrap_or_default();
+        Envelope::new(key, MESSAGE_TYPE, payload)
+    }
+
     /// A day as the contract writes it: exactly `YYYY-MM-DD` (four-digit year, two-digit
     /// month and day, no sign, time or spaces), and a real calendar date.
     pub fn parse_day(text: &str) -> Result<NaiveDate, ContractError> {
@@ -165,6 +171,9 @@ pub trait UsageDb: Connection + Send + 'static {
 
     /// Creates `usage_ledger` if missing.
     fn create_usage_ledger(&mut self) -> QueryResult<()>;
+
+    /// Writes a ledger row; returns its id.
+    fn insert_ledger(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<i64>;
 
     /// Every ledger row of a day, in one statement.
     fn ledger_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<LedgerRow>>;
@@ -212,6 +221,27 @@ macro_rules! usage_db {
         impl UsageDb for $conn {
             fn create_usage_ledger(&mut self) -> QueryResult<()> {
                 self.batch_execute($ledger)
+            }
+
+            fn insert_ledger(
+                &mut self,
+                user_id: i64,
+                day: NaiveDate,
+                amount: i64,
+            ) -> QueryResult<i64> {
+                #[derive(QueryableByName)]
+                struct Id {
+                    #[diesel(sql_type = BigInt)]
+                    id: i64,
+                }
+                diesel::sql_query(
+                    "INSERT INTO usage_ledger (user_id, day, amount) VALUES ($1, $2, $3) RETURNING id",
+                )
+                .bind::<BigInt, _>(user_id)
+                .bind::<Date, _>(day)
+                .bind::<BigInt, _>(amount)
+                .get_result::<Id>(self)
+                .map(|r| r.id)
             }
 
             fn ledger_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<LedgerRow>> {
