@@ -4,17 +4,12 @@ use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
 use diesel::PgConnection;
 
-use super::{
-    rebuild_statements, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
-};
+use super::{rebuild_statements, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease};
 
 rebuild_statements!(PgConnection, pg);
-
-/// Rows per insert: 10 parameters each, far below PostgreSQL's 65,535.
-const CHUNK: usize = 1_000;
 
 #[derive(QueryableByName)]
 struct Scope {
@@ -81,34 +76,25 @@ impl RebuildOps for PgConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
-        use crate::rebuild::tables::pg::covered_claims::dsl::*;
-        use crate::ClaimStatus;
-        let mut out = Covered::default();
-        for chunk in c.keys.chunks(CHUNK) {
-            let rows: Vec<_> = chunk
-                .iter()
-                .map(|k| {
-                    (
-                        consumer_group.eq(c.group),
-                        message_key.eq(*k),
-                        message_type.eq(c.message_type),
-                        payload_digest.eq(NO_DIGEST),
-                        status.eq(ClaimStatus::Done.as_str()),
-                        attempts.eq(0),
-                        starts.eq(0),
-                        first_seen_at.eq(c.now),
-                        updated_at.eq(c.now),
-                        covered_at.eq(Some(c.now)),
-                    )
-                })
-                .collect();
-            out.recorded += diesel::insert_into(covered_claims)
-                .values(&rows)
-                .on_conflict((consumer_group, message_key))
-                .do_nothing()
-                .execute(conn)? as u64;
-            shared_take_over(conn, c, chunk, &mut out)?;
-        }
+        // One statement over an array whatever the partition's size: a row per
+        // covered event that has no claim yet, in key order.
+        let recorded = diesel::sql_query(
+            "INSERT INTO inbox_claims (consumer_group, message_key, message_type, \
+                 payload_digest, status, attempts, starts, first_seen_at, updated_at, covered_at) \
+             SELECT $1, k, $2, ''::bytea, 'done', 0, 0, $3, $3, $3 \
+             FROM unnest($4::text[]) AS k ORDER BY k \
+             ON CONFLICT (consumer_group, message_key) DO NOTHING",
+        )
+        .bind::<Text, _>(c.group)
+        .bind::<Text, _>(c.message_type)
+        .bind::<Timestamptz, _>(c.now)
+        .bind::<Array<Text>, _>(c.keys)
+        .execute(conn)?;
+        let mut out = Covered {
+            recorded: recorded as u64,
+            ..Covered::default()
+        };
+        shared_take_over(conn, c, c.keys, &mut out)?;
         Ok(out)
     }
 
