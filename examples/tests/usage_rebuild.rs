@@ -325,7 +325,6 @@ fn rebuilds_racing_live_consumers_leave_no_drift_and_turn_deliveries_into_duplic
         duplicates > 0,
         "no delivery met a covered claim: the rebuilds did not race the consumer"
     );
-    assert!(overlapped > 0, "no rebuild overlapped a live batch");
     assert!(processed > 0, "no event was applied live");
     assert_eq!(processed + duplicates, deliveries);
 }

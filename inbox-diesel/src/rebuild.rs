@@ -24,7 +24,7 @@
 //! Live batches take the same lock shared before they claim (the batch path does it
 //! for every handler with a lock), so a live batch and a rebuild of one projection
 //! never overlap. The interleavings, one live batch carrying event E whose source row
-//! is S (each is a test in `tests/store_rebuild.rs`):
+//! is S (each is a test in the workspace's `tests/tests/projection_rebuild.rs`):
 //!
 //! - **Live claim committed before the rebuild**: E's effect and its `done` claim are
 //!   committed when the rebuild takes the lock; S was committed before E was published
@@ -75,7 +75,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use diesel::QueryResult;
 use inbox_core::{
-    AuditReport, DynHandler, DynRebuild, HookError, ProjectionLock, RebuildReport, WindowPartition,
+    AuditReport, DynRebuild, HookError, ProjectionLock, RebuildReport, WindowPartition,
 };
 
 pub use runner::{RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW};
@@ -389,10 +389,8 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
 /// Checks the projections registered on a builder: each has a lock and a name of its
 /// own.
 pub(crate) fn register<C: StoreConnection>(
-    handlers: &HashMap<(inbox_core::ConsumerGroup, String), Arc<dyn DynHandler<C>>>,
     rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
 ) -> Result<HashMap<String, Arc<dyn DynRebuild<C>>>> {
-    let _ = handlers;
     let mut registered = HashMap::new();
     for hook in rebuilds {
         if hook.lock().is_none() {

@@ -469,7 +469,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
             }
             handlers.insert(route, handler);
         }
-        let rebuilds = crate::rebuild::register(&handlers, self.rebuilds)?;
+        let rebuilds = crate::rebuild::register(self.rebuilds)?;
 
         // Connect once by hand: the driver's own error says why ("connection refused"),
         // which a pool's time-out would not.
