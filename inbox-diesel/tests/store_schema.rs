@@ -542,3 +542,38 @@ fn claim_status_round_trips() {
         .unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);
 }
+
+/// A migration in progress in one schema (here held up by a lock on its migrations
+/// table) never holds up a store of another schema of the same database: the
+/// migration lock is per schema. With one lock per database, the second build waited
+/// for the first and failed on its 100 ms `lock_timeout`.
+#[test]
+fn postgres_a_migration_in_one_schema_never_waits_for_another_schema() {
+    let Some(busy) = PgFixture::new() else { return };
+    let Some(other) = PgFixture::new() else {
+        return;
+    };
+    drop(busy.builder().build().unwrap());
+    let mut holder = busy.connect();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE \"{}\".__diesel_schema_migrations IN ACCESS EXCLUSIVE MODE",
+            busy.schema
+        ))
+        .unwrap();
+    let held_up = {
+        let builder = busy.builder();
+        std::thread::spawn(move || builder.build().map(drop))
+    };
+    // Give the held-up build time to take its migration lock.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let url = format!("{}?options=-c%20lock_timeout%3D100", other.url());
+    let built = Store::<diesel::PgConnection>::builder(url)
+        .schema(other.schema.clone())
+        .build();
+    holder.batch_execute("ROLLBACK").unwrap();
+    assert!(held_up.join().unwrap().is_ok());
+    if let Err(err) = built {
+        panic!("a store of another schema waited for a migration: {err}");
+    }
+}

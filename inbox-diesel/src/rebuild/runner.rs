@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use inbox_core::{delta, RebuildReport, WindowPartition};
 
-use super::{Rebuilder, RunLease};
+use super::Rebuilder;
 use crate::backend::StoreConnection;
+use crate::rebuild_ops::RunLease;
 use crate::{Error, Result};
 
 /// The default [`RebuildRunner::every`]: hourly.

@@ -7,9 +7,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
 use diesel::PgConnection;
 
-use super::{rebuild_statements, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease};
+use crate::rebuild_ops::{rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease};
 
-rebuild_statements!(PgConnection, pg);
+rebuild_dsl!(PgConnection, pg);
 
 #[derive(QueryableByName)]
 struct Scope {

@@ -8,11 +8,11 @@ use diesel::prelude::*;
 use diesel::sql_types::{Nullable, Text};
 use diesel::SqliteConnection;
 
-use super::{
-    rebuild_statements, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
+use crate::rebuild_ops::{
+    rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
 };
 
-rebuild_statements!(SqliteConnection, sqlite);
+rebuild_dsl!(SqliteConnection, sqlite);
 
 #[derive(QueryableByName)]
 struct ColumnRow {
@@ -58,7 +58,7 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
-        use crate::rebuild::tables::sqlite::covered_claims::dsl::*;
+        use crate::rebuild_ops::tables::sqlite::covered_claims::dsl::*;
         use crate::ClaimStatus;
         let mut out = Covered::default();
         for chunk in c.keys.chunks(CHUNK) {
