@@ -209,7 +209,7 @@ impl PartitionDrift {
                 match recomputed_figure {
                     Some(figure) if figure != 0.0 => {
                         let ratio = p.measure() / figure;
-                        if drift.largest_ratio.map_or(true, |largest| ratio > largest) {
+                        if drift.largest_ratio.is_none_or(|largest| ratio > largest) {
                             drift.largest_ratio = Some(ratio);
                         }
                     }
@@ -266,7 +266,7 @@ impl AuditReport {
         self.rows_differing += drift.rows_differing;
         self.extra_rows += drift.extra_rows;
         if let Some(ratio) = drift.largest_ratio {
-            if self.largest_ratio.map_or(true, |largest| ratio > largest) {
+            if self.largest_ratio.is_none_or(|largest| ratio > largest) {
                 self.largest_ratio = Some(ratio);
             }
         }
@@ -382,7 +382,7 @@ pub trait DynRebuild<C>: Send + Sync + 'static {
 #[error("partition {0} does not belong to this projection")]
 pub struct ForeignPartition(String);
 
-fn partition_of<'a, P: 'static>(p: &'a WindowPartition) -> Result<&'a P, HookError> {
+fn partition_of<P: 'static>(p: &WindowPartition) -> Result<&P, HookError> {
     p.value
         .downcast_ref::<P>()
         .ok_or_else(|| Box::new(ForeignPartition(p.label.clone())) as HookError)
