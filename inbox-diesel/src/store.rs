@@ -220,7 +220,9 @@ impl<C: StoreConnection> Store<C> {
 
     /// Checks the live schema: a unique index (or primary key) must cover exactly the
     /// claim key columns, with no predicate and no expression, on NOT NULL columns,
-    /// and no other unique index may constrain a part of them.
+    /// and no other unique index may constrain a part of them. The rebuilds' objects
+    /// must exist too: `inbox_claims.covered_at`, `inbox_dead_letters.resolved_at`, and
+    /// `inbox_rebuild_runs` with a unique index on exactly `projection`.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
         verify::check(&C::catalog(&mut conn)?)?;
