@@ -6,6 +6,12 @@ pub mod ops;
 pub mod quickstart;
 pub mod usage;
 
+/// The workspace README, whose Rust blocks `cargo test --doc` compiles against the
+/// library crates (this crate depends on all of them).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme {}
+
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at
 /// `info`, everything else (lapin, diesel, ...) at `warn`.
 pub const DEFAULT_LOG_FILTER: &str =

@@ -158,6 +158,34 @@ impl ConsumerSettings {
 /// [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group. The other
 /// groups keep consuming. A halted group stays halted across reconnects; it resumes
 /// when the consumer is started again (after the cause is fixed).
+///
+/// The store is any [`InboxStore`], e.g. `inbox_diesel::Store`; it needs a broker:
+///
+/// ```no_run
+/// use std::{sync::Arc, time::Duration};
+/// use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+/// use inbox_core::InboxStore;
+///
+/// async fn consume<S: InboxStore>(store: S) -> Result<(), inbox_amqp::Error> {
+///     let topology = Topology::new("billing")?; // the groups come from the store's routes
+///     let settings = ConsumerSettings::default()
+///         .workers(2)
+///         .batch(100, Duration::from_millis(10))
+///         .checked()?;
+///     let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", Arc::new(store), topology)
+///         .with_settings(settings);
+///     let stats = consumer.stats();
+///     let shutdown = CancellationToken::new();
+///     let stop = shutdown.clone();
+///     tokio::spawn(async move {
+///         tokio::time::sleep(Duration::from_secs(60)).await;
+///         stop.cancel(); // drains: the batches in flight finish and are acked
+///     });
+///     consumer.run(shutdown).await?;
+///     println!("processed {}", stats.snapshot().processed);
+///     Ok(())
+/// }
+/// ```
 pub struct Consumer<S> {
     url: String,
     shared: Arc<Shared<S>>,

@@ -232,6 +232,28 @@ impl RelayStats {
 /// interval. At-least-once: a relay that dies between publishing and marking leaves
 /// leases that expire, and the rows are published again (the consumer's inbox
 /// absorbs the copy).
+///
+/// The store is any [`OutboxStore`], e.g. `inbox_diesel::Store`, whose rows
+/// `inbox_diesel::enqueue` wrote; it needs a broker:
+///
+/// ```no_run
+/// use std::{sync::Arc, time::Duration};
+/// use inbox_amqp::{cancel_on_signals, CancellationToken, Relay, RelaySettings};
+/// use inbox_core::OutboxStore;
+///
+/// async fn relay<O: OutboxStore>(store: O) -> Result<(), inbox_amqp::Error> {
+///     let settings = RelaySettings::default()
+///         .lease(500, Duration::from_secs(30))
+///         .poll_interval(Duration::from_millis(200))
+///         .checked()?;
+///     let relay = Relay::new("amqp://guest:guest@127.0.0.1:5672/%2f", Arc::new(store))
+///         .with_settings(settings); // several relays may run at once
+///     let stats = relay.stats();
+///     relay.run(cancel_on_signals(CancellationToken::new())).await?; // SIGTERM/ctrl-c
+///     println!("published {}", stats.snapshot().published);
+///     Ok(())
+/// }
+/// ```
 pub struct Relay<O> {
     url: String,
     store: Arc<O>,

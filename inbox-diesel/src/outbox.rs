@@ -89,22 +89,41 @@ impl EnqueueLimits {
 /// ([`enqueue_with`] sets another limit). The message key is checked by
 /// [`MessageKey`](inbox_core::MessageKey) itself (1 to 255 bytes, no NUL).
 ///
-/// ```no_run
-/// use diesel::{Connection, PgConnection};
+/// ```
+/// use diesel::{Connection, SqliteConnection};
 /// use inbox_core::{EnqueueOutcome, MessageKey, OutboxMessage};
 /// use inbox_diesel::{enqueue, Store};
-/// # fn main() -> inbox_diesel::Result<()> {
-/// let store = Store::<PgConnection>::builder("postgres://postgres@127.0.0.1/test").build()?;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = std::env::temp_dir().join(format!("inbox-enqueue-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("app.db");
+/// let store = Store::<SqliteConnection>::builder(format!("sqlite://{}", path.display())).build()?;
 /// let mut conn = store.connection()?;
 /// let key = MessageKey::derive("billing", "ledger-row-7", "usage.recorded");
 /// let msg = OutboxMessage::new(key, "billing", "usage.recorded", b"{}".to_vec());
+///
+/// // A business transaction that rolls back takes its message with it.
+/// let rolled_back = conn.transaction::<(), Box<dyn std::error::Error + Send + Sync>, _>(|conn| {
+///     enqueue(conn, &msg, store.clock().now())?;
+///     Err("the business write failed".into())
+/// });
+/// assert!(rolled_back.is_err());
+///
 /// let outcome = conn.transaction(|conn| {
 ///     // ... the business writes ...
 ///     enqueue(conn, &msg, store.clock().now())
 /// })?;
 /// assert!(matches!(outcome, EnqueueOutcome::Enqueued { .. }));
+/// // The same key again is a no-op that says so.
+/// assert_eq!(enqueue(&mut conn, &msg, store.clock().now())?, EnqueueOutcome::AlreadyEnqueued);
+/// # drop(conn);
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir)?;
 /// # Ok(()) }
 /// ```
+///
+/// On PostgreSQL the same code runs on a `Store<PgConnection>`; the relay
+/// (`inbox_amqp::Relay`) publishes the committed rows.
 pub fn enqueue<C: AsStoreConnection + ?Sized>(
     conn: &mut C,
     message: &OutboxMessage,

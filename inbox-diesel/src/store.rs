@@ -149,6 +149,30 @@ impl<C: StoreConnection> Inner<C> {
 ///
 /// Cloning is cheap and shares the pool. Build it with [`Store::builder`].
 ///
+/// On SQLite the store keeps its tables in the database file, next to the
+/// application's:
+///
+/// ```
+/// use diesel::SqliteConnection;
+/// use inbox_core::ConsumerGroup;
+/// use inbox_diesel::{Backend, Store};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = std::env::temp_dir().join(format!("inbox-store-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("app.db");
+/// let store = Store::<SqliteConnection>::builder(format!("sqlite://{}", path.display()))
+///     .build()?; // runs migrations, then verifies the claim index
+/// assert_eq!(store.backend(), Backend::Sqlite);
+/// store.verify_schema()?;
+/// let group = ConsumerGroup::new("billing.daily-usage")?;
+/// assert!(store.dead_letters(&group)?.is_empty());
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(()) }
+/// ```
+///
+/// On PostgreSQL, in a schema of its own:
+///
 /// ```no_run
 /// use diesel::PgConnection;
 /// use inbox_diesel::Store;
@@ -230,6 +254,65 @@ impl<C: StoreConnection> Store<C> {
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
+    ///
+    /// One decision per delivery, in order. The handler's write commits with the
+    /// claim, so a copy of the same message (in the batch or delivered again later)
+    /// is a duplicate and the handler does not run for it:
+    ///
+    /// ```
+    /// use diesel::connection::SimpleConnection;
+    /// use diesel::sql_types::BigInt;
+    /// use diesel::{RunQueryDsl, SqliteConnection};
+    /// use inbox_core::{
+    ///     ConsumerGroup, Decision, Envelope, Handler, HandlerError, MessageContext, MessageKey,
+    /// };
+    /// use inbox_diesel::Store;
+    ///
+    /// struct UsageTotal {
+    ///     group: ConsumerGroup,
+    /// }
+    ///
+    /// impl Handler<SqliteConnection> for UsageTotal {
+    ///     type Message = serde_json::Value;
+    ///     fn group(&self) -> &ConsumerGroup { &self.group }
+    ///     fn message_type(&self) -> &str { "usage.recorded" }
+    ///     fn handle(&self, conn: &mut SqliteConnection, msg: serde_json::Value, _: &MessageContext<'_>)
+    ///         -> Result<(), HandlerError>
+    ///     {
+    ///         let amount = msg["amount"].as_i64().ok_or(HandlerError::permanent("no amount"))?;
+    ///         diesel::sql_query("UPDATE usage_total SET total = total + ?")
+    ///             .bind::<BigInt, _>(amount)
+    ///             .execute(conn)?; // in the store's transaction: commits with the claim
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let dir = std::env::temp_dir().join(format!("inbox-batch-{}", std::process::id()));
+    /// std::fs::create_dir_all(&dir)?;
+    /// let path = dir.join("app.db");
+    /// let group = ConsumerGroup::new("billing.usage-total")?;
+    /// let store = Store::<SqliteConnection>::builder(format!("sqlite://{}", path.display()))
+    ///     .handler(UsageTotal { group: group.clone() })
+    ///     .build()?;
+    /// store.connection()?.batch_execute(
+    ///     "CREATE TABLE usage_total (total BIGINT NOT NULL); INSERT INTO usage_total VALUES (0);",
+    /// )?;
+    ///
+    /// let key = MessageKey::derive("billing", "event-1", "usage.recorded");
+    /// let delivery = Envelope::new(key, "usage.recorded", br#"{"amount": 40}"#.to_vec());
+    /// let decisions = store.process_batch(&group, &[delivery.clone(), delivery.clone()])?;
+    /// assert_eq!(decisions, [Decision::Processed, Decision::Duplicate]);
+    /// let again = store.process_batch(&group, &[delivery.redelivered()])?;
+    /// assert_eq!(again, [Decision::Duplicate]);
+    ///
+    /// let total: i64 = diesel::select(diesel::dsl::sql::<BigInt>("(SELECT total FROM usage_total)"))
+    ///     .get_result(&mut *store.connection()?)?;
+    /// assert_eq!(total, 40);
+    /// # drop(store);
+    /// # std::fs::remove_dir_all(&dir)?;
+    /// # Ok(()) }
+    /// ```
     pub fn process_batch(
         &self,
         group: &ConsumerGroup,
@@ -294,6 +377,30 @@ impl<C: StoreConnection> InboxStore for Store<C> {
 }
 
 /// Builds a [`Store`].
+///
+/// Every setting has a default; [`build`](Self::build) checks them, connects,
+/// migrates and verifies the schema.
+///
+/// ```
+/// use std::time::Duration;
+/// use diesel::SqliteConnection;
+/// use inbox_core::RetryLadder;
+/// use inbox_diesel::Store;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = std::env::temp_dir().join(format!("inbox-builder-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("app.db");
+/// let store = Store::<SqliteConnection>::builder(format!("sqlite://{}", path.display()))
+///     .pool_size(2)
+///     .crash_limit(5)
+///     .batch_deadline(Duration::from_secs(30))
+///     .transaction_retries(5)
+///     .retry_ladder(RetryLadder::default())
+///     .build()?;
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(()) }
+/// ```
 #[must_use]
 pub struct StoreBuilder<C: StoreConnection> {
     url: String,

@@ -362,8 +362,7 @@ fn shipped_schema_is_accepted_on_both_backends() {
 fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     fx.execute(swallow_inserts);
 
     let g = group(GROUP);
@@ -402,8 +401,7 @@ fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
 /// A trigger swallows the failure update: the failure must not vanish as "terminal".
 fn phantom_failure_update_stops_the_group<F: Fixture>(fx: &F, swallow_updates: &str) {
     let handler = Recorder::new(GROUP).behaviour(|_, _| inbox_test_support::Outcome::ApplyThenFail);
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     fx.execute(swallow_updates);
     let decisions = store
         .process_batch(&group(GROUP), &[usage("lost", 1)])
@@ -526,8 +524,7 @@ fn connect_errors_keep_the_driver_error_and_hide_the_password() {
 #[test]
 fn claim_status_round_trips() {
     let fx = SqliteFixture::new();
-    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)));
     store
         .process_batch(&group(GROUP), &[usage("k", 1)])
         .unwrap();
