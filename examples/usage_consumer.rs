@@ -12,15 +12,33 @@
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
 //! `warn`), `RUST_MIN_STACK` (default [`inbox_amqp::frame_parse_stack`]: the stack
 //! lapin's frame parser needs for the deepest header table a frame holds).
+//!
+//! Scheduled rebuild (optional): `--rebuild-every 1h` (or `INBOX_REBUILD_EVERY=1h`;
+//! units `ms`, `s`, `m`, `h`) runs the `daily_usage` rebuild beside consuming, at once
+//! and then every interval, over `--rebuild-days N` (or `INBOX_REBUILD_DAYS`, default
+//! 2: today, UTC, and yesterday). Runners of several consumer processes take turns: one
+//! rebuilds, the others skip that run and log it.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use clap::Parser;
 
 use diesel::PgConnection;
 use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::{RetryLadder, RetryPolicy};
-use inbox_diesel::Store;
-use inbox_examples::usage::{DailyUsage, UsageDb};
+use inbox_diesel::{RebuildRunner, Store};
+use inbox_examples::ops::ScheduleArgs;
+use inbox_examples::usage::{DailyUsage, UsageDb, PROJECTION};
+
+/// The usage projection on PostgreSQL + RabbitMQ (see the module docs).
+#[derive(Debug, Parser)]
+#[command(name = "usage_consumer", version, about)]
+struct Cli {
+    #[command(flatten)]
+    schedule: ScheduleArgs,
+}
 
 fn main() -> ExitCode {
     // lapin parses frames on a thread of its own, spawned with the standard library's
@@ -37,6 +55,7 @@ fn main() -> ExitCode {
             inbox_amqp::frame_parse_stack().to_string(),
         );
     }
+    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -49,7 +68,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async {
         inbox_examples::init_logging();
-        match run().await {
+        match run(cli).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("usage_consumer: {}", inbox_core::ErrorChain(&*err));
@@ -59,7 +78,7 @@ fn main() -> ExitCode {
     })
 }
 
-async fn run() -> Result<(), Box<dyn std::error::Error>> {
+async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL must name the PostgreSQL database (postgres://...)")?;
     let amqp_url = std::env::var("AMQP_URL")
@@ -73,23 +92,47 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         move || -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
             let store = Store::<PgConnection>::builder(database_url)
                 .retry_ladder(store_ladder)
-                .handler(DailyUsage::new(RetryPolicy::default()))
+                .projection(DailyUsage::new(RetryPolicy::default()))
                 .build()?;
-            store.connection()?.create_daily_usage()?;
+            let mut conn = store.connection()?;
+            conn.create_daily_usage()?;
+            conn.create_usage_ledger()?;
             Ok(store)
         },
     )
     .await?
     .map_err(|e| format!("startup failed: {e}"))?;
 
+    // The scheduled rebuild runs on a thread of its own beside the consumer.
+    let stop_rebuilds = Arc::new(AtomicBool::new(false));
+    let rebuilds = match cli.schedule.rebuild_every {
+        Some(every) => {
+            let runner = RebuildRunner::new(store.rebuilder(PROJECTION)?)
+                .every(every)
+                .window(cli.schedule.rebuild_days);
+            println!(
+                "usage_consumer: rebuilding {PROJECTION} every {every:?} over {} days",
+                cli.schedule.rebuild_days
+            );
+            let stop = Arc::clone(&stop_rebuilds);
+            Some(tokio::task::spawn_blocking(move || runner.run(&stop)))
+        }
+        None => None,
+    };
+
     let topology = Topology::new("billing")?.prefix(prefix)?.ladder(ladder);
     let consumer = Consumer::new(amqp_url, Arc::new(store), topology)
         .with_settings(ConsumerSettings::default().connection_name("usage_consumer"));
     let stats = consumer.stats();
     println!("usage_consumer: consuming; stop with ctrl-c or SIGTERM");
-    consumer
+    let consumed = consumer
         .run(cancel_on_signals(CancellationToken::new()))
-        .await?;
+        .await;
+    stop_rebuilds.store(true, Ordering::Relaxed);
+    if let Some(rebuilds) = rebuilds {
+        rebuilds.await?;
+    }
+    consumed?;
     let s = stats.snapshot();
     println!(
         "usage_consumer: stopped after {} deliveries: {} processed, {} duplicates, {} retried, {} dead-lettered",

@@ -3,7 +3,9 @@
 //! Writes `USAGE_EVENTS` (default 1,000) usage ledger rows, each with its
 //! `usage.recorded` event enqueued on the outbox in the same transaction, then relays
 //! the outbox to the topic exchange `billing` with publisher confirms until it is
-//! empty. Run `usage_consumer` beside it (same `DATABASE_URL`, `AMQP_URL`,
+//! empty. The events' days are spread over today (UTC) and the two days before it
+//! (relative days), so a two-day rebuild window always holds data. Run
+//! `usage_consumer` beside it (same `DATABASE_URL`, `AMQP_URL`,
 //! `INBOX_PREFIX`) and its `daily_usage` ends equal to the ledger's sums: outbox ->
 //! broker -> inbox, every effect once.
 //!
@@ -14,15 +16,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::NaiveDate;
-use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Date};
 use diesel::PgConnection;
 use inbox_amqp::{cancel_on_signals, CancellationToken, Relay, RelaySettings, Topology};
-use inbox_core::{MessageKey, OutboxMessage, OutboxStore};
+use inbox_core::{OutboxMessage, OutboxStore};
 use inbox_diesel::{enqueue, Store};
-use inbox_examples::usage::{Rng, UsageRecorded, MESSAGE_TYPE};
+use inbox_examples::usage::{ledger_event_key, Rng, UsageDb, UsageRecorded, MESSAGE_TYPE};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -92,16 +92,17 @@ fn write_ledger(
     events: u64,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut conn = store.connection()?;
-    conn.batch_execute(
-        "CREATE TABLE IF NOT EXISTS usage_ledger (id BIGSERIAL PRIMARY KEY, \
-         user_id BIGINT NOT NULL, day DATE NOT NULL, amount BIGINT NOT NULL)",
-    )?;
+    conn.create_usage_ledger()?;
     let mut rng = Rng::new(std::process::id().into());
-    let first_day = NaiveDate::from_ymd_opt(2026, 11, 28).ok_or("bad date")?;
     for _ in 0..events {
+        // Today (UTC) or one of the two days before it.
+        let today = store.now().date_naive();
+        let day = today
+            .checked_sub_days(chrono::Days::new(rng.below(3)))
+            .ok_or("no date three days before today")?;
         let event = UsageRecorded {
             user_id: 1 + rng.below(20) as i64,
-            day: first_day + chrono::Days::new(rng.below(3)),
+            day,
             amount: 1 + rng.below(100) as i64,
         };
         let now = store.now();
@@ -120,7 +121,7 @@ fn write_ledger(
             .execute(conn)?;
             // The key comes from the ledger row: a retried transaction gets a new row,
             // and so a new key; a re-sent event of this row always has this one.
-            let key = MessageKey::derive("billing", &format!("usage_ledger:{id}"), MESSAGE_TYPE);
+            let key = ledger_event_key(id);
             let message =
                 OutboxMessage::new(key, exchange, MESSAGE_TYPE, serde_json::to_vec(&event)?);
             enqueue(conn, &message, now)?;

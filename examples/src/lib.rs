@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod credit;
 pub mod metered;
+pub mod ops;
 pub mod quickstart;
 pub mod usage;
 
@@ -17,7 +18,7 @@ mod readme {}
 /// `info`, everything else (lapin, diesel, ...) at `warn`.
 pub const DEFAULT_LOG_FILTER: &str =
     "warn,inbox_core=info,inbox_diesel=info,inbox_amqp=info,inbox_examples=info,\
-     quickstart=info,usage_consumer=info,usage_producer=info,credit_ledger=info";
+     quickstart=info,usage_consumer=info,usage_producer=info,credit_ledger=info,usage_ops=info";
 
 /// Logs `tracing` events to stderr, as a user's service would: filtered by `RUST_LOG`
 /// (`RUST_LOG=debug`, `RUST_LOG=inbox_amqp=debug,warn`, ...), else by

@@ -20,7 +20,8 @@ use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Date};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
-    Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock, RetryPolicy,
+    days_ending, Envelope, Handler, HandlerError, HookError, MessageContext, MessageKey,
+    ProjectionLock, ProjectionRow, Rebuild, RetryPolicy, SourceEvent,
 };
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,52 @@ pub const GROUP: &str = "billing.daily-usage";
 
 /// The message type.
 pub const MESSAGE_TYPE: &str = "usage.recorded";
+
+/// The projection's name (operators say `usage_ops rebuild daily_usage`).
+pub const PROJECTION: &str = "daily_usage";
+
+/// The message key of the event a `usage_ledger` row produced: the one function the
+/// producer and the rebuild both derive it with (a rebuild covers exactly the keys
+/// the producer gave its events).
+pub fn ledger_event_key(ledger_id: i64) -> MessageKey {
+    MessageKey::derive(
+        "billing",
+        &format!("usage_ledger:{ledger_id}"),
+        MESSAGE_TYPE,
+    )
+}
+
+/// A row of `daily_usage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DailyTotal {
+    /// The user.
+    pub user_id: i64,
+    /// The day.
+    pub day: NaiveDate,
+    /// The sum of the day's amounts.
+    pub total: i64,
+}
+
+impl ProjectionRow for DailyTotal {
+    fn row_key(&self) -> String {
+        format!("user {}", self.user_id)
+    }
+
+    fn measure(&self) -> f64 {
+        self.total as f64
+    }
+}
+
+/// A row of `usage_ledger`, the projection's source of truth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LedgerRow {
+    /// The row's id (its event's key is [`ledger_event_key`] of it).
+    pub id: i64,
+    /// The user.
+    pub user_id: i64,
+    /// The amount.
+    pub amount: i64,
+}
 
 /// One metered usage event.
 ///
@@ -84,6 +131,12 @@ impl TryFrom<RawUsage> for UsageRecorded {
 }
 
 impl UsageRecorded {
+    /// The event's envelope under `key` (the body as the contract writes it).
+    pub fn envelope(&self, key: MessageKey) -> Envelope {
+        let payload = serde_json::to_vec(self).unwrap_or_default();
+        Envelope::new(key, MESSAGE_TYPE, payload)
+    }
+
     /// A day as the contract writes it: exactly `YYYY-MM-DD` (four-digit year, two-digit
     /// month and day, no sign, time or spaces), and a real calendar date.
     pub fn parse_day(text: &str) -> Result<NaiveDate, ContractError> {
@@ -116,6 +169,21 @@ pub trait UsageDb: Connection + Send + 'static {
     /// Creates `daily_usage` if missing.
     fn create_daily_usage(&mut self) -> QueryResult<()>;
 
+    /// Creates `usage_ledger` if missing.
+    fn create_usage_ledger(&mut self) -> QueryResult<()>;
+
+    /// Writes a ledger row; returns its id.
+    fn insert_ledger(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<i64>;
+
+    /// Every ledger row of a day, in one statement.
+    fn ledger_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<LedgerRow>>;
+
+    /// Every `daily_usage` row of a day.
+    fn totals_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<DailyTotal>>;
+
+    /// Deletes a day's `daily_usage` rows and writes `rows` (of that day) instead.
+    fn replace_day(&mut self, day: NaiveDate, rows: &[DailyTotal]) -> QueryResult<()>;
+
     /// Adds `amount` to the row of (`user_id`, `day`).
     fn add_usage(&mut self, user_id: i64, day: NaiveDate, amount: i64) -> QueryResult<()>;
 
@@ -125,6 +193,16 @@ pub trait UsageDb: Connection + Send + 'static {
 
     /// Every row.
     fn daily_totals(&mut self) -> QueryResult<BTreeMap<(i64, NaiveDate), i64>>;
+}
+
+#[derive(QueryableByName)]
+struct LedgerRecord {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = BigInt)]
+    user_id: i64,
+    #[diesel(sql_type = BigInt)]
+    amount: i64,
 }
 
 #[derive(QueryableByName)]
@@ -139,8 +217,77 @@ struct TotalRow {
 
 /// The same statements on both backends; only the table's column types differ.
 macro_rules! usage_db {
-    ($conn:ty, $create:literal, $add_rows:path) => {
+    ($conn:ty, $create:literal, $ledger:literal, $add_rows:path) => {
         impl UsageDb for $conn {
+            fn create_usage_ledger(&mut self) -> QueryResult<()> {
+                self.batch_execute($ledger)
+            }
+
+            fn insert_ledger(
+                &mut self,
+                user_id: i64,
+                day: NaiveDate,
+                amount: i64,
+            ) -> QueryResult<i64> {
+                #[derive(QueryableByName)]
+                struct Id {
+                    #[diesel(sql_type = BigInt)]
+                    id: i64,
+                }
+                diesel::sql_query(
+                    "INSERT INTO usage_ledger (user_id, day, amount) VALUES ($1, $2, $3) RETURNING id",
+                )
+                .bind::<BigInt, _>(user_id)
+                .bind::<Date, _>(day)
+                .bind::<BigInt, _>(amount)
+                .get_result::<Id>(self)
+                .map(|r| r.id)
+            }
+
+            fn ledger_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<LedgerRow>> {
+                let rows: Vec<LedgerRecord> =
+                    diesel::sql_query("SELECT id, user_id, amount FROM usage_ledger WHERE day = $1")
+                        .bind::<Date, _>(day)
+                        .load(self)?;
+                Ok(rows
+                    .into_iter()
+                    .map(|r| LedgerRow {
+                        id: r.id,
+                        user_id: r.user_id,
+                        amount: r.amount,
+                    })
+                    .collect())
+            }
+
+            fn totals_of_day(&mut self, day: NaiveDate) -> QueryResult<Vec<DailyTotal>> {
+                let rows: Vec<TotalRow> = diesel::sql_query(
+                    "SELECT user_id, day, total FROM daily_usage WHERE day = $1",
+                )
+                .bind::<Date, _>(day)
+                .load(self)?;
+                Ok(rows
+                    .into_iter()
+                    .map(|r| DailyTotal {
+                        user_id: r.user_id,
+                        day: r.day,
+                        total: r.total,
+                    })
+                    .collect())
+            }
+
+            fn replace_day(&mut self, day: NaiveDate, rows: &[DailyTotal]) -> QueryResult<()> {
+                diesel::sql_query("DELETE FROM daily_usage WHERE day = $1")
+                    .bind::<Date, _>(day)
+                    .execute(self)?;
+                let mut rows: Vec<(i64, NaiveDate, i64)> = rows
+                    .iter()
+                    .filter(|r| r.day == day)
+                    .map(|r| (r.user_id, r.day, r.total))
+                    .collect();
+                rows.sort_unstable();
+                self.add_usage_rows(&rows)
+            }
+
             fn add_usage_rows(&mut self, rows: &[(i64, NaiveDate, i64)]) -> QueryResult<()> {
                 $add_rows(self, rows)
             }
@@ -174,6 +321,8 @@ usage_db!(
     PgConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id BIGINT NOT NULL, day DATE NOT NULL, \
      total BIGINT NOT NULL, PRIMARY KEY (user_id, day))",
+    "CREATE TABLE IF NOT EXISTS usage_ledger (id BIGSERIAL PRIMARY KEY, \
+     user_id BIGINT NOT NULL, day DATE NOT NULL, amount BIGINT NOT NULL)",
     pg_add_rows
 );
 // SQLite's `+` turns an integer overflow into a REAL without an error; the CHECK
@@ -183,6 +332,8 @@ usage_db!(
     SqliteConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id INTEGER NOT NULL, day TEXT NOT NULL, \
      total INTEGER NOT NULL CHECK (typeof(total) = 'integer'), PRIMARY KEY (user_id, day))",
+    "CREATE TABLE IF NOT EXISTS usage_ledger (id INTEGER PRIMARY KEY, \
+     user_id INTEGER NOT NULL, day TEXT NOT NULL, amount INTEGER NOT NULL)",
     sqlite_add_rows
 );
 
@@ -312,6 +463,59 @@ impl DailyUsage {
     /// Live handlers take it shared before they claim; a rebuild takes it exclusive.
     fn projection_lock(&self) -> ProjectionLock {
         ProjectionLock::named("daily_usage")
+    }
+}
+
+/// The projection's rebuild hooks: `daily_usage` recomputed from `usage_ledger`, a
+/// day per partition. The window is today (UTC) and the days before it.
+impl<C: UsageDb> Rebuild<C> for DailyUsage {
+    type Partition = NaiveDate;
+    type Source = (i64, i64);
+    type Row = DailyTotal;
+
+    fn projection(&self) -> &str {
+        PROJECTION
+    }
+
+    fn window(&self, now: chrono::DateTime<chrono::Utc>, size: u32) -> Vec<NaiveDate> {
+        days_ending(now, size)
+    }
+
+    fn read_source(
+        &self,
+        conn: &mut C,
+        day: &NaiveDate,
+    ) -> Result<Vec<SourceEvent<(i64, i64)>>, HookError> {
+        Ok(conn
+            .ledger_of_day(*day)?
+            .into_iter()
+            .map(|r| (ledger_event_key(r.id), (r.user_id, r.amount)))
+            .collect())
+    }
+
+    fn recompute(&self, day: &NaiveDate, source: &[SourceEvent<(i64, i64)>]) -> Vec<DailyTotal> {
+        let mut sums: BTreeMap<i64, i64> = BTreeMap::new();
+        for (_, (user_id, amount)) in source {
+            // The live path refuses a total past 2^63 - 1; so does the rebuild (the
+            // total stops there rather than wrap).
+            let sum = sums.entry(*user_id).or_default();
+            *sum = sum.saturating_add(*amount);
+        }
+        sums.into_iter()
+            .map(|(user_id, total)| DailyTotal {
+                user_id,
+                day: *day,
+                total,
+            })
+            .collect()
+    }
+
+    fn read_projection(&self, conn: &mut C, day: &NaiveDate) -> Result<Vec<DailyTotal>, HookError> {
+        Ok(conn.totals_of_day(*day)?)
+    }
+
+    fn replace(&self, conn: &mut C, day: &NaiveDate, rows: &[DailyTotal]) -> Result<(), HookError> {
+        Ok(conn.replace_day(*day, rows)?)
     }
 }
 

@@ -47,6 +47,7 @@ mod key;
 #[doc(hidden)]
 pub mod names;
 mod outbox;
+mod rebuild;
 mod relay;
 mod retry;
 mod store;
@@ -76,6 +77,11 @@ pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
     EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,
     UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
+};
+pub use rebuild::{
+    days_ending, AuditReport, DriftRow, DynRebuild, ForeignPartition, HookError, PartitionDrift,
+    ProjectionRow, Rebuild, RebuildReport, RebuiltPartition, SourceEvent, WindowPartition,
+    DRIFT_SAMPLE,
 };
 pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
 pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};

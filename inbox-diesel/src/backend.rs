@@ -21,7 +21,12 @@ pub(crate) mod private {
 
     /// Backend operations; sealed, so only this crate's backends implement them.
     pub trait Sealed:
-        ClaimOps + OutboxOps + RetentionOps + crate::idempotency::IdempotencyOps + Sized
+        ClaimOps
+        + OutboxOps
+        + RetentionOps
+        + crate::idempotency::IdempotencyOps
+        + crate::rebuild_ops::RebuildOps
+        + Sized
     {
         const BACKEND: Backend;
 

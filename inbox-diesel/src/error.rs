@@ -109,6 +109,69 @@ pub enum Error {
     /// text says which.
     #[error("internal error: {0}")]
     Internal(&'static str),
+    /// A projection rebuild's schema objects are missing or wrong.
+    #[error("rebuild schema mismatch: expected {expected}, found {found} on {table}")]
+    RebuildSchemaMismatch {
+        /// What the store needs.
+        expected: String,
+        /// What the catalog says.
+        found: String,
+        /// The table.
+        table: String,
+    },
+    /// A projection was registered with rebuild hooks, but its handler declares no
+    /// projection lock (a rebuild could not exclude live batches).
+    #[error("projection {projection} has rebuild hooks but its handler (group {group}, message type {message_type}) declares no projection lock")]
+    ProjectionWithoutLock {
+        /// The projection.
+        projection: String,
+        /// The handler's group.
+        group: String,
+        /// The handler's message type.
+        message_type: String,
+    },
+    /// Two projections of one store have the same name.
+    #[error("projection {0} is registered twice")]
+    DuplicateProjection(String),
+    /// No projection of that name is registered.
+    #[error("unknown projection {found}: expected one of [{expected}]")]
+    UnknownProjection {
+        /// The name asked for.
+        found: String,
+        /// The projections registered, comma-separated.
+        expected: String,
+    },
+    /// A rebuild hook failed.
+    #[error("projection {projection}, partition {partition}: the rebuild hook failed")]
+    RebuildHook {
+        /// The projection.
+        projection: String,
+        /// The partition.
+        partition: String,
+        /// The hook's error.
+        #[source]
+        source: inbox_core::HookError,
+    },
+    /// The projection lock was not granted within the lock timeout in any try.
+    #[error("projection {projection}, partition {partition}: the projection lock was not granted within {timeout:?} in {tries} tries")]
+    LockTimeout {
+        /// The projection.
+        projection: String,
+        /// The partition.
+        partition: String,
+        /// The lock timeout of each try.
+        timeout: std::time::Duration,
+        /// How many tries timed out.
+        tries: u32,
+    },
+    /// Another runner holds (or took over) the projection's rebuild lease.
+    #[error("projection {projection}: the rebuild lease passed to runner {holder} during the run")]
+    RebuildLeaseLost {
+        /// The projection.
+        projection: String,
+        /// Who holds it now.
+        holder: String,
+    },
     /// An `inbox-core` error (invalid key, invariant violation, ...).
     #[error(transparent)]
     Core(#[from] inbox_core::Error),

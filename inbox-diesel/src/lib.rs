@@ -44,6 +44,8 @@ mod idempotency;
 mod outbox;
 mod pg;
 mod pool;
+mod rebuild;
+mod rebuild_ops;
 mod retention;
 mod rows;
 mod schema;
@@ -66,6 +68,10 @@ pub use outbox::{
     MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
 };
 pub use pool::{PooledStoreConnection, StoreManager};
+pub use rebuild::{
+    RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT, DEFAULT_LOCK_TRIES,
+    DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
+};
 pub use retention::Retention;
 pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow};
 pub use store::{Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT};

@@ -121,6 +121,15 @@ pub struct Stored {
     pub next_attempt_at: Option<DateTime<Utc>>,
 }
 
+impl Stored {
+    /// Whether a delivery with `digest` collides with this claim: another payload
+    /// under its key. A claim a rebuild covered has no digest (it counted the event
+    /// from the ledger): every delivery of its key is that event.
+    pub fn collides(&self, digest: &[u8]) -> bool {
+        !self.digest.is_empty() && self.digest != digest
+    }
+}
+
 /// A failure to record against a claim the batch owns.
 pub struct FailureUpdate<'a> {
     pub status: ClaimStatus,

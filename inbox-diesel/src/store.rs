@@ -50,6 +50,10 @@ pub(crate) struct Inner<C: StoreConnection> {
     /// What a relay waits for enqueues on (PostgreSQL: the LISTEN connection,
     /// opened on the first wait).
     listener: Mutex<C::Listener>,
+    /// The projections with rebuild hooks, by name.
+    rebuilds: HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>>,
+    /// The schema projection lock keys are scoped to (see `rebuild`).
+    lock_scope: String,
 }
 
 impl<C: StoreConnection> Drop for Inner<C> {
@@ -72,6 +76,17 @@ impl<C: StoreConnection> Inner<C> {
     }
 
     /// The settings batches run under.
+    /// The advisory key of a projection lock in this store's schema (live batches and
+    /// rebuilds of the store compute the same one; see `rebuild`).
+    pub(crate) fn lock_key(&self, lock: &inbox_core::ProjectionLock) -> i64 {
+        lock.key_in(&self.lock_scope)
+    }
+
+    /// The projections with rebuild hooks, by name.
+    pub(crate) fn rebuilds(&self) -> &HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>> {
+        &self.rebuilds
+    }
+
     pub(crate) fn settings(&self) -> &Settings {
         &self.settings
     }
@@ -197,6 +212,7 @@ impl<C: StoreConnection> Store<C> {
             pool_size: 4,
             clock: Arc::new(SystemClock),
             handlers: Vec::new(),
+            rebuilds: Vec::new(),
             crash_limit: 3,
             batch_deadline: DEFAULT_BATCH_DEADLINE,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
@@ -229,11 +245,14 @@ impl<C: StoreConnection> Store<C> {
     /// Checks the live schema: a unique index (or primary key) must cover exactly the
     /// claim key columns, with no predicate and no expression, on NOT NULL columns,
     /// and no other unique index may constrain a part of them. The same holds for the
-    /// idempotency table and its key (caller, idempotency_key).
+    /// idempotency table and its key (caller, idempotency_key). The rebuilds' objects
+    /// must exist too: `inbox_claims.covered_at`, `inbox_dead_letters.resolved_at`, and
+    /// `inbox_rebuild_runs` with a unique index on exactly `projection`.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
         verify::check(&C::catalog(&mut conn)?)?;
-        crate::idempotency::verify_on(&mut *conn)
+        crate::idempotency::verify_on(&mut *conn)?;
+        crate::rebuild::verify(&mut *conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -391,7 +410,8 @@ pub struct StoreBuilder<C: StoreConnection> {
     schema: Option<String>,
     pool_size: u32,
     clock: Arc<dyn Clock>,
-    handlers: Vec<Arc<dyn DynHandler<C>>>,
+    pub(crate) handlers: Vec<Arc<dyn DynHandler<C>>>,
+    pub(crate) rebuilds: Vec<Arc<dyn inbox_core::DynRebuild<C>>>,
     crash_limit: u32,
     batch_deadline: Duration,
     statement_timeout: Duration,
@@ -504,12 +524,14 @@ impl<C: StoreConnection> StoreBuilder<C> {
     fn assemble(self, check_schema: bool) -> Result<Store<C>> {
         self.check_settings()?;
         let handlers = routes(self.handlers)?;
+        let rebuilds = crate::rebuild::register(self.rebuilds)?;
         let mut first = first_connection::<C>(
             &self.url,
             self.schema.as_deref(),
             self.migrate,
             check_schema,
         )?;
+        let lock_scope = C::lock_scope(&mut first)?;
         C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
 
@@ -544,6 +566,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 url: self.url,
                 schema: self.schema,
                 listener: Mutex::default(),
+                rebuilds,
+                lock_scope,
             }),
         })
     }
@@ -629,6 +653,7 @@ fn first_connection<C: StoreConnection>(
     if check_schema {
         verify::check(&C::catalog(&mut first)?)?;
         crate::idempotency::verify_on(&mut first)?;
+        crate::rebuild::verify(&mut first)?;
     }
     Ok(first)
 }

@@ -484,7 +484,7 @@ fn store_errors_after_a_start_mark_are_not_crashes() {
         holder
             .batch_execute(&format!(
                 "BEGIN; SELECT pg_advisory_xact_lock({})",
-                lock.id()
+                lock.key_in(&fx.schema)
             ))
             .unwrap();
         for _ in 0..5 {
@@ -516,7 +516,7 @@ fn a_live_batch_waits_behind_an_exclusive_projection_lock_before_it_claims() {
     holder
         .batch_execute(&format!(
             "BEGIN; SELECT pg_advisory_xact_lock({}); SET LOCAL lock_timeout = '500ms'",
-            lock.id()
+            lock.key_in(&fx.schema)
         ))
         .unwrap();
     let outcome = Arc::new(Mutex::new(None));
@@ -593,7 +593,7 @@ fn a_hung_handler_releases_its_locks_at_the_batch_deadline() {
     let mut rebuild = fx.connect();
     let taken = rebuild.batch_execute(&format!(
         "BEGIN; SET LOCAL lock_timeout = '2s'; SELECT pg_advisory_xact_lock({}); COMMIT",
-        lock.id()
+        lock.key_in(&fx.schema)
     ));
     assert!(
         taken.is_ok(),

@@ -228,7 +228,7 @@ fn review_a_redelivery_waiting_behind_a_rebuild_is_dead_lettered_as_a_crash_loop
         holder
             .batch_execute(&format!(
                 "BEGIN; SELECT pg_advisory_xact_lock({})",
-                lock.id()
+                lock.key_in(&fx.schema)
             ))
             .unwrap();
         for _ in 0..4 {
@@ -277,7 +277,7 @@ fn review_a_malformed_delivery_is_dead_lettered_again_on_every_redelivery() {
     holder
         .batch_execute(&format!(
             "BEGIN; SELECT pg_advisory_xact_lock({})",
-            lock.id()
+            lock.key_in(&fx.schema)
         ))
         .unwrap();
     for _ in 0..3 {

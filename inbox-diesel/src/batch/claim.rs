@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 use inbox_core::{
     ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, HandlerFailure, MessageKey,
+    ProjectionLock,
 };
 
 use super::delivery::Delivery;
@@ -48,7 +49,7 @@ pub(super) fn decide(stored: Option<&Stored>, digest: &[u8], now: DateTime<Utc>)
             "the claim insert conflicted but no row exists under the same claim key".to_owned(),
         );
     };
-    if s.digest != digest {
+    if s.collides(digest) {
         return Found::Collision;
     }
     match ClaimStatus::parse(&s.status) {
@@ -80,11 +81,14 @@ pub(super) fn phantom(group: &ConsumerGroup, key: &MessageKey, detail: &str) -> 
 /// The projection locks of a batch's handlers: in id order, each once (exclusive if
 /// any handler wants it so), so that batches never wait for each other's locks in
 /// opposite orders.
-fn locks<C: 'static>(items: &[&Delivery<'_, C>]) -> Vec<(i64, bool)> {
+fn locks<C: 'static>(
+    items: &[&Delivery<'_, C>],
+    key: impl Fn(&ProjectionLock) -> i64,
+) -> Vec<(i64, bool)> {
     let mut locks: Vec<(i64, bool)> = items
         .iter()
         .filter_map(|d| d.handler.and_then(|h| h.lock()))
-        .map(|l| (l.id(), l.is_exclusive()))
+        .map(|l| (key(&l), l.is_exclusive()))
         .collect();
     locks.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
     locks.dedup_by_key(|l| l.0);
@@ -108,7 +112,7 @@ impl<C: StoreConnection> Inner<C> {
         C::write_transaction(conn, |conn| {
             // Lock before claim: a projection rebuild holds the lock exclusively, so
             // live batches wait for it instead of double counting beside it.
-            C::take_locks(conn, &locks(at.items))?;
+            C::take_locks(conn, &locks(at.items, |l| self.lock_key(l)))?;
             let (mine, mut decisions) = self.claim_all(conn, at)?;
 
             // Handlers run only after every claim of the batch is taken. The token

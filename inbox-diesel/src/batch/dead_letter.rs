@@ -106,7 +106,7 @@ fn mark_dead_or_explain<C: StoreConnection>(
         }
         let stored = C::lookup(conn, group, &[row.key])?;
         match stored.first() {
-            Some(s) if s.digest != row.digest => return Ok(Marked::Collision),
+            Some(s) if s.collides(row.digest) => return Ok(Marked::Collision),
             Some(s) if s.status == ClaimStatus::Done.as_str() => {
                 return Ok(Marked::Already(DeadLetterOutcome::AlreadyDone))
             }

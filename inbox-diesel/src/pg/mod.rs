@@ -9,6 +9,7 @@ mod claims;
 mod idempotency;
 mod listen;
 mod outbox;
+mod rebuild;
 mod retention;
 
 use std::sync::{Mutex, PoisonError};

@@ -8,6 +8,7 @@ mod claims;
 mod collation;
 mod idempotency;
 mod outbox;
+mod rebuild;
 mod retention;
 
 use std::sync::Mutex;

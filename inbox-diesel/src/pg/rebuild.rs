@@ -1,0 +1,143 @@
+//! The rebuild's PostgreSQL statements.
+
+use std::time::Duration;
+
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
+use diesel::PgConnection;
+
+use crate::rebuild_ops::{rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease};
+
+rebuild_dsl!(PgConnection, pg);
+
+#[derive(QueryableByName)]
+struct Scope {
+    #[diesel(sql_type = Text)]
+    scope: String,
+}
+
+#[derive(QueryableByName)]
+struct Got {
+    #[diesel(sql_type = Bool)]
+    got: bool,
+}
+
+#[derive(QueryableByName)]
+struct ColumnRow {
+    #[diesel(sql_type = Text)]
+    table_name: String,
+    #[diesel(sql_type = Text)]
+    column_name: String,
+}
+
+#[derive(QueryableByName)]
+struct UniqueRow {
+    #[diesel(sql_type = Array<Nullable<Text>>)]
+    columns: Vec<Option<String>>,
+}
+
+impl RebuildOps for PgConnection {
+    fn lock_scope(conn: &mut Self) -> QueryResult<String> {
+        diesel::sql_query("SELECT coalesce(current_schema()::text, '') AS scope")
+            .get_result::<Scope>(conn)
+            .map(|s| s.scope)
+    }
+
+    fn lock_exclusive(conn: &mut Self, key: i64, timeout: Duration) -> QueryResult<bool> {
+        // Every lock wait of this transaction is bounded, the exclusive request first:
+        // live batches that arrive while it waits queue behind it.
+        conn.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}",
+            timeout.as_millis().max(1)
+        ))?;
+        let free = diesel::sql_query("SELECT pg_try_advisory_xact_lock($1) AS got")
+            .bind::<BigInt, _>(key)
+            .get_result::<Got>(conn)?
+            .got;
+        if free {
+            return Ok(false);
+        }
+        diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+            .bind::<BigInt, _>(key)
+            .execute(conn)?;
+        Ok(true)
+    }
+
+    fn read_snapshot<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+        E: From<diesel::result::Error>,
+    {
+        conn.build_transaction()
+            .read_only()
+            .repeatable_read()
+            .run(f)
+    }
+
+    fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
+        // One statement over an array whatever the partition's size: a row per
+        // covered event that has no claim yet, in key order.
+        let recorded = diesel::sql_query(
+            "INSERT INTO inbox_claims (consumer_group, message_key, message_type, \
+                 payload_digest, status, attempts, starts, first_seen_at, updated_at, covered_at) \
+             SELECT $1, k, $2, ''::bytea, 'done', 0, 0, $3, $3, $3 \
+             FROM unnest($4::text[]) AS k ORDER BY k \
+             ON CONFLICT (consumer_group, message_key) DO NOTHING",
+        )
+        .bind::<Text, _>(c.group)
+        .bind::<Text, _>(c.message_type)
+        .bind::<Timestamptz, _>(c.now)
+        .bind::<Array<Text>, _>(c.keys)
+        .execute(conn)?;
+        let mut out = Covered {
+            recorded: recorded as u64,
+            ..Covered::default()
+        };
+        shared_take_over(conn, c, c.keys, &mut out)?;
+        Ok(out)
+    }
+
+    fn rebuild_catalog(conn: &mut Self) -> QueryResult<RebuildCatalog> {
+        let columns: Vec<ColumnRow> = diesel::sql_query(
+            "SELECT c.relname::text AS table_name, a.attname::text AS column_name \
+             FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid \
+             WHERE c.relnamespace = to_regnamespace(quote_ident(current_schema())) \
+               AND c.relname IN ('inbox_claims', 'inbox_dead_letters', 'inbox_rebuild_runs') \
+               AND c.relkind IN ('r', 'p') AND a.attnum > 0 AND NOT a.attisdropped \
+             ORDER BY c.relname, a.attnum",
+        )
+        .load(conn)?;
+        let mut tables: Vec<(String, Vec<String>)> = Vec::new();
+        for row in columns {
+            match tables.last_mut() {
+                Some((t, cols)) if *t == row.table_name => cols.push(row.column_name),
+                _ => tables.push((row.table_name, vec![row.column_name])),
+            }
+        }
+        // Unique, no predicate, valid and immediate: what ON CONFLICT can arbitrate on.
+        let runs_unique: Vec<UniqueRow> = diesel::sql_query(
+            "SELECT ARRAY(SELECT a.attname::text \
+                          FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+                          LEFT JOIN pg_attribute a \
+                            ON a.attrelid = i.indrelid AND a.attnum = k.attnum AND k.attnum > 0 \
+                          WHERE k.ord <= i.indnkeyatts ORDER BY k.ord) AS columns \
+             FROM pg_index i \
+             WHERE i.indrelid = to_regclass(format('%I.%I', current_schema(), 'inbox_rebuild_runs')) \
+               AND i.indisunique AND i.indpred IS NULL AND i.indisvalid AND i.indimmediate",
+        )
+        .load(conn)?;
+        Ok(RebuildCatalog {
+            tables,
+            runs_unique: runs_unique.into_iter().map(|u| u.columns).collect(),
+        })
+    }
+
+    fn lease_run(conn: &mut Self, lease: &RunLease<'_>) -> QueryResult<String> {
+        shared_lease(conn, lease)
+    }
+
+    fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
+        shared_release(conn, projection, runner)
+    }
+}

@@ -1,0 +1,583 @@
+//! Projection rebuilds: recompute a window of a projection from its source of truth
+//! while live consumers run, never double counting and never losing an event; audit
+//! the drift without writing.
+//!
+//! A projection registered with [`StoreBuilder::projection`](crate::StoreBuilder::projection)
+//! (a handler that implements [`inbox_core::Rebuild`]) is rebuilt by a [`Rebuilder`],
+//! one partition per transaction:
+//!
+//! 1. take the handler's [`ProjectionLock`](inbox_core::ProjectionLock) exclusively
+//!    (PostgreSQL: `pg_advisory_xact_lock` on the lock's key in the store's schema,
+//!    after `SET LOCAL lock_timeout`; SQLite: the `BEGIN IMMEDIATE` write transaction,
+//!    SQLite's single writer, is the lock);
+//! 2. read the partition's source rows **once** ([`Rebuild::read_source`], one
+//!    statement, after the lock is held) and derive from that one result both the new
+//!    rows and the covered events;
+//! 3. rewrite the partition's rows when they differ;
+//! 4. record a claim for every covered event, marked covered (`covered_at`, an empty
+//!    payload digest): a new claim is `done`; an existing `done` claim stays as it is; a
+//!    `failed` or `started` one becomes `done` and covered (its payload dropped, so its
+//!    retry is a duplicate); a `dead` one becomes covered and its dead letters are
+//!    marked resolved (`resolved_at`; a replay, guarded by the digest, refuses it);
+//! 5. commit.
+//!
+//! Live batches take the same lock shared before they claim (the batch path does it
+//! for every handler with a lock), so a live batch and a rebuild of one projection
+//! never overlap. The interleavings, one live batch carrying event E whose source row
+//! is S (each is a test in the workspace's `tests/tests/projection_rebuild.rs`):
+//!
+//! - **Live claim committed before the rebuild**: E's effect and its `done` claim are
+//!   committed when the rebuild takes the lock; S was committed before E was published
+//!   (the outbox publishes only committed rows), so the rebuild's read sees S, its new
+//!   rows count E once (the live effect is replaced, not added to), and the `done`
+//!   claim stays. A redelivery of E is a duplicate.
+//! - **Live batch blocked during the rebuild**: the rebuild holds the lock exclusively;
+//!   the live batch waits for it *before* it claims. If S was in the rebuild's read, E
+//!   is covered: when the live batch claims after the commit, it finds the covered
+//!   claim and decides duplicate (no second count, no collision: a covered claim has no
+//!   digest to differ). If S was not in the read, E is not covered and the live batch
+//!   applies it on top of the rebuilt rows: counted once.
+//! - **Live batch in flight when the rebuild asks**: the batch holds the lock shared,
+//!   so the rebuild waits (at most `lock_timeout`, then retries) until the batch
+//!   committed: this is the first case.
+//! - **Live claim after the rebuild**: as the blocked case, without the wait.
+//! - **S committed before the lock**: in the read; counted and covered; E's delivery is
+//!   a duplicate.
+//! - **S committed between the lock and the read**: the read runs after the lock is
+//!   held and sees every row committed before it (READ COMMITTED takes the statement's
+//!   snapshot): counted and covered, as above.
+//! - **S committed after the read**: neither counted nor covered; the live batch of E
+//!   waits for the lock and then applies E on top of the rebuilt rows.
+//!
+//! What each guard prevents: without the shared/exclusive lock, a live batch applying
+//! an event whose row the read missed commits before the rewrite, which then replaces
+//! its effect: the event is lost (its claim says done). With two reads (one for the
+//! rows, one for the keys), a row committed between them is covered but not summed
+//! (lost) or summed but not covered (counted twice). Without the covered claims, the
+//! delivery of an event the rebuild counted applies it a second time.
+//!
+//! Preconditions: the keys the hook yields are the producer's (one shared function
+//! derives both), and every event is published only after its source row committed.
+//!
+//! Bounded lock time: each partition is its own transaction; the exclusive request
+//! waits at most `lock_timeout` (live batches that arrive meanwhile queue behind it,
+//! so this bounds their wait too) and is retried after a pause, a bounded number of
+//! times.
+
+mod runner;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inbox_core::{
+    AuditReport, DynRebuild, HookError, ProjectionLock, RebuildReport, WindowPartition,
+};
+
+pub use runner::{RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW};
+
+use crate::backend::{classify, ErrorClass, StoreConnection};
+use crate::rebuild_ops::{CoverClaims, RebuildCatalog};
+use crate::{Error, Result, Store, StoreBuilder};
+
+/// The default [`Rebuilder::lock_timeout`].
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// The default [`Rebuilder::lock_tries`].
+pub const DEFAULT_LOCK_TRIES: u32 = 50;
+
+/// The default [`Rebuilder::retry_pause`].
+pub const DEFAULT_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// Checks the rebuild's schema objects (part of `verify_schema`).
+pub(crate) fn verify<C: StoreConnection>(conn: &mut C) -> Result<()> {
+    check_catalog(&C::rebuild_catalog(conn)?)
+}
+
+const REQUIRED: &[(&str, &[&str])] = &[
+    ("inbox_claims", &["covered_at"]),
+    ("inbox_dead_letters", &["resolved_at"]),
+    (
+        "inbox_rebuild_runs",
+        &["projection", "runner", "leased_until"],
+    ),
+];
+
+fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
+    for (table, required) in REQUIRED {
+        let Some((_, columns)) = catalog.tables.iter().find(|(t, _)| t == table) else {
+            return Err(Error::RebuildSchemaMismatch {
+                expected: format!("table {table}"),
+                found: "no such table".to_owned(),
+                table: (*table).to_owned(),
+            });
+        };
+        if let Some(missing) = required.iter().find(|c| !columns.iter().any(|h| h == *c)) {
+            let mut found = columns.clone();
+            found.sort();
+            return Err(Error::RebuildSchemaMismatch {
+                expected: format!("column {missing}"),
+                found: format!("columns {}", found.join(", ")),
+                table: (*table).to_owned(),
+            });
+        }
+    }
+    let exact =
+        |cols: &Vec<Option<String>>| cols.len() == 1 && cols[0].as_deref() == Some("projection");
+    if !catalog.runs_unique.iter().any(exact) {
+        let found: Vec<String> = catalog
+            .runs_unique
+            .iter()
+            .map(|cols| {
+                let names: Vec<&str> = cols
+                    .iter()
+                    .map(|c| c.as_deref().unwrap_or("<expression>"))
+                    .collect();
+                format!("unique ({})", names.join(", "))
+            })
+            .collect();
+        return Err(Error::RebuildSchemaMismatch {
+            expected: "unique (projection)".to_owned(),
+            found: if found.is_empty() {
+                "no unique index".to_owned()
+            } else {
+                found.join("; ")
+            },
+            table: "inbox_rebuild_runs".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks the projections registered on a builder: each has a lock and a name of its
+/// own.
+pub(crate) fn register<C: StoreConnection>(
+    rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
+) -> Result<HashMap<String, Arc<dyn DynRebuild<C>>>> {
+    let mut registered = HashMap::new();
+    for hook in rebuilds {
+        if hook.lock().is_none() {
+            return Err(Error::ProjectionWithoutLock {
+                projection: hook.projection().to_owned(),
+                group: hook.group().to_string(),
+                message_type: hook.message_type().to_owned(),
+            });
+        }
+        let name = hook.projection().to_owned();
+        if registered.insert(name.clone(), hook).is_some() {
+            return Err(Error::DuplicateProjection(name));
+        }
+    }
+    Ok(registered)
+}
+
+impl<C: StoreConnection> StoreBuilder<C> {
+    /// Registers a projection: its handler (as [`StoreBuilder::handler`] does) and its
+    /// rebuild hooks ([`inbox_core::Rebuild`]), for [`Store::rebuilder`].
+    ///
+    /// `build` fails with [`Error::ProjectionWithoutLock`] when the handler declares no
+    /// projection lock, and with [`Error::DuplicateProjection`] when two projections
+    /// share a name.
+    pub fn projection<H: inbox_core::Rebuild<C>>(mut self, handler: H) -> Self {
+        let handler = Arc::new(handler);
+        self.handlers.push(handler.clone());
+        self.rebuilds.push(handler);
+        self
+    }
+}
+
+impl<C: StoreConnection> Store<C> {
+    /// The names of the projections registered with rebuild hooks, sorted.
+    pub fn projections(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.inner.rebuilds().keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// A rebuilder of a registered projection.
+    pub fn rebuilder(&self, projection: &str) -> Result<Rebuilder<C>> {
+        let hook = self
+            .inner
+            .rebuilds()
+            .get(projection)
+            .cloned()
+            .ok_or_else(|| Error::UnknownProjection {
+                found: projection.to_owned(),
+                expected: self.projections().join(", "),
+            })?;
+        let lock = hook.lock().ok_or_else(|| Error::ProjectionWithoutLock {
+            projection: projection.to_owned(),
+            group: hook.group().to_string(),
+            message_type: hook.message_type().to_owned(),
+        })?;
+        Ok(Rebuilder {
+            key: self.inner.lock_key(&lock),
+            store: self.clone(),
+            hook,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            lock_tries: DEFAULT_LOCK_TRIES,
+            retry_pause: DEFAULT_RETRY_PAUSE,
+        })
+    }
+
+    /// The advisory lock key a projection lock has in this store (the lock's id mixed
+    /// with the store's schema; see [`ProjectionLock::key_in`]).
+    pub fn projection_lock_key(&self, lock: &ProjectionLock) -> i64 {
+        self.inner.lock_key(lock)
+    }
+}
+
+/// Rebuilds and audits one projection of a store, a partition per transaction.
+///
+/// ```no_run
+/// # fn demo(store: inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
+/// let rebuilder = store.rebuilder("daily_usage")?;
+/// let drift = rebuilder.audit(2)?; // today and yesterday, nothing written
+/// if drift.rows_differing > 0 {
+///     let healed = rebuilder.rebuild(2)?;
+///     println!("{} rows changed, {} events covered", healed.rows_changed, healed.events_covered);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Rebuilder<C: StoreConnection> {
+    store: Store<C>,
+    hook: Arc<dyn DynRebuild<C>>,
+    key: i64,
+    lock_timeout: Duration,
+    lock_tries: u32,
+    retry_pause: Duration,
+}
+
+/// Why one try of a partition's transaction failed.
+enum TryError {
+    Db(diesel::result::Error),
+    Hook(HookError),
+}
+
+impl From<diesel::result::Error> for TryError {
+    fn from(err: diesel::result::Error) -> Self {
+        Self::Db(err)
+    }
+}
+
+/// PostgreSQL's 55P03 under `lc_messages = 'C'` (diesel does not carry the SQLSTATE).
+fn is_lock_timeout(err: &diesel::result::Error) -> bool {
+    matches!(err, diesel::result::Error::DatabaseError(_, info)
+        if info.message().contains("canceling statement due to lock timeout"))
+}
+
+impl TryError {
+    /// A lock wait that ran out, a deadlock, a serialization failure, SQLite's busy:
+    /// the try is rolled back and run again.
+    fn is_contention(&self) -> bool {
+        let db = match self {
+            Self::Db(err) => Some(err),
+            Self::Hook(err) => err.downcast_ref::<diesel::result::Error>(),
+        };
+        db.is_some_and(|e| is_lock_timeout(e) || classify(e) == ErrorClass::Contention)
+    }
+
+    fn into_error(self, projection: &str, partition: &str) -> Error {
+        match self {
+            Self::Db(err) => Error::Database(err),
+            Self::Hook(source) => Error::RebuildHook {
+                projection: projection.to_owned(),
+                partition: partition.to_owned(),
+                source,
+            },
+        }
+    }
+}
+
+impl<C: StoreConnection> Rebuilder<C> {
+    /// How long one try waits for the exclusive lock (default 200 ms). Live batches
+    /// that arrive while the rebuild waits queue behind it, so this bounds their extra
+    /// wait too. PostgreSQL only: on SQLite the store's `busy_timeout` bounds it.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How many tries of a partition may time out or meet contention before the
+    /// rebuild gives up with [`Error::LockTimeout`] (default 50).
+    pub fn lock_tries(mut self, tries: u32) -> Self {
+        self.lock_tries = tries.max(1);
+        self
+    }
+
+    /// The pause between two tries of a partition (default 100 ms): live batches that
+    /// queued behind a timed-out try run in it.
+    pub fn retry_pause(mut self, pause: Duration) -> Self {
+        self.retry_pause = pause;
+        self
+    }
+
+    /// The projection.
+    pub fn projection(&self) -> &str {
+        self.hook.projection()
+    }
+
+    /// The `size` partitions of the window ending now (the store's clock): for a daily
+    /// projection, today (UTC) and the `size - 1` days before it.
+    pub fn window(&self, size: u32) -> Result<Vec<WindowPartition>> {
+        if size == 0 {
+            return Err(Error::InvalidSetting {
+                setting: "days",
+                expected: "at least 1 partition",
+                found: "0".to_owned(),
+            });
+        }
+        Ok(self.hook.window(self.store.clock().now(), size))
+    }
+
+    /// Audits the window of `size` partitions ending now: nothing is written.
+    pub fn audit(&self, size: u32) -> Result<AuditReport> {
+        self.audit_partitions(&self.window(size)?)
+    }
+
+    /// Audits the given partitions, each in a read-only transaction with one snapshot.
+    pub fn audit_partitions(&self, partitions: &[WindowPartition]) -> Result<AuditReport> {
+        let started = Instant::now();
+        let mut report = AuditReport {
+            projection: self.projection().to_owned(),
+            ..AuditReport::default()
+        };
+        let mut conn = self.store.connection()?;
+        for partition in partitions {
+            let drift = C::read_snapshot(&mut *conn, |conn| {
+                self.hook
+                    .audit_partition(conn, partition)
+                    .map_err(TryError::Hook)
+            })
+            .map_err(|e| e.into_error(self.projection(), partition.label()))?;
+            report.add(&drift);
+        }
+        report.duration_ms = millis(started.elapsed());
+        let projection = self.projection().to_owned();
+        metrics::counter!("inbox_audit_runs_total", "projection" => projection.clone())
+            .increment(1);
+        metrics::counter!("inbox_audit_rows_differing_total", "projection" => projection.clone())
+            .increment(report.rows_differing);
+        metrics::gauge!("inbox_projection_drift_rows", "projection" => projection)
+            .set(report.rows_differing as f64);
+        tracing::info!(
+            projection = self.projection(),
+            partitions = report.partitions,
+            rows_checked = report.rows_checked,
+            rows_differing = report.rows_differing,
+            extra_rows = report.extra_rows,
+            largest_ratio = report.largest_ratio,
+            "projection audited"
+        );
+        Ok(report)
+    }
+
+    /// Rebuilds the window of `size` partitions ending now, a partition per transaction.
+    pub fn rebuild(&self, size: u32) -> Result<RebuildReport> {
+        self.rebuild_partitions(&self.window(size)?)
+    }
+
+    /// Rebuilds the given partitions, one transaction each.
+    pub fn rebuild_partitions(&self, partitions: &[WindowPartition]) -> Result<RebuildReport> {
+        self.rebuild_with(partitions, &mut || Ok(()))
+    }
+
+    /// Rebuilds, calling `between` before each partition (a runner renews its lease).
+    pub(crate) fn rebuild_with(
+        &self,
+        partitions: &[WindowPartition],
+        between: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<RebuildReport> {
+        let started = Instant::now();
+        let mut report = RebuildReport {
+            projection: self.projection().to_owned(),
+            ..RebuildReport::default()
+        };
+        for partition in partitions {
+            between()?;
+            self.rebuild_one(partition, &mut report)?;
+        }
+        report.duration_ms = millis(started.elapsed());
+        tracing::info!(
+            projection = self.projection(),
+            partitions = report.partitions,
+            rows_changed = report.rows_changed,
+            events_covered = report.events_covered,
+            claims_recorded = report.claims_recorded,
+            lock_waits = report.lock_waits,
+            lock_timeouts = report.lock_timeouts,
+            duration_ms = report.duration_ms,
+            "projection rebuilt"
+        );
+        Ok(report)
+    }
+
+    fn rebuild_one(&self, partition: &WindowPartition, report: &mut RebuildReport) -> Result<()> {
+        let projection = self.projection().to_owned();
+        let mut timeouts = 0;
+        loop {
+            let started = Instant::now();
+            let mut conn = self.store.connection()?;
+            let now = self.store.clock().now();
+            let mut lock_wait = None;
+            let outcome = C::write_transaction(&mut *conn, |conn| {
+                let asked = Instant::now();
+                let waited = C::lock_exclusive(conn, self.key, self.lock_timeout)?;
+                lock_wait = Some((waited, asked.elapsed()));
+                // Held exclusively from here to the commit: the one read of the source,
+                // then the rewrite and the claims it implies.
+                let rebuilt = self
+                    .hook
+                    .rebuild_partition(conn, partition)
+                    .map_err(TryError::Hook)?;
+                let mut keys: Vec<&str> = rebuilt.covered.iter().map(|k| k.as_str()).collect();
+                keys.sort_unstable();
+                keys.dedup();
+                let covered = C::cover(
+                    conn,
+                    &CoverClaims {
+                        group: self.hook.group().as_str(),
+                        message_type: self.hook.message_type(),
+                        keys: &keys,
+                        now,
+                    },
+                )?;
+                let events = keys.len() as u64;
+                drop(keys);
+                Ok::<_, TryError>((rebuilt.drift, events, covered))
+            });
+            if let Some((waited, wait)) = lock_wait {
+                metrics::histogram!("inbox_rebuild_lock_wait_seconds", "projection" => projection.clone())
+                    .record(wait.as_secs_f64());
+                report.longest_lock_wait_ms = report.longest_lock_wait_ms.max(millis(wait));
+                if waited {
+                    report.lock_waits += 1;
+                }
+            }
+            match outcome {
+                Ok((drift, events, covered)) => {
+                    report.add_drift(&drift);
+                    report.events_covered += events;
+                    report.claims_recorded += covered.recorded;
+                    report.claims_converted += covered.converted;
+                    report.dead_covered += covered.dead;
+                    report.dead_letters_resolved += covered.letters_resolved;
+                    let labels = [("projection", projection.clone())];
+                    metrics::counter!("inbox_rebuild_partitions_total", &labels).increment(1);
+                    metrics::counter!("inbox_rebuild_rows_changed_total", &labels)
+                        .increment(drift.rows_differing);
+                    metrics::counter!("inbox_rebuild_events_covered_total", &labels)
+                        .increment(events);
+                    metrics::histogram!("inbox_rebuild_partition_seconds", &labels)
+                        .record(started.elapsed().as_secs_f64());
+                    tracing::debug!(
+                        projection = %projection,
+                        partition = partition.label(),
+                        rows_changed = drift.rows_differing,
+                        events_covered = events,
+                        "partition rebuilt"
+                    );
+                    return Ok(());
+                }
+                Err(err) if err.is_contention() => {
+                    timeouts += 1;
+                    report.lock_timeouts += 1;
+                    metrics::counter!("inbox_rebuild_lock_timeouts_total", "projection" => projection.clone())
+                        .increment(1);
+                    if timeouts >= self.lock_tries {
+                        return Err(Error::LockTimeout {
+                            projection,
+                            partition: partition.label().to_owned(),
+                            timeout: self.lock_timeout,
+                            tries: timeouts,
+                        });
+                    }
+                    tracing::debug!(projection = %projection, partition = partition.label(), tries = timeouts, "projection lock not granted in time: retrying");
+                    drop(conn);
+                    std::thread::sleep(self.retry_pause);
+                }
+                Err(err) => return Err(err.into_error(&projection, partition.label())),
+            }
+        }
+    }
+
+    pub(crate) fn store(&self) -> &Store<C> {
+        &self.store
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog() -> RebuildCatalog {
+        RebuildCatalog {
+            tables: vec![
+                (
+                    "inbox_claims".into(),
+                    vec!["message_key".into(), "covered_at".into()],
+                ),
+                (
+                    "inbox_dead_letters".into(),
+                    vec!["id".into(), "resolved_at".into()],
+                ),
+                (
+                    "inbox_rebuild_runs".into(),
+                    vec!["projection".into(), "runner".into(), "leased_until".into()],
+                ),
+            ],
+            runs_unique: vec![vec![Some("projection".into())]],
+        }
+    }
+
+    fn problem(c: &RebuildCatalog) -> (String, String, String) {
+        match check_catalog(c) {
+            Err(Error::RebuildSchemaMismatch {
+                expected,
+                found,
+                table,
+            }) => (expected, found, table),
+            other => panic!("expected a mismatch, found {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_migrated_catalog_passes() {
+        check_catalog(&catalog()).unwrap();
+    }
+
+    #[test]
+    fn a_missing_column_is_named() {
+        let mut c = catalog();
+        c.tables[0].1.retain(|n| n != "covered_at");
+        let (expected, found, table) = problem(&c);
+        assert_eq!(expected, "column covered_at");
+        assert_eq!(found, "columns message_key");
+        assert_eq!(table, "inbox_claims");
+    }
+
+    #[test]
+    fn a_missing_table_is_named() {
+        let mut c = catalog();
+        c.tables.remove(2);
+        assert_eq!(problem(&c).2, "inbox_rebuild_runs");
+    }
+
+    #[test]
+    fn the_lease_needs_a_unique_projection() {
+        let mut c = catalog();
+        c.runs_unique = vec![vec![Some("projection".into()), Some("runner".into())]];
+        let (expected, found, _) = problem(&c);
+        assert_eq!(expected, "unique (projection)");
+        assert_eq!(found, "unique (projection, runner)");
+        c.runs_unique = vec![vec![None]];
+        assert_eq!(problem(&c).1, "unique (<expression>)");
+        c.runs_unique.clear();
+        assert_eq!(problem(&c).1, "no unique index");
+    }
+}

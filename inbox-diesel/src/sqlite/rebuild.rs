@@ -1,0 +1,132 @@
+//! The rebuild's SQLite statements. SQLite has one writer: the rebuild's `BEGIN
+//! IMMEDIATE` transaction is its exclusive lock, and a live batch's write transaction
+//! waits for it (`busy_timeout`) before it claims.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{Nullable, Text};
+use diesel::SqliteConnection;
+
+use crate::rebuild_ops::{
+    rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
+};
+
+rebuild_dsl!(SqliteConnection, sqlite);
+
+#[derive(QueryableByName)]
+struct ColumnRow {
+    #[diesel(sql_type = Text)]
+    table_name: String,
+    #[diesel(sql_type = Text)]
+    column_name: String,
+}
+
+#[derive(QueryableByName)]
+struct IndexRow {
+    #[diesel(sql_type = Text)]
+    name: String,
+}
+
+#[derive(QueryableByName)]
+struct IndexColumn {
+    #[diesel(sql_type = Nullable<Text>)]
+    name: Option<String>,
+}
+
+/// Keys per statement of the take-over (SQLite binds at most 32,766 parameters).
+const CHUNK: usize = 500;
+
+impl RebuildOps for SqliteConnection {
+    fn lock_scope(_conn: &mut Self) -> QueryResult<String> {
+        // One database per file: no schema to tell stores apart (and no advisory locks).
+        Ok("main".to_owned())
+    }
+
+    fn lock_exclusive(_conn: &mut Self, _key: i64, _timeout: Duration) -> QueryResult<bool> {
+        // The immediate write transaction already excludes every other writer.
+        Ok(false)
+    }
+
+    fn read_snapshot<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+        E: From<diesel::result::Error>,
+    {
+        // A deferred transaction reads one snapshot from its first read to its end.
+        conn.transaction(f)
+    }
+
+    fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
+        use crate::rebuild_ops::tables::sqlite::covered_claims::dsl::*;
+        use crate::ClaimStatus;
+        let mut out = Covered::default();
+        for chunk in c.keys.chunks(CHUNK) {
+            // diesel's SQLite backend has no multi-row upsert: a statement per row,
+            // in-process, costs no round trip.
+            for k in chunk {
+                out.recorded += diesel::insert_into(covered_claims)
+                    .values((
+                        consumer_group.eq(c.group),
+                        message_key.eq(*k),
+                        message_type.eq(c.message_type),
+                        payload_digest.eq(NO_DIGEST),
+                        status.eq(ClaimStatus::Done.as_str()),
+                        attempts.eq(0),
+                        starts.eq(0),
+                        first_seen_at.eq(c.now),
+                        updated_at.eq(c.now),
+                        covered_at.eq(Some(c.now)),
+                    ))
+                    .on_conflict((consumer_group, message_key))
+                    .do_nothing()
+                    .execute(conn)? as u64;
+            }
+            shared_take_over(conn, c, chunk, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn rebuild_catalog(conn: &mut Self) -> QueryResult<RebuildCatalog> {
+        let columns: Vec<ColumnRow> = diesel::sql_query(
+            "SELECT m.name AS table_name, p.name AS column_name \
+             FROM sqlite_master m JOIN pragma_table_info(m.name) p \
+             WHERE m.type = 'table' \
+               AND m.name IN ('inbox_claims', 'inbox_dead_letters', 'inbox_rebuild_runs') \
+             ORDER BY m.name, p.cid",
+        )
+        .load(conn)?;
+        let mut tables: Vec<(String, Vec<String>)> = Vec::new();
+        for row in columns {
+            match tables.last_mut() {
+                Some((t, cols)) if *t == row.table_name => cols.push(row.column_name),
+                _ => tables.push((row.table_name, vec![row.column_name])),
+            }
+        }
+        let indexes: Vec<IndexRow> = diesel::sql_query(
+            "SELECT name FROM pragma_index_list('inbox_rebuild_runs') \
+             WHERE \"unique\" = 1 AND partial = 0",
+        )
+        .load(conn)?;
+        let mut runs_unique = Vec::new();
+        for index in indexes {
+            let cols: Vec<IndexColumn> =
+                diesel::sql_query("SELECT name FROM pragma_index_info(?) ORDER BY seqno")
+                    .bind::<Text, _>(&index.name)
+                    .load(conn)?;
+            runs_unique.push(cols.into_iter().map(|c| c.name).collect());
+        }
+        Ok(RebuildCatalog {
+            tables,
+            runs_unique,
+        })
+    }
+
+    fn lease_run(conn: &mut Self, lease: &RunLease<'_>) -> QueryResult<String> {
+        shared_lease(conn, lease)
+    }
+
+    fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
+        shared_release(conn, projection, runner)
+    }
+}
