@@ -32,6 +32,7 @@ mod key;
 #[doc(hidden)]
 pub mod names;
 mod outbox;
+mod replay;
 mod retry;
 mod store;
 mod transport;
@@ -54,6 +55,7 @@ pub use outbox::{
     relay_in_process, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
     OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
 };
+pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use transport::{InProcessTransport, TransportStats};

@@ -267,7 +267,12 @@ where
         .map(|row| fail(row.id, row.attempts, row.error.clone()))
         .collect();
     for row in &lease.rows {
-        match transport.publish(row.message.to_envelope()) {
+        // A replay is for one group alone (see `replay_target`).
+        let sent = match crate::replay_target(&row.message) {
+            Some(group) => transport.deliver_to(&group, row.message.to_envelope()),
+            None => transport.publish(row.message.to_envelope()),
+        };
+        match sent {
             Ok(_) => published.push(row.id),
             Err(err) => failed.push(fail(row.id, row.attempts, err.to_string())),
         }

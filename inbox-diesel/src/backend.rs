@@ -12,7 +12,13 @@ pub(crate) mod private {
     use super::*;
 
     /// Backend operations; sealed, so only this crate's backends implement them.
-    pub trait Sealed: crate::ops::ClaimOps + crate::outbox::OutboxOps + Sized {
+    pub trait Sealed:
+        crate::ops::ClaimOps
+        + crate::outbox::OutboxOps
+        + crate::operator::OperatorOps
+        + crate::operator::CatalogOps
+        + Sized
+    {
         const BACKEND: Backend;
 
         /// Opens a connection from the store's URL.

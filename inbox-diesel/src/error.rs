@@ -40,6 +40,17 @@ pub enum Error {
         /// The table, schema-qualified where the backend has schemas.
         table: String,
     },
+    /// The operator migration's objects are missing or wrong (see
+    /// [`Store::verify_schema`](crate::Store::verify_schema)).
+    #[error("schema mismatch: expected {expected}, found {found} on {table}")]
+    OperatorSchema {
+        /// What the store needs.
+        expected: String,
+        /// What the catalog holds.
+        found: String,
+        /// The table.
+        table: String,
+    },
     /// A setting was rejected.
     #[error("invalid configuration: {0}")]
     Config(String),

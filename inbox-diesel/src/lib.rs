@@ -4,6 +4,7 @@
 mod backend;
 mod batch;
 mod error;
+mod operator;
 mod ops;
 mod outbox;
 mod pg;
@@ -19,6 +20,11 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
+pub use operator::{
+    replay_refusal, BulkReport, DeadLetterDetails, DeadLetterEntry, DeadLetterFilter,
+    DiscardOutcome, FailureGroup, GroupStats, LetterCount, LetterStatus, OperatorStats,
+    PurgeReport, RedriveFilter, ReplayOutcome, ReplayTarget,
+};
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,
     DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,

@@ -238,7 +238,8 @@ impl<C: StoreConnection> Store<C> {
     /// and no other unique index may constrain a part of them.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
-        verify::check(&C::catalog(&mut conn)?)
+        verify::check(&C::catalog(&mut conn)?)?;
+        Self::check_operator_schema(&mut conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -476,6 +477,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
         // tear the TLS library down under it).
         if check_schema {
             verify::check(&C::catalog(&mut first)?)?;
+            Store::<C>::check_operator_schema(&mut first)?;
         }
         C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
