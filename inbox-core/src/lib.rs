@@ -25,6 +25,7 @@
 
 mod clock;
 mod decision;
+mod duration;
 mod envelope;
 mod error;
 mod handler;
@@ -40,6 +41,7 @@ mod url;
 
 pub use clock::{delta, Clock, ManualClock, SystemClock};
 pub use decision::{ClaimInvariantViolated, DeadLetterReason, Decision};
+pub use duration::{parse_duration, parse_ladder};
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, Result};
 pub use handler::{
