@@ -26,6 +26,8 @@ pub struct Failure {
     pub code: u8,
     /// What to tell the operator (credentials redacted).
     pub message: String,
+    /// Whether the command's own output (its JSON document) was printed already.
+    pub reported: bool,
 }
 
 impl Failure {
@@ -33,7 +35,14 @@ impl Failure {
         Self {
             code,
             message: message.into(),
+            reported: false,
         }
+    }
+
+    /// The same failure, after the command printed its own result.
+    fn reported(mut self) -> Self {
+        self.reported = true;
+        self
     }
 }
 
@@ -57,7 +66,7 @@ pub fn run_with(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> 
                 Some(url) => redact_message(&failure.message, url),
                 None => failure.message,
             };
-            if global.json {
+            if global.json && !failure.reported {
                 let _ = writeln!(out, "{}", json!({ "error": message, "exit_code": failure.code }));
             }
             eprintln!("inbox: {message}");
@@ -309,7 +318,7 @@ fn dead_letters<C: StoreConnection>(
                     print(out, format!("dead letter {id}: {}\n", name.replace('_', " ")))?;
                 }
                 return if name == "not_found" {
-                    Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))
+                    Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")).reported())
                 } else {
                     Ok(())
                 };
@@ -413,7 +422,7 @@ fn replay_one<C: StoreConnection>(
     } else {
         print(out, text)?;
     }
-    failure.map_or(Ok(()), Err)
+    failure.map_or(Ok(()), |f| Err(f.reported()))
 }
 
 fn claims<C: StoreConnection>(
@@ -459,7 +468,9 @@ fn claims<C: StoreConnection>(
                 print(out, table.render(&format!("{} claims", claims.len())))?;
             }
             if claims.is_empty() {
-                return Err(Failure::new(exit::NOT_FOUND, format!("no claim of key {key:?}")));
+                return Err(
+                    Failure::new(exit::NOT_FOUND, format!("no claim of key {key:?}")).reported(),
+                );
             }
             Ok(())
         }
@@ -599,10 +610,10 @@ fn verify<C: StoreConnection>(
         print(out, text)?;
     }
     if let Some(e) = schema_error {
-        return Err(Failure::new(exit::SCHEMA, e));
+        return Err(Failure::new(exit::SCHEMA, e).reported());
     }
     if let Some(e) = topology_error {
-        return Err(Failure::new(exit::SCHEMA, e));
+        return Err(Failure::new(exit::SCHEMA, e).reported());
     }
     Ok(())
 }
