@@ -162,6 +162,7 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
     let shutdown = CancellationToken::new();
     let consumer = Consumer::new(amqp_url.clone(), Arc::clone(&store), topology.clone())
         .with_settings(ConsumerSettings::default().workers(1));
+    let consumer_stats = consumer.stats();
     let consuming = tokio::spawn(consumer.run(shutdown.clone()));
     let mut settings = RelaySettings::default();
     settings.poll_interval = ms(50);
@@ -192,6 +193,9 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
     // Time for a wrong copy to arrive, had one been sent.
     tokio::time::sleep(ms(500)).await;
     applied_once(&store, &failing, &bystander);
+    // Through the default exchange to the failing group's queue: had a replay gone to
+    // the topic exchange, the bystander would have received (and absorbed) a copy.
+    assert_eq!(consumer_stats.snapshot().duplicates, 0);
     let stats = json(&inbox(&url, &extra, &["--json", "stats"]));
     assert_eq!(stats["outbox"]["backlog"], 0, "{stats}");
 

@@ -123,7 +123,13 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
         .unwrap();
     assert_eq!(report.matched, 3);
     assert_eq!(report.affected, 3, "{report:?}");
+    let before = t.stats();
     assert_eq!(relay(&s, &mut t), 3);
+    // Delivered to the failing group alone: no copy reached the bystander (whose
+    // claim would absorb it, unless retention had purged it).
+    let after = t.stats();
+    assert_eq!(after.delivered - before.delivered, 3);
+    assert_eq!(after.duplicates, before.duplicates);
     let mut conn = s.store.connection().unwrap();
     for key in BAD {
         // Once by the bystander at first, once by the healed group after the replay.
@@ -443,7 +449,33 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     );
 }
 
+fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
+    let s = scene(fx);
+    let _t = dead_letter_three(&s);
+    // The broker gives up on an impostor under a dead key: its letter is recorded,
+    // replayable by reason (delivery_limit), but the claim belongs to the original.
+    let g = group(FAILING);
+    let impostor = usage("bad-1", 999);
+    use inbox_core::InboxStore;
+    s.store
+        .dead_letter(&g, &impostor, DeadLetterReason::DeliveryLimit, "delivery limit")
+        .unwrap();
+    let letter = s
+        .store
+        .list_dead_letters(&DeadLetterFilter::default().reason("delivery_limit"), 0, 1)
+        .unwrap()
+        .remove(0);
+    assert_eq!(
+        s.store.replay_dead_letter(letter.id, &ReplayTarget::default()).unwrap(),
+        ReplayOutcome::ClaimNotDead {
+            status: Some(ClaimStatus::Dead)
+        }
+    );
+    assert_eq!(s.store.operator_stats().unwrap().outbox_backlog, 0);
+}
+
 on_both_backends!(
+    a_letter_of_another_payload_never_takes_the_claim,
     replays_reach_the_failing_group_alone_and_apply_once,
     one_letter_replayed_twice_and_twice_at_once_is_enqueued_once,
     a_message_failing_again_after_a_replay_is_dead_again_with_its_replay_visible,
