@@ -8,7 +8,10 @@
 //!
 //! Environment: `DATABASE_URL` (required, `postgres://...`), `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_PREFIX` (optional prefix of the
-//! exchange and queue names), `RUST_LOG` (log filter; default
+//! exchange and queue names), `INBOX_RETRY_LADDER` (the retry tiers, comma-separated
+//! durations such as `50ms,200ms`; default the framework's ladder),
+//! `INBOX_MAX_ATTEMPTS` (failures before a message is dead-lettered; default the
+//! framework's retry policy's), `RUST_LOG` (log filter; default
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
 //! `warn`).
 
@@ -17,7 +20,7 @@ use std::sync::Arc;
 
 use diesel::PgConnection;
 use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, ConsumerSettings, Topology};
-use inbox_core::{RetryLadder, RetryPolicy};
+use inbox_core::{parse_ladder, RetryLadder, RetryPolicy};
 use inbox_diesel::Store;
 use inbox_examples::usage::{DailyUsage, UsageDb};
 
@@ -41,13 +44,27 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let prefix = std::env::var("INBOX_PREFIX").unwrap_or_default();
 
     // The store records the delay each retry really waits: the tier's.
-    let ladder = RetryLadder::default();
+    let ladder = match std::env::var("INBOX_RETRY_LADDER") {
+        Ok(text) => parse_ladder(&text).map_err(|e| format!("INBOX_RETRY_LADDER: {e}"))?,
+        Err(_) => RetryLadder::default(),
+    };
+    let policy = match std::env::var("INBOX_MAX_ATTEMPTS") {
+        Ok(text) => {
+            let n: u32 = text.trim().parse().map_err(|_| {
+                format!("INBOX_MAX_ATTEMPTS: expected a whole number of at least 1, found {text:?}")
+            })?;
+            let default = RetryPolicy::default();
+            RetryPolicy::new(n, default.initial(), default.max())
+                .map_err(|e| format!("INBOX_MAX_ATTEMPTS: {e}"))?
+        }
+        Err(_) => RetryPolicy::default(),
+    };
     let store_ladder = ladder.clone();
     let store = tokio::task::spawn_blocking(
         move || -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
             let store = Store::<PgConnection>::builder(database_url)
                 .retry_ladder(store_ladder)
-                .handler(DailyUsage::new(RetryPolicy::default()))
+                .handler(DailyUsage::new(policy))
                 .build()?;
             store.connection()?.create_daily_usage()?;
             Ok(store)
