@@ -32,7 +32,10 @@ fn start(vars: &[(&str, &str)]) -> (i32, String) {
 fn bad_settings_are_refused_naming_the_variable() {
     for (vars, named) in [
         (&[("INBOX_RETRY_LADDER", "50")][..], "INBOX_RETRY_LADDER"),
-        (&[("INBOX_RETRY_LADDER", "50ms,0ms")][..], "INBOX_RETRY_LADDER"),
+        (
+            &[("INBOX_RETRY_LADDER", "50ms,0ms")][..],
+            "INBOX_RETRY_LADDER",
+        ),
         (&[("INBOX_MAX_ATTEMPTS", "0")][..], "INBOX_MAX_ATTEMPTS"),
         (&[("INBOX_MAX_ATTEMPTS", "three")][..], "INBOX_MAX_ATTEMPTS"),
     ] {
@@ -41,7 +44,10 @@ fn bad_settings_are_refused_naming_the_variable() {
         assert!(stderr.contains(named), "{vars:?}: {stderr}");
     }
     // Good values get past the settings, to the (unreachable) database.
-    let (code, stderr) = start(&[("INBOX_RETRY_LADDER", "50ms,200ms"), ("INBOX_MAX_ATTEMPTS", "3")]);
+    let (code, stderr) = start(&[
+        ("INBOX_RETRY_LADDER", "50ms,200ms"),
+        ("INBOX_MAX_ATTEMPTS", "3"),
+    ]);
     assert_eq!(code, 1);
     assert!(!stderr.contains("INBOX_"), "{stderr}");
     assert!(stderr.contains("startup failed"), "{stderr}");

@@ -21,7 +21,8 @@ impl Table {
     }
 
     pub(crate) fn row<const N: usize>(&mut self, cells: [String; N]) {
-        self.rows.push(cells.into_iter().map(|c| one_line(&c)).collect());
+        self.rows
+            .push(cells.into_iter().map(|c| one_line(&c)).collect());
     }
 
     /// The table, or `(none)`, then a summary line.
@@ -101,10 +102,12 @@ pub(crate) fn entry_json(e: &DeadLetterEntry) -> Value {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
@@ -114,7 +117,10 @@ pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
         map.insert("payload".into(), json!(text));
         map.insert("payload_hex".into(), json!(hex(&d.payload)));
         map.insert("headers".into(), json!(d.headers));
-        map.insert("first_failure_at".into(), time_json(Some(d.first_failure_at)));
+        map.insert(
+            "first_failure_at".into(),
+            time_json(Some(d.first_failure_at)),
+        );
         map.insert("last_failure_at".into(), time_json(Some(d.last_failure_at)));
         map.insert(
             "claim_status".into(),
@@ -144,7 +150,10 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     field("first failure", time(d.first_failure_at));
     field("last failure", time(d.last_failure_at));
     field("replays", e.replay_count.to_string());
-    field("last replayed at", e.replayed_at.map_or_else(|| "-".to_owned(), time));
+    field(
+        "last replayed at",
+        e.replayed_at.map_or_else(|| "-".to_owned(), time),
+    );
     if let Some(n) = e.delivered_by_replay {
         field("delivered by replay", n.to_string());
     }
@@ -160,7 +169,10 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
             Some(why) => format!("no: {why}"),
         },
     );
-    field("last error", one_line(e.last_error.as_deref().unwrap_or("-")));
+    field(
+        "last error",
+        one_line(e.last_error.as_deref().unwrap_or("-")),
+    );
     let _ = writeln!(out, "headers:");
     if d.headers.is_empty() {
         let _ = writeln!(out, "  (none)");
@@ -232,7 +244,9 @@ pub(crate) fn stats_json(s: &OperatorStats) -> Value {
     let letters: Vec<Value> = s
         .dead_letters
         .iter()
-        .map(|l| json!({ "consumer_group": l.consumer_group, "reason": l.reason, "count": l.count }))
+        .map(
+            |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason, "count": l.count }),
+        )
         .collect();
     json!({
         "at": time_json(Some(s.at)),
@@ -248,7 +262,13 @@ pub(crate) fn stats_json(s: &OperatorStats) -> Value {
 
 pub(crate) fn stats_text(s: &OperatorStats) -> String {
     let mut claims = Table::new([
-        "GROUP", "STARTED", "DONE", "FAILED", "DEAD", "RETRIES_DUE", "RETRIES_WAITING",
+        "GROUP",
+        "STARTED",
+        "DONE",
+        "FAILED",
+        "DEAD",
+        "RETRIES_DUE",
+        "RETRIES_WAITING",
         "OLDEST_PENDING_RETRY",
     ]);
     for g in &s.groups {
@@ -265,7 +285,11 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
     }
     let mut letters = Table::new(["GROUP", "REASON", "DEAD_LETTERS"]);
     for l in &s.dead_letters {
-        letters.row([l.consumer_group.clone(), l.reason.clone(), l.count.to_string()]);
+        letters.row([
+            l.consumer_group.clone(),
+            l.reason.clone(),
+            l.count.to_string(),
+        ]);
     }
     let age = s
         .oldest_unpublished_age

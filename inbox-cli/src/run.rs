@@ -67,7 +67,11 @@ pub fn run_with(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> 
                 None => failure.message,
             };
             if global.json && !failure.reported {
-                let _ = writeln!(out, "{}", json!({ "error": message, "exit_code": failure.code }));
+                let _ = writeln!(
+                    out,
+                    "{}",
+                    json!({ "error": message, "exit_code": failure.code })
+                );
             }
             eprintln!("inbox: {message}");
             failure.code
@@ -93,7 +97,11 @@ fn failed(err: impl std::fmt::Display) -> Failure {
     Failure::new(exit::FAILURE, err.to_string())
 }
 
-fn open<C: StoreConnection>(global: &GlobalArgs, url: &str, checked: bool) -> Result<Store<C>, Failure> {
+fn open<C: StoreConnection>(
+    global: &GlobalArgs,
+    url: &str,
+    checked: bool,
+) -> Result<Store<C>, Failure> {
     let mut builder = Store::<C>::builder(url).pool_size(2).run_migrations(false);
     if let Some(schema) = &global.schema {
         builder = builder.schema(schema.clone());
@@ -202,7 +210,9 @@ fn dead_letters<C: StoreConnection>(
             offset,
         } => {
             let f = filter(store, args, StatusArg::Active)?;
-            let letters = store.list_dead_letters(&f, *offset, *limit).map_err(failed)?;
+            let letters = store
+                .list_dead_letters(&f, *offset, *limit)
+                .map_err(failed)?;
             if global.json {
                 let rows: Vec<Value> = letters.iter().map(output::entry_json).collect();
                 return print_json(
@@ -211,8 +221,17 @@ fn dead_letters<C: StoreConnection>(
                 );
             }
             let mut table = Table::new([
-                "ID", "GROUP", "KEY", "TYPE", "REASON", "ATTEMPTS", "REPLAYS", "STATUS",
-                "FAILURE_GROUP", "DEAD_LETTERED_AT", "LAST_ERROR",
+                "ID",
+                "GROUP",
+                "KEY",
+                "TYPE",
+                "REASON",
+                "ATTEMPTS",
+                "REPLAYS",
+                "STATUS",
+                "FAILURE_GROUP",
+                "DEAD_LETTERED_AT",
+                "LAST_ERROR",
             ]);
             for e in &letters {
                 table.row([
@@ -229,7 +248,10 @@ fn dead_letters<C: StoreConnection>(
                     output::first_line(e.last_error.as_deref()),
                 ]);
             }
-            print(out, table.render(&format!("{} dead letters", letters.len())))
+            print(
+                out,
+                table.render(&format!("{} dead letters", letters.len())),
+            )
         }
         DeadLetterCommand::Show { id } => {
             let details = store
@@ -249,8 +271,15 @@ fn dead_letters<C: StoreConnection>(
                 return print_json(out, &json!({ "failure_groups": rows }));
             }
             let mut table = Table::new([
-                "FAILURE_GROUP", "COUNT", "REASON", "TYPE", "CONSUMER_GROUPS", "REPLAYABLE",
-                "FIRST_SEEN", "LAST_SEEN", "SIGNATURE",
+                "FAILURE_GROUP",
+                "COUNT",
+                "REASON",
+                "TYPE",
+                "CONSUMER_GROUPS",
+                "REPLAYABLE",
+                "FIRST_SEEN",
+                "LAST_SEEN",
+                "SIGNATURE",
             ]);
             for g in &groups {
                 table.row([
@@ -265,7 +294,10 @@ fn dead_letters<C: StoreConnection>(
                     g.signature.clone(),
                 ]);
             }
-            print(out, table.render(&format!("{} failure groups", groups.len())))
+            print(
+                out,
+                table.render(&format!("{} failure groups", groups.len())),
+            )
         }
         DeadLetterCommand::Replay {
             id,
@@ -278,7 +310,9 @@ fn dead_letters<C: StoreConnection>(
             }
             let f = filter(store, args, StatusArg::Pending)?;
             confirm(store, &f, *limit, *yes, "replay")?;
-            let report = store.replay_dead_letters(&f, *limit, target).map_err(failed)?;
+            let report = store
+                .replay_dead_letters(&f, *limit, target)
+                .map_err(failed)?;
             if global.json {
                 return print_json(
                     out,
@@ -315,7 +349,10 @@ fn dead_letters<C: StoreConnection>(
                 if global.json {
                     print_json(out, &json!({ "id": id, "outcome": name }))?;
                 } else {
-                    print(out, format!("dead letter {id}: {}\n", name.replace('_', " ")))?;
+                    print(
+                        out,
+                        format!("dead letter {id}: {}\n", name.replace('_', " ")),
+                    )?;
                 }
                 return if name == "not_found" {
                     Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")).reported())
@@ -414,7 +451,10 @@ fn replay_one<C: StoreConnection>(
         _ => (
             json!({ "id": id, "outcome": "not_found" }),
             format!("no dead letter {id}\n"),
-            Some(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}"))),
+            Some(Failure::new(
+                exit::NOT_FOUND,
+                format!("no dead letter {id}"),
+            )),
         ),
     };
     if global.json {
@@ -448,8 +488,16 @@ fn claims<C: StoreConnection>(
                 print_json(out, &json!({ "claims": rows }))?;
             } else {
                 let mut table = Table::new([
-                    "GROUP", "KEY", "TYPE", "STATUS", "ATTEMPTS", "STARTS", "NEXT_ATTEMPT_AT",
-                    "PAYLOAD_KEPT", "UPDATED_AT", "LAST_ERROR",
+                    "GROUP",
+                    "KEY",
+                    "TYPE",
+                    "STATUS",
+                    "ATTEMPTS",
+                    "STARTS",
+                    "NEXT_ATTEMPT_AT",
+                    "PAYLOAD_KEPT",
+                    "UPDATED_AT",
+                    "LAST_ERROR",
                 ]);
                 for c in &claims {
                     table.row([
@@ -481,7 +529,8 @@ fn claims<C: StoreConnection>(
             limit,
             yes,
         } => {
-            let mut f = RedriveFilter::default().overdue_for(duration_arg(overdue_for, "overdue-for")?);
+            let mut f =
+                RedriveFilter::default().overdue_for(duration_arg(overdue_for, "overdue-for")?);
             f.consumer_group.clone_from(consumer_group);
             f.message_key.clone_from(key);
             if !yes {
@@ -490,7 +539,9 @@ fn claims<C: StoreConnection>(
                     "refusing to redrive claims without --yes",
                 ));
             }
-            let report = store.redrive_failed_claims(&f, *limit, target).map_err(failed)?;
+            let report = store
+                .redrive_failed_claims(&f, *limit, target)
+                .map_err(failed)?;
             if global.json {
                 return print_json(
                     out,
@@ -512,7 +563,11 @@ fn claims<C: StoreConnection>(
     }
 }
 
-fn stats<C: StoreConnection>(global: &GlobalArgs, store: &Store<C>, out: &mut dyn Write) -> Outcome {
+fn stats<C: StoreConnection>(
+    global: &GlobalArgs,
+    store: &Store<C>,
+    out: &mut dyn Write,
+) -> Outcome {
     let s = store.operator_stats().map_err(failed)?;
     if global.json {
         return print_json(out, &output::stats_json(&s));
@@ -537,11 +592,17 @@ fn purge<C: StoreConnection>(
         return Err(Failure::new(exit::USAGE, "--batch must be at least 1"));
     }
     let report = if args.dry_run {
-        store.count_purgeable(&retention, discarded).map_err(failed)?
+        store
+            .count_purgeable(&retention, discarded)
+            .map_err(failed)?
     } else {
         let mut r = inbox_diesel::PurgeReport::default();
-        r.published_outbox_rows = store.purge_published(&retention, args.batch).map_err(failed)?;
-        r.done_claims = store.purge_done_claims(&retention, args.batch).map_err(failed)?;
+        r.published_outbox_rows = store
+            .purge_published(&retention, args.batch)
+            .map_err(failed)?;
+        r.done_claims = store
+            .purge_done_claims(&retention, args.batch)
+            .map_err(failed)?;
         r.discarded_dead_letters = store
             .purge_discarded_dead_letters(discarded, args.batch)
             .map_err(failed)?;
@@ -558,7 +619,11 @@ fn purge<C: StoreConnection>(
             }),
         );
     }
-    let verb = if args.dry_run { "would delete" } else { "deleted" };
+    let verb = if args.dry_run {
+        "would delete"
+    } else {
+        "deleted"
+    };
     print(
         out,
         format!(
@@ -640,10 +705,11 @@ fn check_topology<C: StoreConnection>(
             .map(|g| g.consumer_group)
             .collect();
     }
-    let mut topology = inbox_amqp::Topology::new(args.exchange.clone().unwrap_or_else(|| "unused".to_owned()))
-        .and_then(|t| t.prefix(global.prefix.clone()))
-        .map_err(|e| e.to_string())?
-        .ladder(ladder);
+    let mut topology =
+        inbox_amqp::Topology::new(args.exchange.clone().unwrap_or_else(|| "unused".to_owned()))
+            .and_then(|t| t.prefix(global.prefix.clone()))
+            .map_err(|e| e.to_string())?
+            .ladder(ladder);
     for g in &groups {
         let group = ConsumerGroup::new(g.as_str()).map_err(|e| e.to_string())?;
         topology = topology.group(group, Vec::<String>::new());
@@ -658,7 +724,13 @@ fn check_topology<C: StoreConnection>(
     runtime.block_on(async {
         let conn = lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default())
             .await
-            .map_err(|e| format!("could not connect to the broker {}: {}", inbox_core::redact_url(amqp_url), redact(e)))?;
+            .map_err(|e| {
+                format!(
+                    "could not connect to the broker {}: {}",
+                    inbox_core::redact_url(amqp_url),
+                    redact(e)
+                )
+            })?;
         if let Some(exchange) = &exchange {
             let channel = conn.create_channel().await.map_err(redact)?;
             channel

@@ -50,7 +50,14 @@ fn seed<F: Fixture>(fx: &F) {
         .builder()
         .handler(
             Recorder::new(GROUP)
-                .policy(inbox_core::RetryPolicy::new(1, std::time::Duration::from_millis(1), std::time::Duration::from_millis(1)).unwrap())
+                .policy(
+                    inbox_core::RetryPolicy::new(
+                        1,
+                        std::time::Duration::from_millis(1),
+                        std::time::Duration::from_millis(1),
+                    )
+                    .unwrap(),
+                )
                 .behaviour(|key, _| {
                     if key.starts_with("bad-") {
                         Outcome::FailWith(format!("row {} locked", key.len()))
@@ -69,7 +76,10 @@ fn seed<F: Fixture>(fx: &F) {
             [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]
         );
     }
-    assert_eq!(store.process_batch(&g, &[usage("ok-1", 1)]).unwrap(), [Decision::Processed]);
+    assert_eq!(
+        store.process_batch(&g, &[usage("ok-1", 1)]).unwrap(),
+        [Decision::Processed]
+    );
     assert_eq!(
         store.process_batch(&g, &[usage("ok-1", 2)]).unwrap(),
         [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
@@ -82,18 +92,36 @@ fn scenario(db: &Db) {
     assert_eq!(code(&list), 0, "{}", stderr(&list));
     let text = stdout(&list);
     assert!(text.starts_with("ID "), "{text}");
-    assert!(text.contains("bad-22") && text.contains("key_collision"), "{text}");
+    assert!(
+        text.contains("bad-22") && text.contains("key_collision"),
+        "{text}"
+    );
     assert!(text.trim_end().ends_with("3 dead letters"), "{text}");
 
     // JSON list, newest first, with the documented fields.
-    let list = json(&inbox(db, &["--json", "dead-letters", "list", "--reason", "max_attempts"]));
+    let list = json(&inbox(
+        db,
+        &["--json", "dead-letters", "list", "--reason", "max_attempts"],
+    ));
     let letters = list["dead_letters"].as_array().unwrap();
     assert_eq!(letters.len(), 2);
     assert_eq!(letters[0]["message_key"], "bad-22");
     for field in [
-        "id", "consumer_group", "message_key", "message_type", "tenant", "reason", "attempts",
-        "last_error", "dead_lettered_at", "replay_count", "replayed_at", "discarded_at",
-        "failure_group", "status", "delivered_by_replay",
+        "id",
+        "consumer_group",
+        "message_key",
+        "message_type",
+        "tenant",
+        "reason",
+        "attempts",
+        "last_error",
+        "dead_lettered_at",
+        "replay_count",
+        "replayed_at",
+        "discarded_at",
+        "failure_group",
+        "status",
+        "delivered_by_replay",
     ] {
         assert!(letters[0].get(field).is_some(), "{field}: {}", letters[0]);
     }
@@ -110,14 +138,23 @@ fn scenario(db: &Db) {
     assert_eq!(groups[0]["replayable"], true);
     let fingerprint = groups[0]["fingerprint"].as_str().unwrap().to_owned();
     let human = stdout(&inbox(db, &["dead-letters", "groups"]));
-    assert!(human.starts_with("FAILURE_GROUP") && human.contains(&fingerprint), "{human}");
+    assert!(
+        human.starts_with("FAILURE_GROUP") && human.contains(&fingerprint),
+        "{human}"
+    );
 
     // Show: human and JSON.
     let show = inbox(db, &["dead-letters", "show", &first_id.to_string()]);
     assert_eq!(code(&show), 0);
     let text = stdout(&show);
-    assert!(text.contains("bad-1") && text.contains(r#"{"amount":1}"#), "{text}");
-    let show = json(&inbox(db, &["--json", "dead-letters", "show", &first_id.to_string()]));
+    assert!(
+        text.contains("bad-1") && text.contains(r#"{"amount":1}"#),
+        "{text}"
+    );
+    let show = json(&inbox(
+        db,
+        &["--json", "dead-letters", "show", &first_id.to_string()],
+    ));
     assert_eq!(show["payload"], r#"{"amount":1}"#);
     assert_eq!(show["claim_status"], "dead");
     assert_eq!(show["replayable"], true);
@@ -133,25 +170,71 @@ fn scenario(db: &Db) {
     let refused = inbox(db, &["dead-letters", "replay", "--group", &fingerprint]);
     assert_eq!(code(&refused), 2);
     assert!(stderr(&refused).contains("refusing to replay 2 dead letters without --yes"));
-    let still = json(&inbox(db, &["--json", "dead-letters", "list", "--status", "pending"]));
+    let still = json(&inbox(
+        db,
+        &["--json", "dead-letters", "list", "--status", "pending"],
+    ));
     assert_eq!(still["dead_letters"].as_array().unwrap().len(), 3);
 
     // The collision letter is refused: exit 5, with the advice.
-    let collision = json(&inbox(db, &["--json", "dead-letters", "list", "--reason", "key_collision"]));
-    let collision_id = collision["dead_letters"][0]["id"].as_i64().unwrap().to_string();
+    let collision = json(&inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "list",
+            "--reason",
+            "key_collision",
+        ],
+    ));
+    let collision_id = collision["dead_letters"][0]["id"]
+        .as_i64()
+        .unwrap()
+        .to_string();
     let refused = inbox(db, &["--json", "dead-letters", "replay", &collision_id]);
     assert_eq!(code(&refused), 5, "{}", stdout(&refused));
     assert_eq!(json(&refused)["outcome"], "refused");
 
     // Replay by failure group: the count; again: nothing.
-    let replay = inbox(db, &["--json", "dead-letters", "replay", "--group", &fingerprint, "--yes"]);
+    let replay = inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "replay",
+            "--group",
+            &fingerprint,
+            "--yes",
+        ],
+    );
     assert_eq!(code(&replay), 0, "{}", stderr(&replay));
     let report = json(&replay);
-    assert_eq!((report["matched"].as_u64(), report["replayed"].as_u64()), (Some(2), Some(2)));
-    let again = inbox(db, &["dead-letters", "replay", "--group", &fingerprint, "--status", "replayed", "--yes"]);
+    assert_eq!(
+        (report["matched"].as_u64(), report["replayed"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let again = inbox(
+        db,
+        &[
+            "dead-letters",
+            "replay",
+            "--group",
+            &fingerprint,
+            "--status",
+            "replayed",
+            "--yes",
+        ],
+    );
     assert_eq!(code(&again), 0);
-    assert!(stdout(&again).starts_with("replayed 0 of 2 dead letters"), "{}", stdout(&again));
-    let one = json(&inbox(db, &["--json", "dead-letters", "replay", &first_id.to_string()]));
+    assert!(
+        stdout(&again).starts_with("replayed 0 of 2 dead letters"),
+        "{}",
+        stdout(&again)
+    );
+    let one = json(&inbox(
+        db,
+        &["--json", "dead-letters", "replay", &first_id.to_string()],
+    ));
     assert_eq!(one["outcome"], "claim_not_dead");
     assert_eq!(one["claim_status"], "failed");
 
@@ -172,21 +255,54 @@ fn scenario(db: &Db) {
     assert!(human.contains("outbox: 2 unpublished"), "{human}");
 
     // Discard, bulk with a limit.
-    let discard = json(&inbox(db, &["--json", "dead-letters", "discard", "--status", "replayed", "--limit", "1", "--yes"]));
+    let discard = json(&inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "discard",
+            "--status",
+            "replayed",
+            "--limit",
+            "1",
+            "--yes",
+        ],
+    ));
     assert_eq!(discard["discarded"], 1);
-    let purge = json(&inbox(db, &["--json", "purge", "--discarded", "0s", "--dry-run"]));
+    let purge = json(&inbox(
+        db,
+        &["--json", "purge", "--discarded", "0s", "--dry-run"],
+    ));
     assert_eq!(purge["dry_run"], true);
     assert_eq!(purge["discarded_dead_letters"], 1);
-    let purge = json(&inbox(db, &["--json", "purge", "--discarded", "0s", "--batch", "1"]));
+    let purge = json(&inbox(
+        db,
+        &["--json", "purge", "--discarded", "0s", "--batch", "1"],
+    ));
     assert_eq!(purge["discarded_dead_letters"], 1);
-    assert_eq!(code(&inbox(db, &["purge", "--done-claims", "1m", "--longest-retry", "10m"])), 2);
+    assert_eq!(
+        code(&inbox(
+            db,
+            &["purge", "--done-claims", "1m", "--longest-retry", "10m"]
+        )),
+        2
+    );
 
     // Verify.
     let verify = inbox(db, &["verify"]);
     assert_eq!(code(&verify), 0, "{}", stderr(&verify));
-    assert_eq!(stdout(&verify), "schema: ok\ntopology: skipped (no AMQP_URL)\n");
+    assert_eq!(
+        stdout(&verify),
+        "schema: ok\ntopology: skipped (no AMQP_URL)\n"
+    );
     // Bad arguments.
-    assert_eq!(code(&inbox(db, &["dead-letters", "list", "--since", "yesterday"])), 2);
+    assert_eq!(
+        code(&inbox(
+            db,
+            &["dead-letters", "list", "--since", "yesterday"]
+        )),
+        2
+    );
     assert_eq!(code(&inbox(db, &["dead-letters", "nonsense"])), 2);
 }
 
@@ -234,7 +350,11 @@ fn no_database_and_an_unreachable_one_say_so_without_the_password() {
     for args in [&["stats"][..], &["--json", "verify"][..]] {
         let out = inbox(&db, args);
         assert_eq!(code(&out), 1, "{}", stderr(&out));
-        assert!(stderr(&out).contains("could not connect"), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("could not connect"),
+            "{}",
+            stderr(&out)
+        );
         for printed in [stdout(&out), stderr(&out)] {
             assert!(!printed.contains("s3cret-pw"), "{printed}");
         }

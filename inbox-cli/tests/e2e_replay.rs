@@ -15,8 +15,7 @@ use std::time::Duration;
 
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, Topology};
 use inbox_core::{
-    relay_in_process, InProcessTransport, MessageKey, OutboxMessage, RetryLadder,
-    RetryPolicy,
+    relay_in_process, InProcessTransport, MessageKey, OutboxMessage, RetryLadder, RetryPolicy,
 };
 use inbox_diesel::{enqueue, DeadLetterFilter, Store, StoreConnection};
 use inbox_test_support::amqp::{self, amqp_url, eventually};
@@ -61,7 +60,11 @@ fn calls_of(calls: &Calls, key: &str) -> usize {
 }
 
 /// The failing group (fails `bad-*` until healed) and a bystander taking the same type.
-fn store<F: Fixture>(fx: &F, healed: &Arc<AtomicBool>, ladder: Option<RetryLadder>) -> (Store<F::Conn>, Calls, Calls) {
+fn store<F: Fixture>(
+    fx: &F,
+    healed: &Arc<AtomicBool>,
+    ladder: Option<RetryLadder>,
+) -> (Store<F::Conn>, Calls, Calls) {
     let flag = Arc::clone(healed);
     let failing = Recorder::new(FAILING)
         .policy(RetryPolicy::new(2, ms(50), ms(50)).unwrap())
@@ -74,7 +77,11 @@ fn store<F: Fixture>(fx: &F, healed: &Arc<AtomicBool>, ladder: Option<RetryLadde
         });
     let bystander = Recorder::new(BYSTANDER);
     let (failing_calls, bystander_calls) = (failing.calls(), bystander.calls());
-    let mut builder = fx.builder().pool_size(4).handler(failing).handler(bystander);
+    let mut builder = fx
+        .builder()
+        .pool_size(4)
+        .handler(failing)
+        .handler(bystander);
     if let Some(ladder) = ladder {
         builder = builder.retry_ladder(ladder);
     }
@@ -122,18 +129,32 @@ fn replay(url: &str, extra: &[&str], fingerprint: &str, status: &str) -> Value {
         url,
         extra,
         &[
-            "--json", "dead-letters", "replay", "--group", fingerprint, "--status", status,
+            "--json",
+            "dead-letters",
+            "replay",
+            "--group",
+            fingerprint,
+            "--status",
+            status,
             "--yes",
         ],
     ))
 }
 
-fn applied_once<C: StoreConnection + TestConn>(store: &Store<C>, failing: &Calls, bystander: &Calls) {
+fn applied_once<C: StoreConnection + TestConn>(
+    store: &Store<C>,
+    failing: &Calls,
+    bystander: &Calls,
+) {
     let mut conn = store.connection().unwrap();
     for key in BAD {
         // The bystander applied it at first; the healed group once, after the replay.
         assert_eq!(conn.effects_of(key).unwrap(), 2, "{key}");
-        assert_eq!(calls_of(bystander, key), 1, "{key} reached the bystander again");
+        assert_eq!(
+            calls_of(bystander, key),
+            1,
+            "{key} reached the bystander again"
+        );
         assert_eq!(calls_of(failing, key), 3, "{key}: two failures, one replay");
     }
     assert_eq!(conn.effects_of("good-1").unwrap(), 2);
@@ -187,7 +208,10 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
     assert!(done, "the replays were not applied");
     // The same replay again, of the letters just replayed: nothing is enqueued.
     let again = replay(&url, &extra, &fingerprint, "replayed");
-    assert_eq!((again["matched"].as_u64(), again["replayed"].as_u64()), (Some(3), Some(0)));
+    assert_eq!(
+        (again["matched"].as_u64(), again["replayed"].as_u64()),
+        (Some(3), Some(0))
+    );
     let again = replay(&url, &extra, &fingerprint, "pending");
     assert_eq!(again["matched"], 0);
     // Time for a wrong copy to arrive, had one been sent.
@@ -204,7 +228,14 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
         .env("DATABASE_URL", &url)
         .env("AMQP_URL", &amqp_url)
         .args(extra)
-        .args(["--json", "verify", "--exchange", "billing", "--retry-ladder", "50ms"])
+        .args([
+            "--json",
+            "verify",
+            "--exchange",
+            "billing",
+            "--retry-ladder",
+            "50ms",
+        ])
         .output()
         .unwrap();
     let report = json(&verify);
@@ -219,7 +250,13 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
         .unwrap();
     assert_eq!(wrong.status.code(), Some(3));
     let report: Value = serde_json::from_slice(&wrong.stdout).unwrap();
-    assert!(report["topology_error"].as_str().unwrap().contains("retry:75ms"), "{report}");
+    assert!(
+        report["topology_error"]
+            .as_str()
+            .unwrap()
+            .contains("retry:75ms"),
+        "{report}"
+    );
 
     shutdown.cancel();
     consuming.await.unwrap().unwrap();
@@ -261,7 +298,10 @@ fn sqlite_and_the_in_process_transport_replay_a_failure_group_once() {
     applied_once(&store, &failing, &bystander);
     // Again: nothing.
     let again = replay(&url, &[], &fingerprint, "replayed");
-    assert_eq!((again["matched"].as_u64(), again["replayed"].as_u64()), (Some(3), Some(0)));
+    assert_eq!(
+        (again["matched"].as_u64(), again["replayed"].as_u64()),
+        (Some(3), Some(0))
+    );
     assert_eq!(run(&mut transport), 0);
     applied_once(&store, &failing, &bystander);
 }

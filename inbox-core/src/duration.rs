@@ -63,9 +63,21 @@ mod tests {
     #[test]
     fn units_and_refusals() {
         assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
-        assert_eq!(parse_duration(" 7d ").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            parse_duration(" 7d ").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        for bad in ["", "ms", "5", "5 s", "-5s", "5.5s", "5w", "99999999999999999999d"] {
+        for bad in [
+            "",
+            "ms",
+            "5",
+            "5 s",
+            "-5s",
+            "5.5s",
+            "5w",
+            "99999999999999999999d",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
         assert!(parse_ladder("50ms,0ms").is_err());

@@ -2,18 +2,20 @@
 //! exactly once (twice, and twice at once), replayable reasons, discard, redrive,
 //! stats, and the schema check of the operator migration.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
 use inbox_core::{
-    relay_in_process, Clock, DeadLetterReason, Decision, Envelope, InProcessTransport,
-    ManualClock, MessageKey, RetryPolicy, REPLAY_GROUP_HEADER,
+    relay_in_process, Clock, DeadLetterReason, Decision, Envelope, InProcessTransport, ManualClock,
+    MessageKey, RetryPolicy, REPLAY_GROUP_HEADER,
 };
 use inbox_diesel::{
-    BulkReport, ClaimStatus, DeadLetterFilter, DiscardOutcome, Error, LetterStatus,
-    RedriveFilter, ReplayOutcome, ReplayTarget, Store,
+    BulkReport, ClaimStatus, DeadLetterFilter, DiscardOutcome, Error, LetterStatus, RedriveFilter,
+    ReplayOutcome, ReplayTarget, Store,
 };
 use inbox_test_support::{group, on_both_backends, usage, Fixture, Outcome, Recorder, TestConn};
 
@@ -72,13 +74,14 @@ fn scene<F: Fixture>(fx: &F) -> Scene<F::Conn> {
     }
 }
 
-fn transport<C: inbox_diesel::StoreConnection>(
-    s: &Scene<C>,
-) -> InProcessTransport<Store<C>> {
+fn transport<C: inbox_diesel::StoreConnection>(s: &Scene<C>) -> InProcessTransport<Store<C>> {
     InProcessTransport::new(s.store.clone()).with_clock(s.clock.clone())
 }
 
-fn relay<C: inbox_diesel::StoreConnection>(s: &Scene<C>, t: &mut InProcessTransport<Store<C>>) -> usize {
+fn relay<C: inbox_diesel::StoreConnection>(
+    s: &Scene<C>,
+    t: &mut InProcessTransport<Store<C>>,
+) -> usize {
     let n = relay_in_process(&s.store, t, "relay-1", 100).expect("relay");
     t.run_until_idle().expect("run");
     n
@@ -134,10 +137,17 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
     for key in BAD {
         // Once by the bystander at first, once by the healed group after the replay.
         assert_eq!(conn.effects_of(key).unwrap(), 2, "{key}");
-        assert_eq!(calls(&s.bystander_calls, key), 1, "{key}: the replay reached the bystander");
+        assert_eq!(
+            calls(&s.bystander_calls, key),
+            1,
+            "{key}: the replay reached the bystander"
+        );
         let claim = s
             .store
-            .claim(&inbox_core::ClaimKey::new(group(FAILING), MessageKey::new(key).unwrap()))
+            .claim(&inbox_core::ClaimKey::new(
+                group(FAILING),
+                MessageKey::new(key).unwrap(),
+            ))
             .unwrap()
             .unwrap();
         assert_eq!(claim.status, ClaimStatus::Done);
@@ -145,16 +155,26 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
     // The same replay again: the claims are done, nothing is enqueued or applied.
     let again = s
         .store
-        .replay_dead_letters(&by_group.clone().status(LetterStatus::Replayed), None, &ReplayTarget::default())
+        .replay_dead_letters(
+            &by_group.clone().status(LetterStatus::Replayed),
+            None,
+            &ReplayTarget::default(),
+        )
         .unwrap();
     assert_eq!(again.affected, 0, "{again:?}");
     assert_eq!(again.skipped, 3, "{again:?}");
     assert_eq!(relay(&s, &mut t), 0);
     assert_eq!(conn.effects_of("bad-1").unwrap(), 2);
-    let pending_again = s.store.replay_dead_letters(&by_group, None, &ReplayTarget::default()).unwrap();
+    let pending_again = s
+        .store
+        .replay_dead_letters(&by_group, None, &ReplayTarget::default())
+        .unwrap();
     assert_eq!(pending_again, BulkReport::default());
 
-    let letters = s.store.list_dead_letters(&DeadLetterFilter::default(), 0, 10).unwrap();
+    let letters = s
+        .store
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
+        .unwrap();
     assert_eq!(letters.len(), 3);
     for letter in &letters {
         assert_eq!(letter.status, LetterStatus::Replayed);
@@ -167,7 +187,10 @@ fn one_letter_replayed_twice_and_twice_at_once_is_enqueued_once<F: Fixture>(fx: 
     let s = scene(fx);
     let mut t = dead_letter_three(&s);
     s.healed.store(true, Ordering::SeqCst);
-    let letters = s.store.list_dead_letters(&DeadLetterFilter::default(), 0, 10).unwrap();
+    let letters = s
+        .store
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
+        .unwrap();
     let (first, rest) = letters.split_first().unwrap();
     let target = ReplayTarget::default();
     assert!(matches!(
@@ -199,7 +222,11 @@ fn one_letter_replayed_twice_and_twice_at_once_is_enqueued_once<F: Fixture>(fx: 
     let mut conn = s.store.connection().unwrap();
     for key in BAD {
         assert_eq!(conn.effects_of(key).unwrap(), 2, "{key}");
-        assert_eq!(calls(&s.failing_calls, key), 3, "{key}: two failures and one replay");
+        assert_eq!(
+            calls(&s.failing_calls, key),
+            3,
+            "{key}: two failures and one replay"
+        );
     }
 }
 
@@ -211,7 +238,9 @@ fn a_message_failing_again_after_a_replay_is_dead_again_with_its_replay_visible<
     let filter = DeadLetterFilter::default().message_key("bad-1");
     let first = s.store.list_dead_letters(&filter, 0, 1).unwrap().remove(0);
     assert!(matches!(
-        s.store.replay_dead_letter(first.id, &ReplayTarget::default()).unwrap(),
+        s.store
+            .replay_dead_letter(first.id, &ReplayTarget::default())
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
     relay(&s, &mut t); // still failing: dead again
@@ -230,11 +259,16 @@ fn a_message_failing_again_after_a_replay_is_dead_again_with_its_replay_visible<
     // Replayed again and healed: sequence 2, applied once by this group.
     s.healed.store(true, Ordering::SeqCst);
     assert!(matches!(
-        s.store.replay_dead_letter(newest.id, &ReplayTarget::default()).unwrap(),
+        s.store
+            .replay_dead_letter(newest.id, &ReplayTarget::default())
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 2, .. }
     ));
     relay(&s, &mut t);
-    assert_eq!(s.store.connection().unwrap().effects_of("bad-1").unwrap(), 2);
+    assert_eq!(
+        s.store.connection().unwrap().effects_of("bad-1").unwrap(),
+        2
+    );
 }
 
 fn reasons_that_cannot_be_replayed_are_refused_and_no_handler_is_replayed_once_handled<
@@ -254,7 +288,11 @@ fn reasons_that_cannot_be_replayed_are_refused_and_no_handler_is_replayed_once_h
         [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
     );
     // A payload that does not decode.
-    let bad_json = Envelope::new(MessageKey::new("k-2").unwrap(), "usage.recorded", b"{".to_vec());
+    let bad_json = Envelope::new(
+        MessageKey::new("k-2").unwrap(),
+        "usage.recorded",
+        b"{".to_vec(),
+    );
     assert_eq!(
         s.store.process_batch(&g, &[bad_json]).unwrap(),
         [Decision::DeadLettered(DeadLetterReason::DecodeError)]
@@ -328,11 +366,18 @@ fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
         .discard_dead_letters(&DeadLetterFilter::default(), Some(2))
         .unwrap();
     assert_eq!((report.matched, report.affected), (2, 2));
-    let left = s.store.list_dead_letters(&DeadLetterFilter::default(), 0, 10).unwrap();
+    let left = s
+        .store
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
+        .unwrap();
     assert_eq!(left.len(), 1);
     let discarded = s
         .store
-        .list_dead_letters(&DeadLetterFilter::default().status(LetterStatus::Discarded), 0, 10)
+        .list_dead_letters(
+            &DeadLetterFilter::default().status(LetterStatus::Discarded),
+            0,
+            10,
+        )
         .unwrap();
     assert_eq!(discarded.len(), 2);
     assert_eq!(
@@ -340,14 +385,23 @@ fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
         DiscardOutcome::AlreadyDiscarded
     );
     assert_eq!(
-        s.store.replay_dead_letter(discarded[0].id, &ReplayTarget::default()).unwrap(),
+        s.store
+            .replay_dead_letter(discarded[0].id, &ReplayTarget::default())
+            .unwrap(),
         ReplayOutcome::Discarded
     );
-    assert_eq!(s.store.discard_dead_letter(i64::MAX).unwrap(), DiscardOutcome::NotFound);
+    assert_eq!(
+        s.store.discard_dead_letter(i64::MAX).unwrap(),
+        DiscardOutcome::NotFound
+    );
     // Paging, newest first.
     let page: Vec<i64> = s
         .store
-        .list_dead_letters(&DeadLetterFilter::default().status(LetterStatus::Discarded), 1, 1)
+        .list_dead_letters(
+            &DeadLetterFilter::default().status(LetterStatus::Discarded),
+            1,
+            1,
+        )
         .unwrap()
         .iter()
         .map(|e| e.id)
@@ -375,27 +429,43 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
     let redrive = RedriveFilter::default().overdue_for(Duration::from_secs(60));
     let target = ReplayTarget::default();
     assert_eq!(
-        s.store.redrive_failed_claims(&redrive, None, &target).unwrap().matched,
+        s.store
+            .redrive_failed_claims(&redrive, None, &target)
+            .unwrap()
+            .matched,
         0,
         "not overdue yet"
     );
     s.clock.advance(Duration::from_secs(120));
     let stats = s.store.operator_stats().unwrap();
-    let failing = stats.groups.iter().find(|g| g.consumer_group == FAILING).unwrap();
+    let failing = stats
+        .groups
+        .iter()
+        .find(|g| g.consumer_group == FAILING)
+        .unwrap();
     assert_eq!((failing.failed, failing.retries_due), (1, 1));
     assert!(failing.oldest_pending_retry.is_some());
     s.healed.store(true, Ordering::SeqCst);
-    let report = s.store.redrive_failed_claims(&redrive, None, &target).unwrap();
+    let report = s
+        .store
+        .redrive_failed_claims(&redrive, None, &target)
+        .unwrap();
     assert_eq!((report.matched, report.affected), (1, 1));
     // Just redriven: not overdue any more.
     assert_eq!(
-        s.store.redrive_failed_claims(&redrive, None, &target).unwrap().matched,
+        s.store
+            .redrive_failed_claims(&redrive, None, &target)
+            .unwrap()
+            .matched,
         0
     );
     assert_eq!(s.store.operator_stats().unwrap().outbox_backlog, 1);
     let mut t = transport(&s);
     assert_eq!(relay(&s, &mut t), 1);
-    assert_eq!(s.store.connection().unwrap().effects_of("bad-9").unwrap(), 1);
+    assert_eq!(
+        s.store.connection().unwrap().effects_of("bad-9").unwrap(),
+        1
+    );
     assert_eq!(calls(&s.bystander_calls, "bad-9"), 0);
     let claims = s.store.claims_for_key("bad-9").unwrap();
     assert_eq!(claims.len(), 1);
@@ -405,7 +475,8 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
 fn a_producer_row_and_replays_of_its_key_share_the_outbox<F: Fixture>(fx: &F) {
     let s = scene(fx);
     let key = MessageKey::new("bad-1").unwrap();
-    let msg = inbox_core::OutboxMessage::new(key, "billing", "usage.recorded", usage("bad-1", 5).payload);
+    let msg =
+        inbox_core::OutboxMessage::new(key, "billing", "usage.recorded", usage("bad-1", 5).payload);
     let mut conn = s.store.connection().unwrap();
     let now = s.clock.now();
     assert!(matches!(
@@ -419,9 +490,15 @@ fn a_producer_row_and_replays_of_its_key_share_the_outbox<F: Fixture>(fx: &F) {
     drop(conn);
     let mut t = transport(&s);
     assert_eq!(relay(&s, &mut t), 1);
-    let letter = s.store.list_dead_letters(&DeadLetterFilter::default(), 0, 1).unwrap().remove(0);
+    let letter = s
+        .store
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
+        .unwrap()
+        .remove(0);
     assert!(matches!(
-        s.store.replay_dead_letter(letter.id, &ReplayTarget::with_prefix("t1.")).unwrap(),
+        s.store
+            .replay_dead_letter(letter.id, &ReplayTarget::with_prefix("t1."))
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
 }
@@ -433,7 +510,9 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("CREATE UNIQUE INDEX outbox_key_alone ON outbox_messages (message_key)");
     let err = fx.builder().build().unwrap_err();
     match &err {
-        Error::OperatorSchema { expected, found, .. } => {
+        Error::OperatorSchema {
+            expected, found, ..
+        } => {
             assert!(expected.contains("message_key alone"), "{err}");
             assert!(found.contains("outbox_key_alone"), "{err}");
         }
@@ -458,7 +537,12 @@ fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
     let impostor = usage("bad-1", 999);
     use inbox_core::InboxStore;
     s.store
-        .dead_letter(&g, &impostor, DeadLetterReason::DeliveryLimit, "delivery limit")
+        .dead_letter(
+            &g,
+            &impostor,
+            DeadLetterReason::DeliveryLimit,
+            "delivery limit",
+        )
         .unwrap();
     let letter = s
         .store
@@ -466,7 +550,9 @@ fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
         .unwrap()
         .remove(0);
     assert_eq!(
-        s.store.replay_dead_letter(letter.id, &ReplayTarget::default()).unwrap(),
+        s.store
+            .replay_dead_letter(letter.id, &ReplayTarget::default())
+            .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Dead)
         }

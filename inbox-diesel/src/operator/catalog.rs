@@ -67,8 +67,8 @@ fn pg_table(name: &str) -> String {
 
 impl CatalogOps for diesel::PgConnection {
     fn op_catalog(conn: &mut Self) -> QueryResult<OperatorCatalog> {
-        let schema: SchemaRow = diesel::sql_query("SELECT current_schema()::text AS schema")
-            .get_result(conn)?;
+        let schema: SchemaRow =
+            diesel::sql_query("SELECT current_schema()::text AS schema").get_result(conn)?;
         let schema = schema.schema.unwrap_or_else(|| "<no schema>".to_owned());
         let columns = |conn: &mut Self, table: &str| -> QueryResult<Vec<Column>> {
             diesel::sql_query(format!(
@@ -137,11 +137,9 @@ struct SqliteIndexColumn {
 impl CatalogOps for diesel::SqliteConnection {
     fn op_catalog(conn: &mut Self) -> QueryResult<OperatorCatalog> {
         let columns = |conn: &mut Self, table: &str| -> QueryResult<Vec<SqliteColumn>> {
-            diesel::sql_query(
-                "SELECT name, \"notnull\" AS not_null FROM pragma_table_info(?)",
-            )
-            .bind::<Text, _>(table)
-            .load(conn)
+            diesel::sql_query("SELECT name, \"notnull\" AS not_null FROM pragma_table_info(?)")
+                .bind::<Text, _>(table)
+                .load(conn)
         };
         let outbox_columns = columns(conn, "outbox_messages")?;
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
@@ -213,7 +211,11 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
             "no such table (were the migrations run?)".to_owned(),
         ));
     }
-    match catalog.outbox_columns.iter().find(|(n, _)| n == "replay_seq") {
+    match catalog
+        .outbox_columns
+        .iter()
+        .find(|(n, _)| n == "replay_seq")
+    {
         None => {
             return Err(mismatch(
                 outbox,

@@ -129,7 +129,10 @@ mod tests {
             mask("key 0b3c2f1e-8a9d-5f4e-b3c2-1a0f9e8d7c6b is taken"),
             "key <id> is taken"
         );
-        assert_eq!(mask("row deadbeef01 gone, k-7 too"), "row <id> gone, k-<n> too");
+        assert_eq!(
+            mask("row deadbeef01 gone, k-7 too"),
+            "row <id> gone, k-<n> too"
+        );
         // Words that merely look like hex stay, so do words without digits.
         assert_eq!(mask("accepted facade"), "accepted facade");
         assert_eq!(mask("v2 http2"), "v<n> http<n>");

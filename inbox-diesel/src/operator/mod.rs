@@ -760,7 +760,9 @@ impl<C: StoreConnection> Store<C> {
         let now = self.inner.clock.now();
         let cutoff = now
             .checked_sub_signed(delta(filter.overdue_for))
-            .ok_or_else(|| Error::Config("an overdue window reaching before the calendar".into()))?;
+            .ok_or_else(|| {
+                Error::Config("an overdue window reaching before the calendar".into())
+            })?;
         let mut conn = self.connection()?;
         let candidates = C::op_redrivable(
             &mut conn,
@@ -883,7 +885,10 @@ impl<C: StoreConnection> Store<C> {
         discarded: Duration,
     ) -> Result<PurgeReport> {
         let now = self.inner.clock.now();
-        let before = |d: Duration| now.checked_sub_signed(delta(d)).unwrap_or(DateTime::<Utc>::MIN_UTC);
+        let before = |d: Duration| {
+            now.checked_sub_signed(delta(d))
+                .unwrap_or(DateTime::<Utc>::MIN_UTC)
+        };
         let mut conn = self.connection()?;
         let (published, done, letters) = C::op_count_purgeable(
             &mut conn,
@@ -915,8 +920,9 @@ impl<C: StoreConnection> Store<C> {
         let mut conn = self.connection()?;
         let mut total = 0u64;
         loop {
-            let deleted =
-                C::write_transaction(&mut *conn, |conn| C::op_purge_discarded(conn, cutoff, limit))?;
+            let deleted = C::write_transaction(&mut *conn, |conn| {
+                C::op_purge_discarded(conn, cutoff, limit)
+            })?;
             total += deleted as u64;
             if deleted < batch {
                 return Ok(total);

@@ -25,6 +25,9 @@ pub type EntryTuple = (
     Option<DateTime<Utc>>,
 );
 
+/// The first and last time a key was dead-lettered in a group.
+pub type FailureSpan = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+
 /// A dead letter as a replay needs it.
 pub struct Letter {
     pub id: i64,
@@ -109,11 +112,7 @@ pub trait OperatorOps: Sized {
 
     /// The first and last time a (group, key) was dead-lettered.
     #[doc(hidden)]
-    fn op_failure_span(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-    ) -> QueryResult<(Option<DateTime<Utc>>, Option<DateTime<Utc>>)>;
+    fn op_failure_span(conn: &mut Self, group: &str, key: &str) -> QueryResult<FailureSpan>;
 
     /// The guarded reset of a dead claim: only a `dead` claim of this payload digest
     /// becomes a due `failed` one with no attempts or starts; returns rows touched.
@@ -336,7 +335,7 @@ macro_rules! operator_ops {
                 conn: &mut Self,
                 group: &str,
                 key: &str,
-            ) -> QueryResult<(Option<DateTime<Utc>>, Option<DateTime<Utc>>)> {
+            ) -> QueryResult<FailureSpan> {
                 use crate::operator::tables::$schema::op_dead_letters::dsl::*;
                 // No MIN/MAX: diesel has no ordering aggregates for SQLite's timestamps.
                 let first = op_dead_letters
@@ -484,10 +483,24 @@ macro_rules! operator_ops {
                 if let Some(k) = key {
                     q = q.filter(message_key.eq(k.to_owned()));
                 }
-                let rows: Vec<(String, String, String, Option<String>, Option<Vec<u8>>, DateTime<Utc>)> = q
+                let rows: Vec<(
+                    String,
+                    String,
+                    String,
+                    Option<String>,
+                    Option<Vec<u8>>,
+                    DateTime<Utc>,
+                )> = q
                     .order((next_attempt_at, message_key))
                     .limit(limit)
-                    .select((consumer_group, message_key, message_type, tenant, payload, updated_at))
+                    .select((
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        payload,
+                        updated_at,
+                    ))
                     .load(conn)?;
                 Ok(rows
                     .into_iter()
