@@ -238,6 +238,7 @@ pub(crate) fn stats_json(s: &OperatorStats) -> Value {
                 "retries_due": g.retries_due,
                 "retries_waiting": g.retries_waiting,
                 "oldest_pending_retry": time_json(g.oldest_pending_retry),
+                "oldest_unprocessed_at": time_json(g.oldest_unprocessed_at),
             })
         })
         .collect();

@@ -560,7 +560,166 @@ fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
     assert_eq!(s.store.operator_stats().unwrap().outbox_backlog, 0);
 }
 
+/// Gauges and counters recorded on this thread, by `name{label=value,...}`.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<std::collections::BTreeMap<String, f64>>);
+
+struct Cell(String, Arc<Recorded>);
+
+impl metrics::GaugeFn for Cell {
+    fn increment(&self, v: f64) {
+        *self.1 .0.lock().unwrap().entry(self.0.clone()).or_default() += v;
+    }
+    fn decrement(&self, v: f64) {
+        *self.1 .0.lock().unwrap().entry(self.0.clone()).or_default() -= v;
+    }
+    fn set(&self, v: f64) {
+        self.1 .0.lock().unwrap().insert(self.0.clone(), v);
+    }
+}
+
+impl metrics::CounterFn for Cell {
+    fn increment(&self, v: u64) {
+        *self.1 .0.lock().unwrap().entry(self.0.clone()).or_default() += v as f64;
+    }
+    fn absolute(&self, v: u64) {
+        self.1 .0.lock().unwrap().insert(self.0.clone(), v as f64);
+    }
+}
+
+struct Capture(Arc<Recorded>);
+
+impl Capture {
+    fn cell(&self, key: &metrics::Key) -> Arc<Cell> {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        Arc::new(Cell(
+            format!("{}{{{}}}", key.name(), labels.join(",")),
+            Arc::clone(&self.0),
+        ))
+    }
+}
+
+impl metrics::Recorder for Capture {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(self.cell(key))
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(self.cell(key))
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// The key of the newest dead letter (the one the gauges test replays).
+fn letter_key<C: inbox_diesel::StoreConnection>(s: &Scene<C>) -> String {
+    s.store
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
+        .unwrap()
+        .remove(0)
+        .message_key
+}
+
+fn gauges_show_backlog_unprocessed_age_failure_groups_and_replays<F: Fixture>(fx: &F) {
+    let s = scene(fx);
+    let _t = dead_letter_three(&s);
+    let g = group(FAILING);
+    // A failed claim, first seen now, looked at 90 s later.
+    assert!(matches!(
+        s.store.process_batch(&g, &[usage("bad-4444", 1)]).unwrap()[..],
+        [Decision::RetryAfter(_)]
+    ));
+    s.clock.advance(Duration::from_secs(90));
+    let recorded = Arc::new(Recorded::default());
+    let capture = Capture(Arc::clone(&recorded));
+    let fingerprint = s
+        .store
+        .failure_groups(&DeadLetterFilter::default())
+        .unwrap()[0]
+        .fingerprint
+        .clone();
+    metrics::with_local_recorder(&capture, || {
+        let letter = s
+            .store
+            .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
+            .unwrap();
+        s.store
+            .replay_dead_letter(letter[0].id, &ReplayTarget::default())
+            .unwrap();
+        s.store.publish_operator_gauges().unwrap();
+    });
+    let got = recorded.0.lock().unwrap();
+    let value = |k: &str| {
+        got.get(k)
+            .copied()
+            .unwrap_or_else(|| panic!("{k} in {got:?}"))
+    };
+    assert_eq!(value("inbox_replays_total{kind=replay}"), 1.0);
+    assert_eq!(value("inbox_outbox_backlog{}"), 1.0);
+    assert_eq!(value("inbox_outbox_dead_rows{}"), 0.0);
+    // The replayed claim is unprocessed again (failed, due) until its copy arrives: the
+    // oldest, first seen before the 1 s retry the transport waited and the 90 s.
+    let replayed = s
+        .store
+        .claims_for_key(&letter_key(&s))
+        .unwrap()
+        .into_iter()
+        .find(|c| c.group == FAILING)
+        .unwrap();
+    assert_eq!(replayed.status, ClaimStatus::Failed);
+    let expected = (s.clock.now() - replayed.first_seen_at).num_seconds() as f64;
+    assert_eq!(expected, 91.0);
+    assert_eq!(
+        value(&format!(
+            "inbox_oldest_unprocessed_seconds{{group={FAILING}}}"
+        )),
+        expected
+    );
+    assert_eq!(
+        value(&format!(
+            "inbox_oldest_unprocessed_seconds{{group={BYSTANDER}}}"
+        )),
+        0.0
+    );
+    assert_eq!(
+        value(&format!(
+            "inbox_dead_letters_pending{{failure_group={fingerprint},reason=max_attempts}}"
+        )),
+        2.0
+    );
+}
+
 on_both_backends!(
+    gauges_show_backlog_unprocessed_age_failure_groups_and_replays,
     a_letter_of_another_payload_never_takes_the_claim,
     replays_reach_the_failing_group_alone_and_apply_once,
     one_letter_replayed_twice_and_twice_at_once_is_enqueued_once,

@@ -7,6 +7,7 @@
 
 mod catalog;
 mod fingerprint;
+mod gauges;
 mod ops;
 mod reasons;
 mod tables;
@@ -371,6 +372,9 @@ pub struct GroupStats {
     pub retries_waiting: u64,
     /// The earliest `next_attempt_at` of a failed claim: the retry pending longest.
     pub oldest_pending_retry: Option<DateTime<Utc>>,
+    /// When the oldest message not processed yet (a failed or started claim) was
+    /// first seen.
+    pub oldest_unprocessed_at: Option<DateTime<Utc>>,
 }
 
 /// Pending dead letters of a group and reason.
@@ -631,7 +635,7 @@ impl<C: StoreConnection> Store<C> {
             match attempt {
                 Ok(outcome) => {
                     if matches!(outcome, ReplayOutcome::Replayed { .. }) {
-                        metrics::counter!("inbox_replays_total").increment(1);
+                        metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
                         tracing::info!(id, ?outcome, "dead letter replayed");
                     }
                     return Ok(outcome);
@@ -804,7 +808,10 @@ impl<C: StoreConnection> Store<C> {
                     Ok::<_, diesel::result::Error>(true)
                 });
                 match attempt {
-                    Ok(true) => report.affected += 1,
+                    Ok(true) => {
+                        metrics::counter!("inbox_replays_total", "kind" => "redrive").increment(1);
+                        report.affected += 1;
+                    }
                     Ok(false) => report.skipped += 1,
                     Err(diesel::result::Error::DatabaseError(
                         diesel::result::DatabaseErrorKind::UniqueViolation,
@@ -851,6 +858,11 @@ impl<C: StoreConnection> Store<C> {
         for (group, at) in raw.oldest_retry {
             if let Some(g) = groups.get_mut(&group) {
                 g.oldest_pending_retry = at;
+            }
+        }
+        for (group, at) in raw.oldest_unprocessed {
+            if let Some(g) = groups.get_mut(&group) {
+                g.oldest_unprocessed_at = at;
             }
         }
         for g in groups.values_mut() {

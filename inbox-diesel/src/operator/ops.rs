@@ -85,6 +85,7 @@ pub struct RawStats {
     pub claims: Vec<(String, String, i64)>,
     pub due: Vec<(String, i64)>,
     pub oldest_retry: Vec<(String, Option<DateTime<Utc>>)>,
+    pub oldest_unprocessed: Vec<(String, Option<DateTime<Utc>>)>,
     pub letters: Vec<(String, String, i64)>,
     pub backlog: i64,
     pub oldest_unpublished: Option<DateTime<Utc>>,
@@ -570,6 +571,30 @@ macro_rules! operator_ops {
                             .first(conn)
                             .optional()?;
                         stats.oldest_retry.push((group, oldest.flatten()));
+                    }
+                    let unfinished: Vec<String> = stats
+                        .claims
+                        .iter()
+                        .filter(|(_, s, _)| {
+                            s == crate::ClaimStatus::Failed.as_str()
+                                || s == crate::ClaimStatus::Started.as_str()
+                        })
+                        .map(|(g, _, _)| g.clone())
+                        .collect();
+                    for group in unfinished {
+                        let oldest: Option<DateTime<Utc>> = inbox_claims
+                            .filter(status.eq_any([
+                                crate::ClaimStatus::Failed.as_str(),
+                                crate::ClaimStatus::Started.as_str(),
+                            ]))
+                            .filter(consumer_group.eq(&group))
+                            .order(first_seen_at)
+                            .select(first_seen_at)
+                            .first(conn)
+                            .optional()?;
+                        if !stats.oldest_unprocessed.iter().any(|(g, _)| *g == group) {
+                            stats.oldest_unprocessed.push((group, oldest));
+                        }
                     }
                 }
                 {
