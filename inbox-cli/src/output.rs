@@ -118,6 +118,10 @@ pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
         map.insert("payload_hex".into(), json!(hex(&d.payload)));
         map.insert("headers".into(), json!(d.headers));
         map.insert(
+            "traceparent".into(),
+            json!(d.headers.get(inbox_core::TRACEPARENT_HEADER)),
+        );
+        map.insert(
             "first_failure_at".into(),
             time_json(Some(d.first_failure_at)),
         );
@@ -162,6 +166,9 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
         d.claim_status.map_or("none", |s| s.as_str()).to_owned(),
     );
     field("failure group", e.failure_group.clone());
+    if let Some(tp) = d.headers.get(inbox_core::TRACEPARENT_HEADER) {
+        field("traceparent", tp.clone());
+    }
     field(
         "replayable",
         match d.replay_refusal {

@@ -36,6 +36,7 @@ mod outbox;
 mod replay;
 mod retry;
 mod store;
+mod trace;
 mod transport;
 mod url;
 
@@ -60,5 +61,6 @@ pub use outbox::{
 pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
+pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::{redact_message, redact_url, RedactedError};
