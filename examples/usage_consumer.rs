@@ -2,7 +2,8 @@
 //!
 //! Consumes `usage.recorded` events from the topic exchange `billing` as consumer group
 //! `billing.daily-usage` into `daily_usage(user_id, day, total)`, declaring its own
-//! topology. Runs until SIGTERM or ctrl-c, then drains and exits 0; exits 1 with the
+//! topology; it also runs the canary handler (group `inbox.canary`), which `inbox
+//! selftest` sends its canaries to. Runs until SIGTERM or ctrl-c, then drains and exits 0; exits 1 with the
 //! error when startup fails (no database, a schema that fails verification, a broker
 //! that cannot be reached, a conflicting topology).
 //!
@@ -65,6 +66,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             let store = Store::<PgConnection>::builder(database_url)
                 .retry_ladder(store_ladder)
                 .handler(DailyUsage::new(policy))
+                // `inbox selftest` sends canaries through this consumer.
+                .handler(inbox_diesel::Canary::new())
                 .build()?;
             store.connection()?.create_daily_usage()?;
             Ok(store)

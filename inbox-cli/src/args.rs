@@ -36,6 +36,31 @@ pub enum Command {
     /// Deletes published outbox rows, done claims and discarded dead letters past
     /// their retention, in bounded batches.
     Purge(PurgeArgs),
+    /// Sends canary messages through the deployment (outbox, relay, broker, a
+    /// consumer with the canary handler) and reports arrivals, losses, doubles and
+    /// latency; exits 6 on any loss or double.
+    Selftest(SelftestArgs),
+}
+
+/// `selftest`.
+#[derive(Clone, Debug, Args)]
+pub struct SelftestArgs {
+    /// Canary messages to send.
+    #[arg(long, default_value_t = 10)]
+    pub count: u32,
+    /// How long to wait for them (50ms, 10s, 1m, ...).
+    #[arg(long, default_value = "30s")]
+    pub timeout: String,
+    /// The exchange (without the prefix) the consumers' canary group is bound to.
+    #[arg(long, env = "INBOX_EXCHANGE", default_value = "billing")]
+    pub exchange: String,
+    /// Publish the canaries with a relay of this command's own (otherwise the
+    /// deployment's running relay publishes them); needs AMQP_URL.
+    #[arg(long)]
+    pub relay: bool,
+    /// The broker, for --relay (password never printed).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
 }
 
 /// `dead-letters ...`.

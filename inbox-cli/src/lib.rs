@@ -37,10 +37,11 @@
 mod args;
 mod output;
 mod run;
+mod selftest;
 
 pub use args::{
-    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, PurgeArgs, StatusArg,
-    VerifyArgs,
+    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, PurgeArgs, SelftestArgs,
+    StatusArg, VerifyArgs,
 };
 pub use run::{run, run_with, Failure};
 
@@ -58,4 +59,6 @@ pub mod exit {
     pub const NOT_FOUND: u8 = 4;
     /// A replay refused: the letter's reason is not replayable, or it is discarded.
     pub const REFUSED: u8 = 5;
+    /// `selftest`: a canary was lost or doubled.
+    pub const SELFTEST_FAILED: u8 = 6;
 }

@@ -31,7 +31,7 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn new(code: u8, message: impl Into<String>) -> Self {
+    pub(crate) fn new(code: u8, message: impl Into<String>) -> Self {
         Self {
             code,
             message: message.into(),
@@ -40,13 +40,13 @@ impl Failure {
     }
 
     /// The same failure, after the command printed its own result.
-    fn reported(mut self) -> Self {
+    pub(crate) fn reported(mut self) -> Self {
         self.reported = true;
         self
     }
 }
 
-type Outcome = Result<(), Failure>;
+pub(crate) type Outcome = Result<(), Failure>;
 
 /// Runs `command`, printing to stdout and stderr; returns the exit code.
 pub fn run(global: &GlobalArgs, command: &Command) -> std::process::ExitCode {
@@ -93,7 +93,7 @@ fn execute(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> Outco
     }
 }
 
-fn failed(err: impl std::fmt::Display) -> Failure {
+pub(crate) fn failed(err: impl std::fmt::Display) -> Failure {
     Failure::new(exit::FAILURE, err.to_string())
 }
 
@@ -136,15 +136,16 @@ fn on_store<C: StoreConnection>(
         Command::Claims(cmd) => claims(global, &store, &target, cmd, out),
         Command::Stats => stats(global, &store, out),
         Command::Purge(args) => purge(global, &store, args, out),
+        Command::Selftest(args) => crate::selftest::run(global, &store, args, out),
         Command::Verify(_) => Ok(()),
     }
 }
 
-fn print(out: &mut dyn Write, text: impl std::fmt::Display) -> Outcome {
+pub(crate) fn print(out: &mut dyn Write, text: impl std::fmt::Display) -> Outcome {
     write!(out, "{text}").map_err(failed)
 }
 
-fn print_json(out: &mut dyn Write, value: &Value) -> Outcome {
+pub(crate) fn print_json(out: &mut dyn Write, value: &Value) -> Outcome {
     writeln!(out, "{value}").map_err(failed)
 }
 
@@ -165,7 +166,7 @@ fn parse_time(text: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, Failure> 
         .ok_or_else(|| Failure::new(exit::USAGE, format!("{text:?} reaches before the calendar")))
 }
 
-fn duration_arg(text: &str, what: &str) -> Result<Duration, Failure> {
+pub(crate) fn duration_arg(text: &str, what: &str) -> Result<Duration, Failure> {
     parse_duration(text).map_err(|e| Failure::new(exit::USAGE, format!("--{what}: {e}")))
 }
 

@@ -21,9 +21,10 @@ mod verify;
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use operator::{
-    replay_refusal, BulkReport, DeadLetterDetails, DeadLetterEntry, DeadLetterFilter,
-    DiscardOutcome, FailureGroup, GroupStats, LetterCount, LetterStatus, OperatorStats,
-    PurgeReport, RedriveFilter, ReplayOutcome, ReplayTarget,
+    replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
+    DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, LetterCount,
+    LetterStatus, OperatorStats, PurgeReport, RedriveFilter, ReplayOutcome, ReplayTarget,
+    CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,

@@ -520,6 +520,14 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     }
     fx.execute("DROP INDEX outbox_key_alone");
     fx.builder().build().unwrap();
+    fx.execute("DROP TABLE inbox_canary");
+    let err = fx.builder().run_migrations(false).build().unwrap_err();
+    assert!(
+        matches!(&err, Error::OperatorSchema { expected, found, .. }
+            if expected == "table inbox_canary with column run_id" && found.starts_with("no such table")),
+        "{err}"
+    );
+    fx.execute("CREATE TABLE inbox_canary (run_id TEXT, seq INTEGER, sent_at TEXT, arrived_at TEXT, arrivals INTEGER, PRIMARY KEY (run_id, seq))");
     fx.execute("ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(

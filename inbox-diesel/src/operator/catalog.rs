@@ -28,6 +28,9 @@ pub struct OperatorCatalog {
     pub dead_letter_table: String,
     /// Columns of `inbox_dead_letters`.
     pub dead_letter_columns: Vec<String>,
+    pub canary_table: String,
+    /// Columns of `inbox_canary`.
+    pub canary_columns: Vec<String>,
 }
 
 /// Reads the catalog; per backend.
@@ -80,6 +83,7 @@ impl CatalogOps for diesel::PgConnection {
         };
         let outbox_columns = columns(conn, "outbox_messages")?;
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
+        let canary_columns = columns(conn, "inbox_canary")?;
         let indexes: Vec<PgIndex> = diesel::sql_query(format!(
             "SELECT ic.relname::text AS name, (i.indpred IS NOT NULL) AS is_partial, \
                     ARRAY(SELECT a.attname::text \
@@ -108,6 +112,8 @@ impl CatalogOps for diesel::PgConnection {
                 .collect(),
             dead_letter_table: format!("{schema}.inbox_dead_letters"),
             dead_letter_columns: dead_letter_columns.into_iter().map(|c| c.name).collect(),
+            canary_table: format!("{schema}.inbox_canary"),
+            canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }
@@ -143,6 +149,7 @@ impl CatalogOps for diesel::SqliteConnection {
         };
         let outbox_columns = columns(conn, "outbox_messages")?;
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
+        let canary_columns = columns(conn, "inbox_canary")?;
         let rows: Vec<SqliteIndex> = diesel::sql_query(
             "SELECT name, partial AS is_partial FROM pragma_index_list('outbox_messages') \
              WHERE \"unique\" = 1 ORDER BY name",
@@ -170,6 +177,8 @@ impl CatalogOps for diesel::SqliteConnection {
             outbox_unique,
             dead_letter_table: "main.inbox_dead_letters".to_owned(),
             dead_letter_columns: dead_letter_columns.into_iter().map(|c| c.name).collect(),
+            canary_table: "main.inbox_canary".to_owned(),
+            canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }
@@ -259,6 +268,19 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
                 found.join(", ")
             },
         ));
+    }
+    for column in ["run_id", "seq", "sent_at", "arrived_at", "arrivals"] {
+        if !catalog.canary_columns.iter().any(|c| c == column) {
+            return Err(mismatch(
+                &catalog.canary_table,
+                &format!("table inbox_canary with column {column}"),
+                if catalog.canary_columns.is_empty() {
+                    "no such table (were the migrations run?)".to_owned()
+                } else {
+                    "no such column (were the migrations run?)".to_owned()
+                },
+            ));
+        }
     }
     for column in ["replay_count", "discarded_at"] {
         if !catalog.dead_letter_columns.iter().any(|c| c == column) {

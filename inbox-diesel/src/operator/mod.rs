@@ -5,6 +5,7 @@
 //! read before it: a second or concurrent replay of the same letter finds the claim no
 //! longer `dead` and enqueues nothing.
 
+mod canary;
 mod catalog;
 mod fingerprint;
 mod gauges;
@@ -21,6 +22,7 @@ use inbox_core::{delta, payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEA
 use crate::backend::StoreConnection;
 use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
 
+pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use catalog::{check as check_schema, CatalogOps};
 pub(crate) use ops::OperatorOps;
 pub use reasons::replay_refusal;

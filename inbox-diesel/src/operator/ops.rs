@@ -193,7 +193,24 @@ pub trait OperatorOps: Sized {
     #[doc(hidden)]
     fn op_purge_discarded(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64)
         -> QueryResult<usize>;
+
+    /// Records an arrival of a canary message.
+    #[doc(hidden)]
+    fn op_record_canary(
+        conn: &mut Self,
+        run: &str,
+        seq: i32,
+        sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> QueryResult<()>;
+
+    /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
+    #[doc(hidden)]
+    fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
 }
+
+/// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
+pub type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
 macro_rules! operator_ops {
     ($conn:ty, $schema:ident) => {
@@ -677,6 +694,38 @@ macro_rules! operator_ops {
                     return Ok(0);
                 }
                 diesel::delete(op_dead_letters.filter(id.eq_any(&ids))).execute(conn)
+            }
+
+            fn op_record_canary(
+                conn: &mut Self,
+                run: &str,
+                number: i32,
+                sent: DateTime<Utc>,
+                now: DateTime<Utc>,
+            ) -> QueryResult<()> {
+                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                diesel::insert_into(inbox_canary)
+                    .values((
+                        run_id.eq(run),
+                        seq.eq(number),
+                        sent_at.eq(sent),
+                        arrived_at.eq(now),
+                        arrivals.eq(1),
+                    ))
+                    .on_conflict((run_id, seq))
+                    .do_update()
+                    .set(arrivals.eq(arrivals + 1))
+                    .execute(conn)
+                    .map(|_| ())
+            }
+
+            fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>> {
+                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                inbox_canary
+                    .filter(run_id.eq(run))
+                    .order(seq)
+                    .select((seq, sent_at, arrived_at, arrivals))
+                    .load(conn)
             }
         }
     };

@@ -29,6 +29,18 @@ macro_rules! operator_tables {
         diesel::table! {
             use diesel::sql_types::*;
 
+            inbox_canary (run_id, seq) {
+                run_id -> Text,
+                seq -> Integer,
+                sent_at -> $ts,
+                arrived_at -> $ts,
+                arrivals -> Integer,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
             #[sql_name = "outbox_messages"]
             op_outbox (id) {
                 id -> BigInt,

@@ -15,3 +15,14 @@ ALTER TABLE inbox_dead_letters ADD COLUMN discarded_at TIMESTAMPTZ;
 CREATE INDEX inbox_dead_letters_recent ON inbox_dead_letters (dead_lettered_at, id);
 -- Stats and redrive read failed claims by due time.
 CREATE INDEX inbox_claims_failed ON inbox_claims (next_attempt_at) WHERE status = 'failed';
+
+-- `selftest`: the canary handler records each arrival of a canary message (it runs
+-- under the claim like any handler, so a second arrival means a doubled effect).
+CREATE TABLE inbox_canary (
+    run_id      TEXT        NOT NULL,
+    seq         INTEGER     NOT NULL,
+    sent_at     TIMESTAMPTZ NOT NULL,
+    arrived_at  TIMESTAMPTZ NOT NULL,
+    arrivals    INTEGER     NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);

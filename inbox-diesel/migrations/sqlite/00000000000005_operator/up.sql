@@ -53,3 +53,14 @@ ALTER TABLE inbox_dead_letters ADD COLUMN discarded_at TEXT;
 
 CREATE INDEX inbox_dead_letters_recent ON inbox_dead_letters (dead_lettered_at, id);
 CREATE INDEX inbox_claims_failed ON inbox_claims (next_attempt_at) WHERE status = 'failed';
+
+-- `selftest`: the canary handler records each arrival of a canary message (it runs
+-- under the claim like any handler, so a second arrival means a doubled effect).
+CREATE TABLE inbox_canary (
+    run_id      TEXT    NOT NULL,
+    seq         INTEGER NOT NULL,
+    sent_at     TEXT    NOT NULL,
+    arrived_at  TEXT    NOT NULL,
+    arrivals    INTEGER NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
