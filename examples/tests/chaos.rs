@@ -23,35 +23,12 @@ use diesel::{Connection, PgConnection, RunQueryDsl};
 use inbox_test_support::amqp::{host_port, Proxy};
 
 fn services() -> Option<(String, String)> {
-    inbox_diesel::init_tls();
-    let db = std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| u.starts_with("postgres"));
-    let amqp = std::env::var("AMQP_URL").ok();
-    match (db, amqp) {
-        (Some(db), Some(amqp)) => Some((db, amqp)),
-        _ => {
-            assert!(
-                !inbox_test_support::services_required(),
-                "INBOX_REQUIRE_SERVICES=1 but DATABASE_URL or AMQP_URL is missing"
-            );
-            eprintln!("skipping: set DATABASE_URL and AMQP_URL to run the chaos test");
-            None
-        }
-    }
+    let db = inbox_test_support::postgres_url()?;
+    Some((db, inbox_test_support::amqp::amqp_url()?))
 }
 
-/// `cargo test` builds the package's examples next to its test binaries.
 fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --example {name}`",
-        path.display()
-    );
-    path
+    inbox_test_support::example_path(name)
 }
 
 fn chaos_seconds() -> u64 {
@@ -201,8 +178,8 @@ impl Scene {
 
 /// The schema's URL: its search path and an `application_name` of its own.
 fn schema_url(base: &str, schema: &str, app: &str) -> String {
-    let sep = if base.contains('?') { '&' } else { '?' };
-    format!("{base}{sep}options=-csearch_path%3D{schema}&application_name={app}")
+    let url = inbox_test_support::search_path_url(base, schema);
+    format!("{url}&application_name={app}")
 }
 
 /// What the chaos did, for the report.

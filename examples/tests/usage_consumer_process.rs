@@ -10,35 +10,20 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
 
+/// The PostgreSQL URL, when both PostgreSQL and RabbitMQ are there (see
+/// `inbox_test_support::services`).
 fn database_url() -> Option<String> {
-    inbox_diesel::init_tls();
-    let url = std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| u.starts_with("postgres"));
-    let amqp = std::env::var("AMQP_URL").ok();
-    let required = std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1");
-    if url.is_none() || amqp.is_none() {
-        assert!(
-            !required,
-            "INBOX_REQUIRE_SERVICES=1 but DATABASE_URL or AMQP_URL is missing"
-        );
-        eprintln!("skipping: set DATABASE_URL and AMQP_URL to run the example's process tests");
-        return None;
-    }
-    url
+    let url = inbox_test_support::postgres_url()?;
+    amqp_url()?;
+    Some(url)
 }
 
-/// `cargo test` builds the package's examples next to its test binaries.
+fn amqp_url() -> Option<String> {
+    inbox_test_support::amqp::amqp_url()
+}
+
 fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --example {name}`",
-        path.display()
-    );
-    path
+    inbox_test_support::example_path(name)
 }
 
 fn example_binary() -> PathBuf {
@@ -50,8 +35,7 @@ fn schema_url(base: &str, schema: &str) -> String {
     let mut conn = PgConnection::establish(base).unwrap();
     conn.batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
         .unwrap();
-    let sep = if base.contains('?') { '&' } else { '?' };
-    format!("{base}{sep}options=-csearch_path%3D{schema}")
+    inbox_test_support::search_path_url(base, schema)
 }
 
 fn drop_schema(base: &str, schema: &str) {
@@ -74,11 +58,7 @@ impl Drop for KillOnDrop {
 }
 
 fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("{prefix}_{}_{nanos}", std::process::id())
+    inbox_test_support::unique_name(prefix)
 }
 
 #[test]
@@ -89,6 +69,7 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     let mut child = KillOnDrop(Some(
         Command::new(example_binary())
             .env("DATABASE_URL", &url)
+            .env("AMQP_URL", amqp_url().unwrap())
             .env("INBOX_PREFIX", format!("{schema}."))
             // Its default log level, as a user who sets nothing gets it.
             .env_remove("RUST_LOG")
@@ -112,7 +93,7 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     let exchange = format!("{schema}.billing");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let amqp = std::env::var("AMQP_URL").unwrap();
+        let amqp = amqp_url().unwrap();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
             .await
             .unwrap();
@@ -235,7 +216,7 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
             ["usage.recorded"],
         );
     runtime.block_on(async {
-        let amqp = std::env::var("AMQP_URL").unwrap();
+        let amqp = amqp_url().unwrap();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
             .await
             .unwrap();
@@ -265,6 +246,7 @@ fn a_schema_that_fails_verification_exits_non_zero_with_the_error() {
     .unwrap();
     let out = Command::new(example_binary())
         .env("DATABASE_URL", &url)
+        .env("AMQP_URL", amqp_url().unwrap())
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -304,6 +286,7 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
     let mut consumer = KillOnDrop(Some(
         Command::new(example_binary())
             .env("DATABASE_URL", &url)
+            .env("AMQP_URL", amqp_url().unwrap())
             .env("INBOX_PREFIX", &prefix)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -320,6 +303,7 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
     std::thread::sleep(Duration::from_millis(500));
     let produced = Command::new(example("usage_producer"))
         .env("DATABASE_URL", &url)
+        .env("AMQP_URL", amqp_url().unwrap())
         .env("INBOX_PREFIX", &prefix)
         .env("USAGE_EVENTS", "300")
         .output()
@@ -365,7 +349,7 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
             ["usage.recorded"],
         );
     tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let amqp = std::env::var("AMQP_URL").unwrap();
+        let amqp = amqp_url().unwrap();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
             .await
             .unwrap();

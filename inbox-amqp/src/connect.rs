@@ -1,6 +1,7 @@
 //! What the consumer and the relay share about their broker connection: connecting
 //! with a name and a bounded handshake, the reconnect backoff, goodbyes that never
-//! wait long on a dead connection, and why a session ended.
+//! wait long on a dead connection, and why a session ended (the loop that uses them
+//! is in `supervisor`).
 
 use std::future::Future;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use lapin::types::LongString;
 use lapin::{Channel, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
-use inbox_core::redact_url;
+use inbox_core::{exponential_backoff, redact_url};
 
 use crate::{Error, Result};
 
@@ -77,7 +78,7 @@ pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, 
         () = tokio::time::sleep(*backoff) => {}
         () = shutdown.cancelled() => {}
     }
-    *backoff = (*backoff * 2).min(max);
+    *backoff = exponential_backoff(*backoff, 1, max);
 }
 
 /// The message of a configuration error; panics on anything else.

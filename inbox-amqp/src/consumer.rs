@@ -4,8 +4,8 @@ use std::time::Duration;
 use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -15,16 +15,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use inbox_core::{
-    ClaimInvariantViolated, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision,
-    InboxStore,
+    check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
+    DeadLetterOutcome, DeadLetterReason, Decision, InboxStore, Tally, TransportAction,
 };
 
 use crate::connect::{
-    check_backoff, check_connect_timeout, close_channel, close_connection, connect, goodbye, pause,
-    SessionEnd,
+    check_backoff, check_connect_timeout, close_channel, goodbye, pause, SessionEnd,
 };
 use crate::delivery::{self, Malformed};
+use crate::publish::{publish_with_confirm, Confirmed};
 use crate::stats::{ConsumerStats, Counter};
+use crate::supervisor::Supervisor;
 use crate::{Error, Result, Topology};
 
 /// How a [`Consumer`] runs.
@@ -114,6 +115,13 @@ impl ConsumerSettings {
         self
     }
 
+    /// These settings, or [`Error::Config`] naming the first one out of range; a
+    /// consumer checks them again when it runs.
+    pub fn checked(self) -> Result<Self> {
+        self.check()?;
+        Ok(self)
+    }
+
     fn check(&self) -> Result<()> {
         if self.workers == 0 || self.batch_size == 0 {
             return Err(Error::Config(
@@ -172,69 +180,6 @@ enum Action {
     Hold,
 }
 
-/// Why a consumer group halted.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum HaltCause {
-    /// The store found a claim invariant violated.
-    Violation(ClaimInvariantViolated),
-    /// The store decided something this transport does not know how to carry out.
-    UnknownDecision(String),
-}
-
-impl std::fmt::Display for HaltCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Violation(violation) => write!(f, "{violation}"),
-            Self::UnknownDecision(decision) => {
-                write!(f, "a decision this transport does not know: {decision}")
-            }
-        }
-    }
-}
-
-/// How the transport carries out one decision.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Plan {
-    /// Ack after the commit, counted under this counter.
-    Ack(Counter),
-    /// Publish a retry copy for this delay, then ack.
-    Retry(Duration),
-    /// Leave it unacked and halt the group.
-    Halt(HaltCause),
-}
-
-fn plan(decision: Decision) -> Plan {
-    match decision {
-        Decision::Processed => Plan::Ack(Counter::Processed),
-        Decision::Duplicate | Decision::AlreadyDeadLettered => Plan::Ack(Counter::Duplicates),
-        Decision::DeadLettered(_) => Plan::Ack(Counter::DeadLettered),
-        Decision::RetryAfter(delay) => Plan::Retry(delay),
-        Decision::Stop(violation) => Plan::Halt(HaltCause::Violation(violation)),
-        other => unknown(&other),
-    }
-}
-
-/// A decision added to the store after this transport was written: acking it could
-/// lose a message and requeueing it would loop forever, so the group halts, loudly.
-fn unknown(decision: &Decision) -> Plan {
-    Plan::Halt(HaltCause::UnknownDecision(format!("{decision:?}")))
-}
-
-/// The pause before the next reconnect: back to the minimum after a session that held
-/// for `backoff_max` or longer, else the growing one. A connection that dies at once
-/// (a frame the client cannot parse, say) must not reconnect in a hot loop.
-fn backoff_after_session(
-    backoff: Duration,
-    session: Duration,
-    settings: &ConsumerSettings,
-) -> Duration {
-    if session >= settings.backoff_max {
-        settings.backoff_min
-    } else {
-        backoff
-    }
-}
-
 /// Ends a consumer of `channel`: cancels it, holds its deliveries while its group is
 /// halted, then closes the channel.
 async fn stop_consuming(channel: &Channel, tag: &str, tokens: &Tokens, reason: &str) {
@@ -251,6 +196,32 @@ async fn stop_consuming(channel: &Channel, tag: &str, tokens: &Tokens, reason: &
 struct Backoff<'a> {
     retry: &'a mut Duration,
     store: &'a mut Duration,
+}
+
+/// What the store made of a batch.
+struct Stored {
+    /// Per malformed delivery (its position), whether its dead letter was recorded.
+    malformed_done: Vec<(usize, bool)>,
+    /// The store's decisions, one per envelope.
+    decided: inbox_core::Result<Vec<Decision>>,
+    /// The envelopes read from the batch.
+    envelopes: Vec<inbox_core::Envelope>,
+    /// Each envelope's position in the batch.
+    positions: Vec<usize>,
+}
+
+/// A retry to schedule: the delivery's position in its batch, the delay, the
+/// message type.
+type Retry = (usize, Duration, String);
+
+/// What scheduling a batch's retries works on.
+struct Retrying<'a> {
+    deliveries: &'a [Delivery],
+    actions: &'a mut [Action],
+    /// The backoff after a refused retry copy.
+    backoff: &'a mut Duration,
+    stop: &'a CancellationToken,
+    span: &'a tracing::Span,
 }
 
 impl<S: InboxStore> Consumer<S> {
@@ -294,57 +265,28 @@ impl<S: InboxStore> Consumer<S> {
     /// The first connection and the topology must succeed, so a misconfigured
     /// consumer fails at startup; later losses reconnect with backoff.
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let shared = self.shared;
+        let shared = &self.shared;
         shared.settings.check()?;
-        let settings = &shared.settings;
-        let mut backoff = settings.backoff_min;
-        let mut connected_before = false;
-        loop {
-            if shutdown.is_cancelled() {
-                return Ok(());
-            }
-            let name = settings.connection_name.as_deref();
-            let connected = tokio::select! {
-                c = connect(&self.url, name, settings.connect_timeout) => c,
-                () = shutdown.cancelled() => return Ok(()),
-            };
-            let conn = match connected {
-                Ok(conn) => conn,
-                Err(err) if !connected_before => return Err(err),
-                Err(err) => {
-                    tracing::warn!(error = %err, ?backoff, "reconnect failed");
-                    pause(&shutdown, &mut backoff, settings.backoff_max).await;
-                    continue;
-                }
-            };
-            if let Err(err) = shared.topology.declare(&conn).await {
-                if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
-                    return Err(err);
-                }
-                tracing::warn!(error = %err, "declaring the topology failed; reconnecting");
-                pause(&shutdown, &mut backoff, settings.backoff_max).await;
-                continue;
-            }
-            if connected_before {
-                shared.stats.add(Counter::Reconnects, 1);
-                metrics::counter!("inbox_amqp_reconnects_total").increment(1);
-                tracing::info!("reconnected");
-            }
-            connected_before = true;
-
-            let started = Instant::now();
-            let end = shared.session(&conn, &shutdown).await;
-            close_connection(&conn, "inbox consumer stopping").await;
-            match end {
-                Ok(()) => return Ok(()),
-                Err(SessionEnd::Fatal(err)) => return Err(err),
-                Err(SessionEnd::Lost(reason)) => {
-                    backoff = backoff_after_session(backoff, started.elapsed(), settings);
-                    tracing::warn!(%reason, ?backoff, "connection lost; reconnecting");
-                    pause(&shutdown, &mut backoff, settings.backoff_max).await;
-                }
-            }
-        }
+        let s = &shared.settings;
+        let supervisor = Supervisor::new(
+            &self.url,
+            s.connection_name.as_deref(),
+            s.connect_timeout,
+            (s.backoff_min, s.backoff_max),
+            "inbox consumer stopping",
+        )?;
+        let shutdown = &shutdown;
+        supervisor
+            .run(
+                shutdown,
+                move |conn| async move { shared.topology.declare(&conn).await },
+                move |conn, ()| async move { shared.session(&conn, shutdown).await },
+                || {
+                    shared.stats.add(Counter::Reconnects, 1);
+                    metrics::counter!("inbox_amqp_reconnects_total").increment(1);
+                },
+            )
+            .await
     }
 }
 
@@ -467,7 +409,12 @@ impl<S: InboxStore> Shared<S> {
     }
 
     /// Halts a consumer group (once): logged, counted, and its tasks told.
-    fn halt_group(&self, group: &ConsumerGroup, cause: &HaltCause, halt: &CancellationToken) {
+    fn halt_group(
+        &self,
+        group: &ConsumerGroup,
+        cause: &ClaimInvariantViolated,
+        halt: &CancellationToken,
+    ) {
         if self.stats.halt(group, cause.to_string()) {
             tracing::error!(group = %group, %cause, "consumer group halted; the other groups go on; restart the consumer once the cause is fixed");
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
@@ -475,6 +422,8 @@ impl<S: InboxStore> Shared<S> {
         halt.cancel();
     }
 
+    /// Hands a batch to the store, then carries out its decisions: acks, retry
+    /// copies confirmed before their originals are acked, a halt.
     async fn handle_batch(
         self: &Arc<Self>,
         channel: &Channel,
@@ -483,13 +432,117 @@ impl<S: InboxStore> Shared<S> {
         tokens: &Tokens,
         backoff: Backoff<'_>,
     ) -> std::result::Result<(), SessionEnd> {
-        let retry_backoff = backoff.retry;
         let stats = &self.stats;
         stats.add(Counter::Received, deliveries.len() as u64);
         stats.add(Counter::Batches, 1);
         let span =
             tracing::debug_span!("inbox.amqp.batch", group = %group, size = deliveries.len());
+        let Some(stored) = self.store_batch(group, &deliveries, &span).await? else {
+            // Past twice the store's deadline: nothing is acked, everything comes back
+            // redelivered, and the worker goes on.
+            stats.add(Counter::Requeued, deliveries.len() as u64);
+            let actions = vec![Action::Requeue; deliveries.len()];
+            self.settle(channel, &deliveries, &actions).await?;
+            pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
+            return Ok(());
+        };
+        let mut actions = vec![Action::Requeue; deliveries.len()];
+        for (i, recorded) in stored.malformed_done {
+            if recorded {
+                stats.add(Counter::Malformed, 1);
+                actions[i] = Action::Ack;
+            }
+        }
+        let positions = &stored.positions;
+        let decisions = match stored
+            .decided
+            .and_then(|d| check_decision_count(d, positions.len()))
+        {
+            Ok(decisions) => decisions,
+            Err(err) => {
+                // Nothing of the batch committed: everything comes back.
+                tracing::error!(parent: &span, error = %err, "store failed; requeueing the batch");
+                let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
+                stats.add(Counter::Requeued, requeued as u64);
+                self.settle(channel, &deliveries, &actions).await?;
+                // Not any delivery's fault: back off, longer each time, until the
+                // store answers again.
+                pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
+                return Ok(());
+            }
+        };
+        *backoff.store = self.settings.backoff_min;
 
+        let (retries, halt) = self.carry_out(
+            group,
+            decisions,
+            positions,
+            &stored.envelopes,
+            &mut actions,
+            &span,
+        );
+        let retrying = Retrying {
+            deliveries: &deliveries,
+            actions: &mut actions,
+            backoff: backoff.retry,
+            stop: &tokens.stop,
+            span: &span,
+        };
+        self.schedule_retries(channel, group, retries, retrying)
+            .await?;
+        self.settle(channel, &deliveries, &actions).await?;
+        if let Some(cause) = halt {
+            self.halt_group(group, &cause, &tokens.halt);
+        }
+        Ok(())
+    }
+
+    /// Carries out core's action for each decision: an ack counted, a retry held
+    /// until its copy is confirmed (returned: position, delay, message type), a stop
+    /// held (returned: the cause its group halts for).
+    fn carry_out(
+        &self,
+        group: &ConsumerGroup,
+        decisions: Vec<Decision>,
+        positions: &[usize],
+        envelopes: &[inbox_core::Envelope],
+        actions: &mut [Action],
+        span: &tracing::Span,
+    ) -> (Vec<Retry>, Option<ClaimInvariantViolated>) {
+        let mut halt = None;
+        let mut retries = Vec::new();
+        let envelopes = positions.iter().zip(envelopes);
+        for (decision, (&i, envelope)) in decisions.into_iter().zip(envelopes) {
+            actions[i] = match decision.action() {
+                TransportAction::Ack(tally) => {
+                    self.stats.record(tally);
+                    Action::Ack
+                }
+                TransportAction::RetryThenAck(delay) => {
+                    retries.push((i, delay, envelope.message_type.clone()));
+                    Action::Hold
+                }
+                TransportAction::HoldAndStop(cause) => {
+                    tracing::error!(parent: span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
+                    halt = Some(cause);
+                    Action::Hold
+                }
+            };
+        }
+        (retries, halt)
+    }
+
+    /// Reads the batch and hands it to the store on a blocking thread (the store is
+    /// synchronous): malformed deliveries are dead-lettered, the others processed.
+    /// `None` when the store took more than twice its batch deadline: its handler
+    /// hangs and the database has ended its transaction by then, so the batch is
+    /// abandoned (the blocking thread is left to finish on its own).
+    async fn store_batch(
+        self: &Arc<Self>,
+        group: &ConsumerGroup,
+        deliveries: &[Delivery],
+        span: &tracing::Span,
+    ) -> std::result::Result<Option<Stored>, SessionEnd> {
         let mut envelopes = Vec::with_capacity(deliveries.len());
         let mut positions = Vec::with_capacity(deliveries.len());
         let mut malformed: Vec<(usize, Box<Malformed>)> = Vec::new();
@@ -502,13 +555,10 @@ impl<S: InboxStore> Shared<S> {
                 Err(m) => malformed.push((i, m)),
             }
         }
-
-        // Database work on a blocking thread: the store is synchronous.
         let store = Arc::clone(&self.store);
         let g = group.clone();
         // The store's spans (its batch, each delivery) open inside this batch's span.
         let parent = span.clone();
-        let deadline = self.store.batch_deadline();
         let task = tokio::task::spawn_blocking(move || {
             let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
@@ -527,132 +577,76 @@ impl<S: InboxStore> Shared<S> {
             } else {
                 store.process_batch(&g, &envelopes)
             };
-            (malformed_done, decided, envelopes)
+            Stored {
+                malformed_done,
+                decided,
+                envelopes,
+                positions,
+            }
         });
-        // A batch past twice the store's deadline is abandoned (its handler hangs; the
-        // database has ended its transaction by then): nothing is acked, everything
-        // comes back redelivered, and the worker goes on. The blocking thread is left
-        // to finish on its own.
-        let joined = match deadline {
+        let joined = match self.store.batch_deadline() {
             Some(deadline) => match tokio::time::timeout(deadline.saturating_mul(2), task).await {
                 Ok(joined) => joined,
                 Err(_) => {
-                    tracing::error!(parent: &span, group = %group, ?deadline, "batch abandoned past its deadline; requeueing it");
-                    stats.add(Counter::Requeued, deliveries.len() as u64);
-                    let actions = vec![Action::Requeue; deliveries.len()];
-                    self.settle(channel, &deliveries, &actions).await?;
-                    pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
-                    return Ok(());
+                    tracing::error!(parent: span, group = %group, ?deadline, "batch abandoned past its deadline; requeueing it");
+                    return Ok(None);
                 }
             },
             None => task.await,
         };
-        let (malformed_done, decided, envelopes) = joined
-            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))?;
+        joined
+            .map(Some)
+            .map_err(|err| SessionEnd::Fatal(Error::Config(format!("store task failed: {err}"))))
+    }
 
-        let mut actions = vec![Action::Requeue; deliveries.len()];
-        for (i, recorded) in malformed_done {
-            if recorded {
-                stats.add(Counter::Malformed, 1);
-                actions[i] = Action::Ack;
-            }
+    /// Publishes each retry copy with a confirm to its tier and acks its original
+    /// only once the copy is confirmed; an original whose copy was refused is
+    /// requeued after a pause.
+    async fn schedule_retries(
+        &self,
+        channel: &Channel,
+        group: &ConsumerGroup,
+        retries: Vec<Retry>,
+        r: Retrying<'_>,
+    ) -> std::result::Result<(), SessionEnd> {
+        if retries.is_empty() {
+            return Ok(());
         }
-        let decisions = match decided {
-            Ok(decisions) if decisions.len() == positions.len() => decisions,
-            other => {
-                // Nothing of the batch committed: everything comes back.
-                let err = match other {
-                    Err(err) => err.to_string(),
-                    Ok(d) => format!("{} decisions for {} deliveries", d.len(), positions.len()),
-                };
-                tracing::error!(parent: &span, error = %err, "store failed; requeueing the batch");
-                let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
-                stats.add(Counter::Requeued, requeued as u64);
-                self.settle(channel, &deliveries, &actions).await?;
-                // Not any delivery's fault: back off, longer each time, until the
-                // store answers again.
-                pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
-                return Ok(());
-            }
-        };
-        *backoff.store = self.settings.backoff_min;
-
-        let mut halt = None;
-        let mut retries = Vec::new();
-        for ((decision, &i), envelope) in decisions.into_iter().zip(&positions).zip(&envelopes) {
-            actions[i] = match plan(decision) {
-                Plan::Ack(counter) => {
-                    stats.add(counter, 1);
-                    Action::Ack
-                }
-                Plan::Retry(delay) => {
-                    retries.push((i, delay, envelope.message_type.clone()));
-                    Action::Hold
-                }
-                Plan::Halt(cause) => {
-                    tracing::error!(parent: &span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
-                    halt = Some(cause);
-                    Action::Hold
-                }
-            };
-        }
-
-        // A retry copy must be confirmed in its tier before the original is acked.
-        let retrying = !retries.is_empty();
         let mut pending = Vec::with_capacity(retries.len());
         for (i, delay, message_type) in retries {
-            let d = &deliveries[i];
+            let d = &r.deliveries[i];
             // The copy comes back from its tier under the group queue's name as routing
             // key: the type must travel in the `type` property.
             let properties = d.properties.clone().with_type(message_type.as_str().into());
             let tier = self.topology.retry_ladder().tier_for(delay);
             let queue = self.topology.retry_queue(group, delay);
-            let published = channel
-                .basic_publish(
-                    "".into(),
-                    queue.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &d.data,
-                    properties,
-                )
-                .await;
+            let published = publish_with_confirm(channel, "", &queue, &d.data, properties).await;
             pending.push((i, tier, queue, published));
         }
         let mut unconfirmed = false;
         for (i, tier, queue, published) in pending {
             let confirmed = match published {
-                Ok(confirm) => match confirm.await {
-                    Ok(c) if c.is_ack() => c.take_message().is_none(),
-                    _ => false,
-                },
+                Ok(pending) => matches!(pending.answer().await, Ok(Confirmed::Ack)),
                 Err(err) => return Err(err.into()),
             };
             if confirmed {
-                stats.add(Counter::Retried, 1);
-                stats.retried_to(tier);
-                tracing::debug!(parent: &span, %queue, "retry scheduled");
-                actions[i] = Action::Ack;
+                self.stats.record(Tally::Retried);
+                self.stats.retried_to(tier);
+                tracing::debug!(parent: r.span, %queue, "retry scheduled");
+                r.actions[i] = Action::Ack;
             } else {
-                tracing::warn!(parent: &span, %queue, backoff = ?retry_backoff, "retry copy not confirmed (a full tier refuses it); requeueing the original after a pause");
-                stats.add(Counter::Requeued, 1);
-                actions[i] = Action::Requeue;
+                tracing::warn!(parent: r.span, %queue, backoff = ?r.backoff, "retry copy not confirmed (a full tier refuses it); requeueing the original after a pause");
+                self.stats.add(Counter::Requeued, 1);
+                r.actions[i] = Action::Requeue;
                 unconfirmed = true;
             }
         }
         if unconfirmed {
             // A full tier refuses copies until it drains: an original requeued at once
             // would come straight back, in a loop as fast as the broker answers.
-            pause(&tokens.stop, retry_backoff, self.settings.backoff_max).await;
-        } else if retrying {
-            *retry_backoff = self.settings.backoff_min;
-        }
-
-        self.settle(channel, &deliveries, &actions).await?;
-        if let Some(cause) = halt {
-            self.halt_group(group, &cause, &tokens.halt);
+            pause(r.stop, r.backoff, self.settings.backoff_max).await;
+        } else {
+            *r.backoff = self.settings.backoff_min;
         }
         Ok(())
     }
@@ -757,7 +751,7 @@ impl<S: InboxStore> Shared<S> {
                             () = tokens.halt.cancelled() => break None,
                             () = tokio::time::sleep(backoff) => {}
                         }
-                        backoff = (backoff * 2).min(self.settings.backoff_max);
+                        backoff = exponential_backoff(backoff, 1, self.settings.backoff_max);
                     }
                 }
             };
@@ -827,53 +821,8 @@ mod tests {
     use crate::connect::config_error;
 
     #[test]
-    fn a_connection_that_dies_at_once_keeps_backing_off() {
-        let settings = ConsumerSettings::default();
-        let grown = settings.backoff_min * 8;
-        assert_eq!(
-            backoff_after_session(grown, Duration::from_millis(10), &settings),
-            grown
-        );
-        assert_eq!(
-            backoff_after_session(grown, settings.backoff_max, &settings),
-            settings.backoff_min
-        );
-    }
-
-    #[test]
-    fn every_decision_has_a_plan_and_none_is_a_requeue() {
-        let ms = Duration::from_millis;
-        assert_eq!(plan(Decision::Processed), Plan::Ack(Counter::Processed));
-        assert_eq!(plan(Decision::Duplicate), Plan::Ack(Counter::Duplicates));
-        assert_eq!(
-            plan(Decision::AlreadyDeadLettered),
-            Plan::Ack(Counter::Duplicates)
-        );
-        assert_eq!(
-            plan(Decision::DeadLettered(DeadLetterReason::Permanent)),
-            Plan::Ack(Counter::DeadLettered)
-        );
-        assert_eq!(plan(Decision::RetryAfter(ms(5))), Plan::Retry(ms(5)));
-        let violation = ClaimInvariantViolated {
-            group: ConsumerGroup::new("a.b").unwrap(),
-            key: inbox_core::MessageKey::new("k").unwrap(),
-            detail: "phantom".to_owned(),
-        };
-        assert_eq!(
-            plan(Decision::Stop(violation.clone())),
-            Plan::Halt(HaltCause::Violation(violation))
-        );
-        // What the wildcard arm of `plan` does with a decision added to the store
-        // later (none can be built here): halt the group, never requeue it forever.
-        let Plan::Halt(HaltCause::UnknownDecision(named)) = unknown(&Decision::Processed) else {
-            panic!("an unknown decision must halt its group");
-        };
-        assert_eq!(named, "Processed");
-    }
-
-    #[test]
     fn settings_out_of_range_are_refused_by_name() {
-        let refused = |settings: ConsumerSettings| config_error(settings.check());
+        let refused = |settings: ConsumerSettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
         assert!(ConsumerSettings::default().check().is_ok());
         assert!(refused(ConsumerSettings::default().workers(0)).contains("workers"));

@@ -21,9 +21,12 @@ mod connect;
 mod consumer;
 mod delivery;
 mod error;
+mod outbox_publisher;
+mod publish;
 mod relay;
 mod shutdown;
 mod stats;
+mod supervisor;
 mod topology;
 
 pub use consumer::{Consumer, ConsumerSettings};

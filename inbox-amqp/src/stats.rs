@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use inbox_core::ConsumerGroup;
+use inbox_core::{ConsumerGroup, Tally};
 
 /// Counters of a running consumer, shared with whoever holds it.
 #[derive(Debug, Default)]
@@ -85,6 +85,17 @@ impl ConsumerStats {
         cell.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Counts one settled delivery under the counter of its tally.
+    pub(crate) fn record(&self, tally: Tally) {
+        let counter = match tally {
+            Tally::Processed => Counter::Processed,
+            Tally::Duplicate => Counter::Duplicates,
+            Tally::DeadLettered => Counter::DeadLettered,
+            Tally::Retried => Counter::Retried,
+        };
+        self.add(counter, 1);
+    }
+
     pub(crate) fn retried_to(&self, tier: Duration) {
         *self
             .retries_per_tier
@@ -139,5 +150,31 @@ impl ConsumerStats {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tally_counts_under_its_own_counter() {
+        let stats = ConsumerStats::default();
+        for (tally, times) in [
+            (Tally::Processed, 1),
+            (Tally::Duplicate, 2),
+            (Tally::DeadLettered, 3),
+            (Tally::Retried, 4),
+        ] {
+            for _ in 0..times {
+                stats.record(tally);
+            }
+        }
+        let s = stats.snapshot();
+        assert_eq!(
+            (s.processed, s.duplicates, s.dead_lettered, s.retried),
+            (1, 2, 3, 4)
+        );
+        assert_eq!((s.received, s.requeued, s.malformed), (0, 0, 0));
     }
 }

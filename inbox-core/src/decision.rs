@@ -1,7 +1,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::{ConsumerGroup, MessageKey};
+use crate::{ConsumerGroup, Error, MessageKey, Result};
 
 /// What a transport must do with one delivery, as decided by the store.
 ///
@@ -26,14 +26,86 @@ pub enum Decision {
 }
 
 impl Decision {
-    /// Whether the delivery is acknowledged right after the commit.
+    /// What a transport does with the delivery once the store's transaction
+    /// committed. The one exhaustive match over `Decision`: transports in other
+    /// crates call this instead of matching the `#[non_exhaustive]` enum themselves.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_core::{Decision, Tally, TransportAction};
+    /// assert_eq!(Decision::Processed.action(), TransportAction::Ack(Tally::Processed));
+    /// let retry = Decision::RetryAfter(Duration::from_secs(5)).action();
+    /// assert_eq!(retry, TransportAction::RetryThenAck(Duration::from_secs(5)));
+    /// ```
+    pub fn action(self) -> TransportAction {
+        match self {
+            Self::Processed => TransportAction::Ack(Tally::Processed),
+            Self::Duplicate | Self::AlreadyDeadLettered => TransportAction::Ack(Tally::Duplicate),
+            Self::DeadLettered(_) => TransportAction::Ack(Tally::DeadLettered),
+            Self::RetryAfter(delay) => TransportAction::RetryThenAck(delay),
+            Self::Stop(violation) => TransportAction::HoldAndStop(violation),
+        }
+    }
+
+    /// Whether the delivery is acknowledged right after the commit (the
+    /// [`action`](Self::action) is an [`Ack`](TransportAction::Ack)).
     ///
     /// A retry is acknowledged only after its copy is scheduled, and a stop never.
     pub fn acks_after_commit(&self) -> bool {
-        matches!(
-            self,
-            Self::Processed | Self::Duplicate | Self::AlreadyDeadLettered | Self::DeadLettered(_)
-        )
+        matches!(self.clone().action(), TransportAction::Ack(_))
+    }
+}
+
+/// What a transport does with one delivery after the store's commit, as
+/// [`Decision::action`] says.
+///
+/// Deliberately not `#[non_exhaustive]`: a transport matches it without a wildcard
+/// arm, so a new kind of action is a compile error in every transport rather than a
+/// guess at run time. New decisions map onto these actions in [`Decision::action`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransportAction {
+    /// Acknowledge now, counted under this tally.
+    Ack(Tally),
+    /// Schedule a retry copy after this delay; acknowledge the original only once
+    /// the copy is safely scheduled (counted as [`Tally::Retried`] then).
+    RetryThenAck(Duration),
+    /// Leave the delivery unacknowledged and halt its consumer group.
+    HoldAndStop(ClaimInvariantViolated),
+}
+
+/// Under which counter a transport counts a delivery it settled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tally {
+    /// The handler ran and committed.
+    Processed,
+    /// Acked without running the handler (a duplicate, or dead-lettered before).
+    Duplicate,
+    /// Dead-lettered in this transaction.
+    DeadLettered,
+    /// A retry copy was scheduled.
+    Retried,
+}
+
+/// Checks that the store returned one decision per delivery handed to it; a store
+/// that did not broke its contract, and the transport treats the batch as failed
+/// (nothing acked, everything comes back).
+///
+/// ```
+/// use inbox_core::{check_decision_count, Decision};
+/// assert!(check_decision_count(vec![Decision::Processed], 1).is_ok());
+/// assert!(check_decision_count(vec![Decision::Processed], 2).is_err());
+/// ```
+pub fn check_decision_count(decisions: Vec<Decision>, deliveries: usize) -> Result<Vec<Decision>> {
+    if decisions.len() == deliveries {
+        Ok(decisions)
+    } else {
+        Err(Error::Store(
+            format!(
+                "store returned {} decisions for {deliveries} deliveries",
+                decisions.len()
+            )
+            .into(),
+        ))
     }
 }
 
@@ -95,4 +167,61 @@ pub struct ClaimInvariantViolated {
     pub key: MessageKey,
     /// What was expected and what was found.
     pub detail: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn violation() -> ClaimInvariantViolated {
+        ClaimInvariantViolated {
+            group: ConsumerGroup::new("a.b").unwrap(),
+            key: MessageKey::new("k").unwrap(),
+            detail: "phantom".to_owned(),
+        }
+    }
+
+    #[test]
+    fn every_decision_has_an_action_and_none_is_a_requeue() {
+        let ms = Duration::from_millis;
+        let cases = [
+            (Decision::Processed, TransportAction::Ack(Tally::Processed)),
+            (Decision::Duplicate, TransportAction::Ack(Tally::Duplicate)),
+            (
+                Decision::AlreadyDeadLettered,
+                TransportAction::Ack(Tally::Duplicate),
+            ),
+            (
+                Decision::DeadLettered(DeadLetterReason::Permanent),
+                TransportAction::Ack(Tally::DeadLettered),
+            ),
+            (
+                Decision::RetryAfter(ms(5)),
+                TransportAction::RetryThenAck(ms(5)),
+            ),
+            (
+                Decision::Stop(violation()),
+                TransportAction::HoldAndStop(violation()),
+            ),
+        ];
+        for (decision, action) in cases {
+            let acks = matches!(action, TransportAction::Ack(_));
+            assert_eq!(decision.acks_after_commit(), acks, "{decision:?}");
+            assert_eq!(decision.action(), action);
+        }
+    }
+
+    #[test]
+    fn a_store_must_return_one_decision_per_delivery() {
+        let two = vec![Decision::Processed, Decision::Duplicate];
+        assert_eq!(check_decision_count(two.clone(), 2).unwrap(), two);
+        for deliveries in [0, 1, 3] {
+            let err = check_decision_count(two.clone(), deliveries).unwrap_err();
+            assert!(matches!(err, Error::Store(_)), "{err:?}");
+            assert_eq!(
+                err.to_string(),
+                format!("store error: store returned 2 decisions for {deliveries} deliveries")
+            );
+        }
+    }
 }

@@ -5,7 +5,10 @@
 //! ([`Envelope`], [`MessageKey`], [`ConsumerGroup`], [`ClaimKey`]), the [`Handler`]
 //! trait users implement, the [`RetryPolicy`], the per-delivery [`Decision`] a store
 //! returns, the injectable [`Clock`], the [`InboxStore`] trait transports are generic
-//! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store.
+//! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store. The rules
+//! every transport follows live here once: what a decision means for an ack
+//! ([`Decision::action`]), the decision count ([`check_decision_count`]), the relay
+//! round ([`RelayRound`]) and the backoff ([`exponential_backoff`]).
 //!
 //! With the `derive` feature, `#[derive(Handler)]` (from `inbox-macros`) writes the
 //! `Handler` impl of a handler struct from an `#[inbox(...)]` attribute, checked at
@@ -33,6 +36,7 @@ mod key;
 #[doc(hidden)]
 pub mod names;
 mod outbox;
+mod relay;
 mod replay;
 mod retry;
 mod store;
@@ -41,7 +45,10 @@ mod transport;
 mod url;
 
 pub use clock::{delta, Clock, ManualClock, SystemClock};
-pub use decision::{ClaimInvariantViolated, DeadLetterReason, Decision};
+pub use decision::{
+    check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally,
+    TransportAction,
+};
 pub use duration::{parse_duration, parse_ladder};
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, Result};
@@ -55,11 +62,12 @@ pub use handler::{
 pub use inbox_macros::Handler;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
-    relay_in_process, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
-    OutboxStore, UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
+    EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,
+    UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
 };
+pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
 pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
-pub use retry::{RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
+pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
 pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER};
 pub use transport::{InProcessTransport, TransportStats};

@@ -1,8 +1,9 @@
 //! Name rules shared by `inbox-core` and `inbox-macros`.
 //!
-//! This file is the single copy of the rules: `inbox-macros` compiles it with
-//! `#[path]`, so a group name the derive accepts at compile time is exactly one
-//! `ConsumerGroup::new` accepts at run time. Keep it dependency-free.
+//! This file is the single copy of the rules: `inbox-macros` compiles it too (its
+//! `src/names.rs` is a symbolic link to this file), so a group name the derive
+//! accepts at compile time is exactly one `ConsumerGroup::new` accepts at run time.
+//! Keep it dependency-free.
 
 /// Longest consumer group name, in bytes.
 pub const MAX_GROUP_LEN: usize = 100;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::{Envelope, InProcessTransport, InboxStore, MessageKey, Result};
+use crate::{exponential_backoff, Envelope, MessageKey, Result};
 
 /// A message to publish, enqueued inside the caller's own transaction.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,13 +188,12 @@ impl OutboxFate {
         if this_attempt >= i64::from(max_attempts) {
             return Self::Dead;
         }
-        let factor = 1u32 << attempts.clamp(0, 16);
-        Self::RetryAfter(
-            first
-                .saturating_mul(factor)
-                .min(MAX_OUTBOX_RETRY_DELAY)
-                .max(first),
-        )
+        let doublings = u32::try_from(attempts.max(0)).unwrap_or(0);
+        Self::RetryAfter(exponential_backoff(
+            first,
+            doublings,
+            MAX_OUTBOX_RETRY_DELAY.max(first),
+        ))
     }
 }
 
@@ -237,51 +236,6 @@ pub trait OutboxStore: Send + Sync + 'static {
         std::thread::sleep(timeout);
         Ok(false)
     }
-}
-
-/// One relay round into the in-process transport: lease, publish, mark. Returns how
-/// many rows were published. For embedded use (SQLite) and tests. A row that fails
-/// (or cannot be read) is recorded against itself, due again after a second and
-/// doubling, dead after [`DEFAULT_OUTBOX_MAX_ATTEMPTS`]; the others are published.
-pub fn relay_in_process<O, S>(
-    outbox: &O,
-    transport: &mut InProcessTransport<S>,
-    relay: &str,
-    limit: usize,
-) -> Result<usize>
-where
-    O: OutboxStore + ?Sized,
-    S: InboxStore,
-{
-    let first = Duration::from_secs(1);
-    let fail = |id, attempts, error| OutboxFailure {
-        id,
-        error,
-        fate: OutboxFate::after(first, attempts, DEFAULT_OUTBOX_MAX_ATTEMPTS),
-    };
-    let lease = outbox.lease(relay, limit, Duration::from_secs(30))?;
-    let mut published = Vec::with_capacity(lease.rows.len());
-    let mut failed: Vec<OutboxFailure> = lease
-        .unreadable
-        .iter()
-        .map(|row| fail(row.id, row.attempts, row.error.clone()))
-        .collect();
-    for row in &lease.rows {
-        // A replay is for one group alone (see `replay_target`).
-        let sent = match crate::replay_target(&row.message) {
-            Some(group) => transport.deliver_to(&group, row.message.to_envelope()),
-            None => transport.publish(row.message.to_envelope()),
-        };
-        match sent {
-            Ok(_) => published.push(row.id),
-            Err(err) => failed.push(fail(row.id, row.attempts, err.to_string())),
-        }
-    }
-    let marked = outbox.mark_published(relay, &published)?;
-    if !failed.is_empty() {
-        outbox.record_failures(relay, &failed)?;
-    }
-    Ok(marked)
 }
 
 #[cfg(test)]

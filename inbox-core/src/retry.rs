@@ -80,20 +80,37 @@ impl RetryPolicy {
 
     /// The delay after the `attempts`-th failure (1-based).
     pub fn delay_after(&self, attempts: u32) -> Duration {
-        let shift = attempts.saturating_sub(1).min(63);
-        let factor = 1u64 << shift;
-        let nanos = self.initial.as_nanos().saturating_mul(u128::from(factor));
-        if nanos >= self.max.as_nanos() {
-            self.max
-        } else {
-            // nanos < max, which fits in a Duration.
-            Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
-        }
+        exponential_backoff(self.initial, attempts.saturating_sub(1), self.max)
     }
 
     /// Whether `attempts` failures use up the policy.
     pub fn is_exhausted(&self, attempts: u32) -> bool {
         attempts >= self.max_attempts
+    }
+}
+
+/// The framework's one backoff formula: `first * 2^doublings`, at most `cap` (no
+/// overflow for any input). Retry policies, outbox rows and reconnects all wait by it.
+///
+/// ```
+/// use std::time::Duration;
+/// use inbox_core::exponential_backoff;
+/// let s = Duration::from_secs(1);
+/// assert_eq!(exponential_backoff(s, 0, 60 * s), s);
+/// assert_eq!(exponential_backoff(s, 3, 60 * s), 8 * s);
+/// assert_eq!(exponential_backoff(s, 99, 60 * s), 60 * s);
+/// ```
+pub fn exponential_backoff(first: Duration, doublings: u32, cap: Duration) -> Duration {
+    let factor = 1u128 << doublings.min(127);
+    let nanos = first.as_nanos().saturating_mul(factor);
+    if nanos >= cap.as_nanos() {
+        cap
+    } else {
+        // nanos < cap, which fits in a Duration.
+        Duration::new(
+            u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX),
+            u32::try_from(nanos % 1_000_000_000).unwrap_or(0),
+        )
     }
 }
 
@@ -138,6 +155,24 @@ mod tests {
             err,
             "invalid retry policy: initial backoff (2s) must not exceed max backoff (1s)"
         );
+    }
+
+    #[test]
+    fn the_backoff_formula_doubles_caps_and_never_overflows() {
+        let s = Duration::from_secs(1);
+        let delays: Vec<_> = (0..5).map(|n| exponential_backoff(s, n, 10 * s)).collect();
+        assert_eq!(delays, [s, 2 * s, 4 * s, 8 * s, 10 * s]);
+        assert_eq!(
+            exponential_backoff(s, u32::MAX, Duration::MAX),
+            Duration::MAX
+        );
+        assert_eq!(exponential_backoff(Duration::MAX, 1, s), s);
+        let tiny = Duration::from_nanos(1);
+        assert_eq!(
+            exponential_backoff(tiny, 40, Duration::MAX),
+            tiny * (1 << 20) * (1 << 20)
+        );
+        assert_eq!(exponential_backoff(Duration::ZERO, 5, s), Duration::ZERO);
     }
 
     #[test]

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 use crate::{
-    clock::delta, ClaimInvariantViolated, Clock, ConsumerGroup, Decision, Envelope, Error,
-    InboxStore, Result, SystemClock,
+    check_decision_count, clock::delta, ClaimInvariantViolated, Clock, ConsumerGroup, Envelope,
+    Error, InboxStore, Result, SystemClock, Tally, TransportAction,
 };
 
 /// An in-process, at-least-once transport: a queue per consumer group, in memory.
@@ -67,6 +67,19 @@ pub struct TransportStats {
     pub dead_lettered: u64,
     /// Deliveries put back unacked because the store failed (they come back redelivered).
     pub requeued: u64,
+}
+
+impl TransportStats {
+    /// Counts one settled delivery under `tally`.
+    pub fn record(&mut self, tally: Tally) {
+        let counter = match tally {
+            Tally::Processed => &mut self.processed,
+            Tally::Duplicate => &mut self.duplicates,
+            Tally::DeadLettered => &mut self.dead_lettered,
+            Tally::Retried => &mut self.retries,
+        };
+        *counter += 1;
+    }
 }
 
 impl<S: InboxStore> InProcessTransport<S> {
@@ -209,20 +222,12 @@ impl<S: InboxStore> InProcessTransport<S> {
         let batch: Vec<Envelope> = queue.ready.drain(..take).collect();
         self.stats.delivered += batch.len() as u64;
 
-        let decisions = match self.store.process_batch(group, &batch) {
-            Ok(d) if d.len() == batch.len() => d,
-            Ok(d) => {
-                let err = Error::Store(
-                    format!(
-                        "store returned {} decisions for {} deliveries",
-                        d.len(),
-                        batch.len()
-                    )
-                    .into(),
-                );
-                self.requeue(group, batch);
-                return Err(err);
-            }
+        let decided = self
+            .store
+            .process_batch(group, &batch)
+            .and_then(|d| check_decision_count(d, batch.len()));
+        let decisions = match decided {
+            Ok(d) => d,
             Err(err) => {
                 self.requeue(group, batch);
                 return Err(err);
@@ -231,12 +236,11 @@ impl<S: InboxStore> InProcessTransport<S> {
 
         let mut stop = None;
         for (envelope, decision) in batch.into_iter().zip(decisions) {
-            match decision {
-                Decision::Processed => self.stats.processed += 1,
-                Decision::Duplicate | Decision::AlreadyDeadLettered => self.stats.duplicates += 1,
-                Decision::DeadLettered(_) => self.stats.dead_lettered += 1,
-                Decision::RetryAfter(delay) => {
-                    self.stats.retries += 1;
+            match decision.action() {
+                TransportAction::Ack(tally) => self.stats.record(tally),
+                TransportAction::RetryThenAck(delay) => {
+                    // Scheduling in memory cannot fail: counted at once.
+                    self.stats.record(Tally::Retried);
                     // A retry comes back as a fresh delivery, not a redelivery.
                     let mut copy = envelope;
                     copy.redelivered = false;
@@ -245,7 +249,7 @@ impl<S: InboxStore> InProcessTransport<S> {
                         queue.delayed.push((now + delta(delay), copy));
                     }
                 }
-                Decision::Stop(violation) => {
+                TransportAction::HoldAndStop(violation) => {
                     if let Some(queue) = self.queues.get_mut(group) {
                         let mut back = envelope;
                         back.redelivered = true;
@@ -280,7 +284,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::{ManualClock, MessageKey};
+    use crate::{Decision, ManualClock, MessageKey};
 
     /// Retries every message once, fails the whole batch once, then processes.
     struct Flaky {
@@ -345,6 +349,29 @@ mod tests {
         // First handed over redelivered (after the failed batch), then fresh (retry).
         assert_eq!(seen, [("k".into(), true), ("k".into(), false)]);
         assert_eq!((clock.now() - start).num_seconds(), 30);
+    }
+
+    #[test]
+    fn every_tally_counts_under_its_own_counter() {
+        let mut stats = TransportStats::default();
+        for (tally, times) in [
+            (Tally::Processed, 1),
+            (Tally::Duplicate, 2),
+            (Tally::DeadLettered, 3),
+            (Tally::Retried, 4),
+        ] {
+            for _ in 0..times {
+                stats.record(tally);
+            }
+        }
+        let counted = (
+            stats.processed,
+            stats.duplicates,
+            stats.dead_lettered,
+            stats.retries,
+        );
+        assert_eq!(counted, (1, 2, 3, 4));
+        assert_eq!((stats.delivered, stats.requeued), (0, 0));
     }
 
     #[test]

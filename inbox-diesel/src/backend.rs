@@ -1,10 +1,18 @@
-//! What differs per backend beyond the claim statements: connecting, migrations,
-//! the catalog, the write transaction and projection locks.
+//! The backend contract: what differs per backend beyond the statements
+//! (connecting, migrations, the catalog, the write transaction, projection locks,
+//! waiting for an enqueue), sealed, and [`StoreConnection`], with the classification
+//! of database errors every backend shares. Implemented by `pg/` and `sqlite/`;
+//! neutral itself (it names no backend).
+
+use std::sync::Mutex;
+use std::time::Duration;
 
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::r2d2::R2D2Connection;
 use diesel::{Connection, ConnectionResult, QueryResult};
+use inbox_core::Clock;
 
+use crate::statements::{ClaimOps, OutboxOps, RetentionOps};
 use crate::verify::Catalog;
 use crate::{Backend, Result};
 
@@ -13,13 +21,18 @@ pub(crate) mod private {
 
     /// Backend operations; sealed, so only this crate's backends implement them.
     pub trait Sealed:
-        crate::ops::ClaimOps
-        + crate::outbox::OutboxOps
+        ClaimOps
+        + OutboxOps
+        + RetentionOps
         + crate::operator::OperatorOps
         + crate::operator::CatalogOps
         + Sized
     {
         const BACKEND: Backend;
+
+        /// What a relay waits for enqueues on (PostgreSQL: the store's LISTEN
+        /// connection, opened on the first wait; SQLite: nothing).
+        type Listener: Default + Send;
 
         /// Opens a connection from the store's URL.
         fn establish_url(url: &str) -> ConnectionResult<Self>;
@@ -46,8 +59,8 @@ pub(crate) mod private {
         /// neither (its `busy_timeout` bounds only lock waits).
         fn set_timeouts(
             conn: &mut Self,
-            statement: std::time::Duration,
-            idle_in_transaction: std::time::Duration,
+            statement: Duration,
+            idle_in_transaction: Duration,
         ) -> QueryResult<()>;
 
         /// Runs the embedded migrations (in `schema`, on PostgreSQL).
@@ -64,6 +77,17 @@ pub(crate) mod private {
 
         /// Takes projection locks (id, exclusive), for the rest of the transaction.
         fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()>;
+
+        /// Waits up to `timeout` for an enqueue in the store's schema; `false` when
+        /// none came (PostgreSQL: on `listener`, in wall time; SQLite polls: sleeps on
+        /// `clock` and returns `false`).
+        fn wait_for_enqueue(
+            listener: &Mutex<Self::Listener>,
+            url: &str,
+            schema: Option<&str>,
+            clock: &dyn Clock,
+            timeout: Duration,
+        ) -> Result<bool>;
 
         /// The server's identity of the open transaction (PostgreSQL: its transaction
         /// id), or `None` where the backend cannot tell. Read again after a handler
@@ -85,9 +109,6 @@ pub trait StoreConnection:
     + 'static
 {
 }
-
-impl StoreConnection for diesel::PgConnection {}
-impl StoreConnection for diesel::SqliteConnection {}
 
 /// Whose a database error is, which decides what the store does with it.
 ///

@@ -1,18 +1,51 @@
 #![doc = include_str!("../README.md")]
+//!
+//! ## Where each rule lives
+//!
+//! The backend folders sit above a neutral core; nothing neutral imports a backend.
+//!
+//! - `pg/`, `sqlite/`: all of a backend's SQL and session rules. `mod.rs` connects,
+//!   migrates, sets the session up, holds the write transaction, projection locks and
+//!   transaction token; `claims.rs` the claim statement (PostgreSQL: one cached
+//!   statement over arrays; SQLite: row by row); `outbox.rs` leasing and NOTIFY;
+//!   `retention.rs` the purges; `catalog.rs` the claim table's indexes and columns;
+//!   `pg/listen.rs` the relay's LISTEN connection; `sqlite/collation.rs` declared
+//!   collations.
+//! - `backend`: the sealed backend contract, [`StoreConnection`] and [`ErrorClass`].
+//! - `statements`: the statement traits every backend implements, and the claim
+//!   upsert's conflict target and condition, built once from `ClaimKey::COLUMNS`.
+//! - `rows`: the rows the statements write and read, and the public records
+//!   ([`ClaimRecord`], [`DeadLetter`], [`DeadOutboxRow`]).
+//! - `dsl`: the diesel DSL both backends share, written once and expanded in each.
+//! - `batch/`: the state machine, one step per module: `mod.rs` orchestration and
+//!   in-batch de-duplication; `retry` transaction retries and splitting; `claim`
+//!   locks, claims, lookups and the pure `decide` from a stored claim to a decision;
+//!   `optimistic`, `isolated`, `run` and `ownership` running handlers (savepoints,
+//!   depth repair, panics, hangs, a transaction the handler ended); `failure` retries
+//!   and dead letters of failed messages; `dead_letter` collisions, malformed
+//!   deliveries and the broker's dead letters; `crash_loop` start marks; `metrics`.
+//! - `store`: [`Store`], [`StoreBuilder`] and the state batches share, whose fields
+//!   only that module touches.
+//! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
+//!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
+//!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
+//!   table definitions.
 #![forbid(unsafe_code)]
 
 mod backend;
 mod batch;
+mod dsl;
 mod error;
 mod operator;
-mod ops;
 mod outbox;
 mod pg;
 mod pool;
 mod retention;
+mod rows;
 mod schema;
 mod slot;
 mod sqlite;
+mod statements;
 mod store;
 mod tls;
 mod url;
@@ -27,14 +60,12 @@ pub use operator::{
     CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
-    enqueue, enqueue_with, AsStoreConnection, DeadOutboxRow, EnqueueLimits,
-    DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
+    enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,
+    MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
 };
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use retention::Retention;
-pub use store::{
-    ClaimRecord, ClaimStatus, DeadLetter, Store, StoreBuilder, DEFAULT_BATCH_DEADLINE,
-    DEFAULT_STATEMENT_TIMEOUT,
-};
+pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow};
+pub use store::{Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT};
 pub use tls::init_tls;
 pub use url::{redact, Backend};

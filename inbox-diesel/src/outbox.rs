@@ -2,27 +2,21 @@
 //! [`OutboxStore`] a relay uses leases rows, marks them published or records failures,
 //! each in a short transaction of its own.
 //!
-//! Leasing differs per backend (PostgreSQL skips rows another relay has locked;
-//! SQLite has one writer at a time), and so does waking a relay (PostgreSQL
-//! NOTIFY/LISTEN; SQLite polls). The other statements are written once.
+//! Neutral: the statements are each backend's (`pg/outbox.rs`, `sqlite/outbox.rs`,
+//! the shared DSL in `dsl.rs`), and so is waking a relay (PostgreSQL NOTIFY/LISTEN in
+//! `pg/listen.rs`; SQLite polls).
 
-use std::sync::PoisonError;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::pool::PooledStoreConnection;
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use diesel::connection::SimpleConnection;
-use diesel::prelude::*;
-use diesel::result::QueryResult;
-use diesel::sql_types::{BigInt, Text};
-use diesel::PgConnection;
 use inbox_core::{
-    delta, EnqueueOutcome, Lease, MessageKey, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow,
-    OutboxStore, UnreadableRow,
+    delta, EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxStore,
 };
 
-use crate::backend::{private::Sealed, StoreConnection};
-use crate::{Backend, Error, Result, Store};
+use crate::backend::StoreConnection;
+use crate::pool::PooledStoreConnection;
+use crate::rows::{DeadOutboxRow, NewOutbox};
+use crate::{Error, Result, Store};
 
 /// The PostgreSQL channel [`enqueue`] notifies and relays listen on.
 ///
@@ -30,12 +24,6 @@ use crate::{Backend, Error, Result, Store};
 /// store only wakes for its own schema's notifications: stores in other schemas of
 /// the same database share the channel without waking each other.
 pub const OUTBOX_CHANNEL: &str = "inbox_outbox";
-
-/// How often a waiting relay checks its LISTEN connection for notifications.
-const LISTEN_POLL: Duration = Duration::from_millis(5);
-
-/// Ids per statement: SQLite binds every id of an `IN` list as its own parameter.
-const ID_CHUNK: usize = 500;
 
 /// The longest `last_error` kept.
 const MAX_ERROR_LEN: usize = 4000;
@@ -99,7 +87,7 @@ impl EnqueueLimits {
 /// an empty header name); a NUL byte in any of them, in a header value or in the
 /// tenant (PostgreSQL's text refuses it); a body over [`DEFAULT_MAX_OUTBOX_PAYLOAD`]
 /// ([`enqueue_with`] sets another limit). The message key is checked by
-/// [`MessageKey`] itself (1 to 255 bytes, no NUL).
+/// [`MessageKey`](inbox_core::MessageKey) itself (1 to 255 bytes, no NUL).
 ///
 /// ```no_run
 /// use diesel::{Connection, PgConnection};
@@ -281,598 +269,6 @@ fn truncate(s: &str) -> &str {
     &s[..end]
 }
 
-/// A row to insert.
-pub struct NewOutbox<'a> {
-    pub key: &'a str,
-    pub exchange: &'a str,
-    pub routing_key: &'a str,
-    pub message_type: &'a str,
-    pub tenant: Option<&'a str>,
-    pub payload: &'a [u8],
-    pub headers: String,
-    pub ordering_key: Option<&'a str>,
-    pub created_at: DateTime<Utc>,
-    pub available_at: DateTime<Utc>,
-}
-
-type OutboxTuple = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    Vec<u8>,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    i32,
-);
-
-/// A stored row as a message, or why it cannot be one (it is recorded against the
-/// row, never failing the lease).
-fn outbox_row(t: OutboxTuple) -> std::result::Result<OutboxRow, UnreadableRow> {
-    let unreadable = |error: String| UnreadableRow {
-        id: t.0,
-        attempts: t.10,
-        error: format!("unreadable row: {error}"),
-    };
-    let message_key = MessageKey::new(t.1.clone()).map_err(|err| unreadable(err.to_string()))?;
-    let headers = serde_json::from_str(&t.7)
-        .map_err(|err| unreadable(format!("headers are not a JSON object of strings: {err}")))?;
-    Ok(OutboxRow {
-        id: t.0,
-        message: OutboxMessage {
-            message_key,
-            exchange: t.2,
-            routing_key: t.3,
-            message_type: t.4,
-            payload: t.6,
-            headers,
-            tenant: t.5,
-            ordering_key: t.8,
-            // Consumed by leasing: a leased row is due, whenever it was first due.
-            not_before: None,
-        },
-        attempts: t.10,
-        created_at: t.9,
-    })
-}
-
-/// Sorts decoded tuples into readable rows and unreadable ones.
-fn decode_into(t: OutboxTuple, rows: &mut Vec<OutboxRow>, unreadable: &mut Vec<UnreadableRow>) {
-    match outbox_row(t) {
-        Ok(row) => rows.push(row),
-        Err(bad) => unreadable.push(bad),
-    }
-}
-
-/// A dead outbox row, as an operator sees it: what was stored, read as text where
-/// it can be (a row may be dead because it could not be read).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadOutboxRow {
-    /// The row's id.
-    pub id: i64,
-    /// The message key, as stored.
-    pub message_key: String,
-    /// The exchange.
-    pub exchange: String,
-    /// The routing key.
-    pub routing_key: String,
-    /// The message type.
-    pub message_type: String,
-    /// The ordering key.
-    pub ordering_key: Option<String>,
-    /// Failed publications.
-    pub attempts: i32,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// When its last attempt failed. (Its `created_at` is not read: a row may be
-    /// dead because another producer wrote a timestamp the store cannot decode.)
-    pub dead_at: DateTime<Utc>,
-}
-
-type DeadTuple = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    i32,
-    Option<String>,
-    Option<DateTime<Utc>>,
-);
-
-fn dead_row(t: DeadTuple) -> DeadOutboxRow {
-    DeadOutboxRow {
-        id: t.0,
-        message_key: t.1,
-        exchange: t.2,
-        routing_key: t.3,
-        message_type: t.4,
-        ordering_key: t.5,
-        attempts: t.6,
-        last_error: t.7,
-        // Selected with dead_at IS NOT NULL.
-        dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
-    }
-}
-
-#[derive(QueryableByName)]
-struct LeasedId {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-}
-
-#[derive(QueryableByName)]
-struct SchemaName {
-    #[diesel(sql_type = Text)]
-    name: String,
-}
-
-/// The outbox statements every backend runs, on its own connection type.
-pub trait OutboxOps: Sized {
-    /// Inserts a row unless its message key exists; returns its id if it did.
-    fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>>;
-
-    /// Wakes relays at commit (PostgreSQL); nothing on SQLite.
-    fn notify_enqueue(conn: &mut Self) -> QueryResult<()>;
-
-    /// Leases up to `limit` due rows (see [`OutboxStore::lease`]); returns their ids.
-    fn lease_ids(
-        conn: &mut Self,
-        relay: &str,
-        limit: i64,
-        now: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> QueryResult<Vec<i64>>;
-
-    /// Reads rows by id, in id order; rows that cannot be read are returned apart.
-    fn load_outbox(
-        conn: &mut Self,
-        ids: &[i64],
-    ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)>;
-
-    /// Marks rows published that `relay` still leases; returns how many.
-    fn mark_outbox_published(
-        conn: &mut Self,
-        relay: &str,
-        ids: &[i64],
-        now: DateTime<Utc>,
-    ) -> QueryResult<usize>;
-
-    /// Records a failed publication of a row `relay` still leases and frees it: due
-    /// again at `due`, or dead since `dead_at`.
-    fn record_outbox_failure(
-        conn: &mut Self,
-        relay: &str,
-        id: i64,
-        error: &str,
-        due: DateTime<Utc>,
-        dead_at: Option<DateTime<Utc>>,
-    ) -> QueryResult<usize>;
-
-    /// When the first live unpublished row in id order was enqueued.
-    fn first_unpublished_at(conn: &mut Self) -> QueryResult<Option<DateTime<Utc>>>;
-
-    /// Up to `limit` dead rows, oldest death first.
-    fn dead_outbox(conn: &mut Self, limit: i64) -> QueryResult<Vec<DeadOutboxRow>>;
-
-    /// Makes dead rows live again, due at `now` with no attempts; returns how many.
-    fn revive_outbox(conn: &mut Self, ids: &[i64], now: DateTime<Utc>) -> QueryResult<usize>;
-
-    /// Deletes up to `limit` rows published before `cutoff`, oldest first.
-    fn purge_published(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
-
-    /// Deletes up to `limit` done claims last updated before `cutoff`, oldest first.
-    fn purge_done_claims(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
-}
-
-/// PostgreSQL's statements.
-mod pg_sql {
-    pub const NOTIFY: Option<&str> = Some("SELECT pg_notify($1, coalesce(current_schema(), ''))");
-
-    /// SKIP LOCKED: concurrent relays lease disjoint rows without waiting for each
-    /// other. Dead rows are never leased and hold nothing up.
-    ///
-    /// Rows with an ordering key go out per key in (writing transaction, id) order,
-    /// which is commit order: ids are not (a row with a lower id can commit later,
-    /// and until then the NOT EXISTS cannot see it). So an ordered row is leased only
-    /// once its transaction is older than every transaction still running
-    /// (`pg_snapshot_xmin`): every row that precedes it has then committed (or rolled
-    /// back) and is visible; and only while no live row precedes it (leased, failed
-    /// or not yet due). A NULL `xact_id` (a row from before the column) counts as
-    /// long committed. Rows without an ordering key are leased at once.
-    pub const LEASE: &str = "\
-        UPDATE outbox_messages SET leased_until = $2, leased_by = $3 \
-        WHERE id IN ( \
-            SELECT o.id FROM outbox_messages o \
-            WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $1 \
-              AND (o.leased_until IS NULL OR o.leased_until <= $1) \
-              AND (o.ordering_key IS NULL OR ( \
-                  coalesce(o.xact_id, '0'::xid8) < pg_snapshot_xmin(pg_current_snapshot()) \
-                  AND NOT EXISTS ( \
-                      SELECT 1 FROM outbox_messages e \
-                      WHERE e.ordering_key = o.ordering_key \
-                        AND e.published_at IS NULL AND e.dead_at IS NULL \
-                        AND (coalesce(e.xact_id, '0'::xid8), e.id) \
-                          < (coalesce(o.xact_id, '0'::xid8), o.id)))) \
-            ORDER BY o.id LIMIT $4 \
-            FOR UPDATE SKIP LOCKED) \
-        RETURNING id";
-
-    // SKIP LOCKED: a purge never waits for (or deadlocks with) a relay or a batch.
-    pub const PURGE_PUBLISHED: &str = "\
-        DELETE FROM outbox_messages WHERE id IN ( \
-            SELECT id FROM outbox_messages \
-            WHERE published_at IS NOT NULL AND published_at < $1 \
-            ORDER BY published_at LIMIT $2 \
-            FOR UPDATE SKIP LOCKED)";
-
-    pub const PURGE_DONE_CLAIMS: &str = "\
-        DELETE FROM inbox_claims WHERE (message_key, consumer_group) IN ( \
-            SELECT message_key, consumer_group FROM inbox_claims \
-            WHERE status = 'done' AND updated_at < $1 \
-            ORDER BY updated_at LIMIT $2 \
-            FOR UPDATE SKIP LOCKED)";
-}
-
-/// SQLite's statements: the same, without row locks (the immediate transaction is
-/// the only writer).
-mod sqlite_sql {
-    pub const NOTIFY: Option<&str> = None;
-
-    /// One writer at a time, so ids are handed out in commit order: id order is
-    /// an ordering key's order, and no transaction id is needed.
-    pub const LEASE: &str = "\
-        UPDATE outbox_messages SET leased_until = ?2, leased_by = ?3 \
-        WHERE id IN ( \
-            SELECT o.id FROM outbox_messages o \
-            WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ?1 \
-              AND (o.leased_until IS NULL OR o.leased_until <= ?1) \
-              AND NOT EXISTS ( \
-                  SELECT 1 FROM outbox_messages e \
-                  WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
-                    AND e.published_at IS NULL AND e.dead_at IS NULL) \
-            ORDER BY o.id LIMIT ?4) \
-        RETURNING id";
-
-    pub const PURGE_PUBLISHED: &str = "\
-        DELETE FROM outbox_messages WHERE id IN ( \
-            SELECT id FROM outbox_messages \
-            WHERE published_at IS NOT NULL AND published_at < ?1 \
-            ORDER BY published_at LIMIT ?2)";
-
-    pub const PURGE_DONE_CLAIMS: &str = "\
-        DELETE FROM inbox_claims WHERE (message_key, consumer_group) IN ( \
-            SELECT message_key, consumer_group FROM inbox_claims \
-            WHERE status = 'done' AND updated_at < ?1 \
-            ORDER BY updated_at LIMIT ?2)";
-}
-
-macro_rules! outbox_ops {
-    ($conn:ty, $schema:ident, $ts:ty, $sql:ident) => {
-        impl OutboxOps for $conn {
-            fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>> {
-                use crate::schema::$schema::outbox_messages::dsl::*;
-                diesel::insert_into(outbox_messages)
-                    .values((
-                        message_key.eq(row.key),
-                        exchange.eq(row.exchange),
-                        routing_key.eq(row.routing_key),
-                        message_type.eq(row.message_type),
-                        tenant.eq(row.tenant),
-                        payload.eq(row.payload),
-                        headers.eq(&row.headers),
-                        ordering_key.eq(row.ordering_key),
-                        created_at.eq(row.created_at),
-                        available_at.eq(row.available_at),
-                        attempts.eq(0),
-                    ))
-                    // The only unique key besides the id is (message_key, replay_seq),
-                    // and a producer's row has replay_seq 0.
-                    .on_conflict_do_nothing()
-                    .returning(id)
-                    .get_result(conn)
-                    .optional()
-            }
-
-            fn notify_enqueue(conn: &mut Self) -> QueryResult<()> {
-                match $sql::NOTIFY {
-                    Some(sql) => diesel::sql_query(sql)
-                        .bind::<Text, _>(OUTBOX_CHANNEL)
-                        .execute(conn)
-                        .map(|_| ()),
-                    None => Ok(()),
-                }
-            }
-
-            fn lease_ids(
-                conn: &mut Self,
-                relay: &str,
-                limit: i64,
-                now: DateTime<Utc>,
-                until: DateTime<Utc>,
-            ) -> QueryResult<Vec<i64>> {
-                let ids: Vec<LeasedId> = diesel::sql_query($sql::LEASE)
-                    .bind::<$ts, _>(now)
-                    .bind::<$ts, _>(until)
-                    .bind::<Text, _>(relay)
-                    .bind::<BigInt, _>(limit)
-                    .load(conn)?;
-                Ok(ids.into_iter().map(|r| r.id).collect())
-            }
-
-            fn load_outbox(
-                conn: &mut Self,
-                ids: &[i64],
-            ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)> {
-                use crate::schema::$schema::outbox_messages::dsl::*;
-                use diesel::result::Error::DeserializationError;
-                let columns = (
-                    id,
-                    message_key,
-                    exchange,
-                    routing_key,
-                    message_type,
-                    tenant,
-                    payload,
-                    headers,
-                    ordering_key,
-                    created_at,
-                    attempts,
-                );
-                let mut rows = Vec::with_capacity(ids.len());
-                let mut unreadable = Vec::new();
-                for chunk in ids.chunks(ID_CHUNK) {
-                    let loaded: QueryResult<Vec<OutboxTuple>> = outbox_messages
-                        .filter(id.eq_any(chunk))
-                        .select(columns)
-                        .load(conn);
-                    match loaded {
-                        Ok(tuples) => {
-                            for t in tuples {
-                                decode_into(t, &mut rows, &mut unreadable);
-                            }
-                        }
-                        // A value diesel cannot decode (a timestamp another producer
-                        // wrote as it liked): find it row by row. Decoding fails on
-                        // the client, so the transaction is still usable.
-                        Err(DeserializationError(_)) => {
-                            for &one in chunk {
-                                let single: QueryResult<Option<OutboxTuple>> = outbox_messages
-                                    .filter(id.eq(one))
-                                    .select(columns)
-                                    .first(conn)
-                                    .optional();
-                                match single {
-                                    Ok(Some(t)) => decode_into(t, &mut rows, &mut unreadable),
-                                    Ok(None) => {}
-                                    Err(DeserializationError(err)) => {
-                                        let tries: QueryResult<i32> = outbox_messages
-                                            .filter(id.eq(one))
-                                            .select(attempts)
-                                            .first(conn);
-                                        let tries = match tries {
-                                            Ok(n) => n,
-                                            Err(DeserializationError(_)) => 0,
-                                            Err(other) => return Err(other),
-                                        };
-                                        unreadable.push(UnreadableRow {
-                                            id: one,
-                                            attempts: tries,
-                                            error: format!("unreadable row: {err}"),
-                                        });
-                                    }
-                                    Err(other) => return Err(other),
-                                }
-                            }
-                        }
-                        Err(other) => return Err(other),
-                    }
-                }
-                rows.sort_by_key(|r| r.id);
-                unreadable.sort_by_key(|r| r.id);
-                Ok((rows, unreadable))
-            }
-
-            fn mark_outbox_published(
-                conn: &mut Self,
-                relay: &str,
-                ids: &[i64],
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::$schema::outbox_messages::dsl::*;
-                let mut marked = 0;
-                for chunk in ids.chunks(ID_CHUNK) {
-                    // Only rows this relay still leases: a relay whose lease expired
-                    // and was taken over marks nothing (the new holder publishes).
-                    marked += diesel::update(
-                        outbox_messages
-                            .filter(id.eq_any(chunk))
-                            .filter(leased_by.eq(relay))
-                            .filter(published_at.is_null()),
-                    )
-                    .set((published_at.eq(now), leased_until.eq(None::<DateTime<Utc>>)))
-                    .execute(conn)?;
-                }
-                Ok(marked)
-            }
-
-            fn record_outbox_failure(
-                conn: &mut Self,
-                relay: &str,
-                row_id: i64,
-                error: &str,
-                due: DateTime<Utc>,
-                dead: Option<DateTime<Utc>>,
-            ) -> QueryResult<usize> {
-                use crate::schema::$schema::outbox_fates::dsl::*;
-                diesel::update(
-                    outbox_fates
-                        .filter(id.eq(row_id))
-                        .filter(leased_by.eq(relay))
-                        .filter(published_at.is_null()),
-                )
-                .set((
-                    attempts.eq(attempts + 1),
-                    last_error.eq(error),
-                    available_at.eq(due),
-                    dead_at.eq(dead),
-                    leased_until.eq(None::<DateTime<Utc>>),
-                    leased_by.eq(None::<&str>),
-                ))
-                .execute(conn)
-            }
-
-            fn first_unpublished_at(conn: &mut Self) -> QueryResult<Option<DateTime<Utc>>> {
-                use crate::schema::$schema::outbox_fates::dsl::*;
-                outbox_fates
-                    .filter(published_at.is_null())
-                    .filter(dead_at.is_null())
-                    .order(id)
-                    .select(created_at)
-                    .first(conn)
-                    .optional()
-            }
-
-            fn dead_outbox(conn: &mut Self, limit: i64) -> QueryResult<Vec<DeadOutboxRow>> {
-                use crate::schema::$schema::outbox_fates::dsl::*;
-                let tuples: Vec<DeadTuple> = outbox_fates
-                    .filter(dead_at.is_not_null())
-                    .filter(published_at.is_null())
-                    .order((dead_at, id))
-                    .limit(limit)
-                    .select((
-                        id,
-                        message_key,
-                        exchange,
-                        routing_key,
-                        message_type,
-                        ordering_key,
-                        attempts,
-                        last_error,
-                        dead_at,
-                    ))
-                    .load(conn)?;
-                Ok(tuples.into_iter().map(dead_row).collect())
-            }
-
-            fn revive_outbox(
-                conn: &mut Self,
-                ids: &[i64],
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::$schema::outbox_fates::dsl::*;
-                let mut revived = 0;
-                for chunk in ids.chunks(ID_CHUNK) {
-                    revived += diesel::update(
-                        outbox_fates
-                            .filter(id.eq_any(chunk))
-                            .filter(dead_at.is_not_null())
-                            .filter(published_at.is_null()),
-                    )
-                    .set((
-                        dead_at.eq(None::<DateTime<Utc>>),
-                        attempts.eq(0),
-                        available_at.eq(now),
-                    ))
-                    .execute(conn)?;
-                }
-                Ok(revived)
-            }
-
-            fn purge_published(
-                conn: &mut Self,
-                cutoff: DateTime<Utc>,
-                limit: i64,
-            ) -> QueryResult<usize> {
-                diesel::sql_query($sql::PURGE_PUBLISHED)
-                    .bind::<$ts, _>(cutoff)
-                    .bind::<BigInt, _>(limit)
-                    .execute(conn)
-            }
-
-            fn purge_done_claims(
-                conn: &mut Self,
-                cutoff: DateTime<Utc>,
-                limit: i64,
-            ) -> QueryResult<usize> {
-                diesel::sql_query($sql::PURGE_DONE_CLAIMS)
-                    .bind::<$ts, _>(cutoff)
-                    .bind::<BigInt, _>(limit)
-                    .execute(conn)
-            }
-        }
-    };
-}
-
-outbox_ops!(
-    diesel::PgConnection,
-    pg,
-    diesel::sql_types::Timestamptz,
-    pg_sql
-);
-outbox_ops!(
-    diesel::SqliteConnection,
-    sqlite,
-    diesel::sql_types::TimestamptzSqlite,
-    sqlite_sql
-);
-
-/// PostgreSQL: the store's dedicated LISTEN connection, outside the pool, opened on
-/// the first wait and again after it breaks.
-#[derive(Default)]
-pub struct Listener {
-    conn: Option<PgConnection>,
-    /// The listening connection's schema: only its notifications wake this store.
-    schema: String,
-    /// Wake-ups seen so far; a waiter is woken when the count moves past its start.
-    wakeups: u64,
-}
-
-impl Listener {
-    /// Opens the connection if needed, then counts this schema's notifications;
-    /// returns the count before and after.
-    fn poll(&mut self, url: &str, schema: Option<&str>) -> Result<(u64, u64)> {
-        let before = self.wakeups;
-        let conn = match &mut self.conn {
-            Some(conn) => conn,
-            None => {
-                let mut conn = <PgConnection as Sealed>::establish_url(url)
-                    .map_err(|source| Error::connect(url, &source))?;
-                <PgConnection as Sealed>::on_acquire(&mut conn, schema)?;
-                let current: SchemaName =
-                    diesel::sql_query("SELECT coalesce(current_schema(), '') AS name")
-                        .get_result(&mut conn)?;
-                conn.batch_execute(&format!("LISTEN {OUTBOX_CHANNEL}"))?;
-                self.schema = current.name;
-                // A message enqueued before LISTEN sent no notification we can see:
-                // a fresh connection counts as a wake-up, so the relay leases again.
-                self.wakeups += 1;
-                self.conn.insert(conn)
-            }
-        };
-        let received: Vec<_> = conn.notifications_iter().collect();
-        for notification in received {
-            match notification {
-                Ok(n) if n.channel == OUTBOX_CHANNEL && n.payload == self.schema => {
-                    self.wakeups += 1;
-                }
-                Ok(_) => {}
-                Err(err) => {
-                    // Broken: the next wait opens a new connection.
-                    self.conn = None;
-                    return Err(err.into());
-                }
-            }
-        }
-        Ok((before, self.wakeups))
-    }
-}
-
 impl<C: StoreConnection> Store<C> {
     /// Up to `limit` dead outbox rows (their last attempt failed), oldest death
     /// first. A dead row is kept and never leased again until
@@ -891,7 +287,7 @@ impl<C: StoreConnection> Store<C> {
         if ids.is_empty() {
             return Ok(0);
         }
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let mut conn = self.connection()?;
         Ok(C::write_transaction(&mut *conn, |conn| {
             C::revive_outbox(conn, ids, now)
@@ -907,7 +303,7 @@ impl<C: StoreConnection> Store<C> {
                 "a lease must last longer than zero, found 0s".to_owned(),
             ));
         }
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let until = later(now, lease_for, "a lease")?;
         let mut lease = Lease {
             relay: relay.to_owned(),
@@ -931,7 +327,7 @@ impl<C: StoreConnection> Store<C> {
         if ids.is_empty() {
             return Ok(0);
         }
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let mut conn = self.connection()?;
         Ok(C::write_transaction(&mut *conn, |conn| {
             C::mark_outbox_published(conn, relay, ids, now)
@@ -942,7 +338,7 @@ impl<C: StoreConnection> Store<C> {
         if failures.is_empty() {
             return Ok(());
         }
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let fates = failures
             .iter()
             .map(|f| match f.fate {
@@ -964,38 +360,12 @@ impl<C: StoreConnection> Store<C> {
     fn oldest_age(&self) -> Result<Option<Duration>> {
         let mut conn = self.connection()?;
         let first = C::first_unpublished_at(&mut conn)?;
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         Ok(first.map(|at| (now - at).to_std().unwrap_or(Duration::ZERO)))
     }
 
     fn wait(&self, timeout: Duration) -> Result<bool> {
-        if C::BACKEND != Backend::Postgres {
-            // Polling is SQLite's only mode; a manual clock advances instead.
-            self.inner.clock.sleep(timeout);
-            return Ok(false);
-        }
-        let deadline = Instant::now().checked_add(timeout);
-        let mut start = None;
-        loop {
-            // The lock is held only while checking, never while sleeping.
-            let (before, after) = self
-                .inner
-                .listener
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .poll(&self.inner.url, self.inner.schema.as_deref())?;
-            let start = *start.get_or_insert(before);
-            if after > start {
-                return Ok(true);
-            }
-            let now = Instant::now();
-            let step = match deadline {
-                Some(deadline) if now >= deadline => return Ok(false),
-                Some(deadline) => LISTEN_POLL.min(deadline - now),
-                None => LISTEN_POLL,
-            };
-            std::thread::sleep(step);
-        }
+        self.inner.wait_for_enqueue(timeout)
     }
 }
 
@@ -1021,7 +391,7 @@ impl<C: StoreConnection> OutboxStore for Store<C> {
     }
 
     fn now(&self) -> DateTime<Utc> {
-        self.inner.clock.now()
+        self.clock().now()
     }
 
     fn wait_for_enqueue(&self, timeout: Duration) -> inbox_core::Result<bool> {

@@ -102,7 +102,7 @@ impl<C: StoreConnection> Store<C> {
             ));
         }
         // One cutoff for the whole purge: the loop does not chase a moving clock.
-        let Some(cutoff) = self.inner.clock.now().checked_sub_signed(delta(window)) else {
+        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(window)) else {
             return Ok(0); // a window reaching before the calendar: nothing is that old
         };
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);

@@ -1,10 +1,14 @@
-use std::collections::{BTreeMap, HashMap};
+//! The store: [`Store`], its builder and the state its batches share ([`Inner`],
+//! whose fields only this module touches; the other modules go through its methods).
+
+use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::r2d2::{CustomizeConnection, Pool};
+use diesel::QueryResult;
 use inbox_core::{
     ClaimKey, Clock, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, DynHandler,
     Envelope, Handler, InboxStore, RetryLadder, SystemClock,
@@ -12,105 +16,11 @@ use inbox_core::{
 
 use crate::backend::{valid_schema_name, StoreConnection};
 use crate::pool::{Closer, PooledStoreConnection, StoreManager};
+use crate::rows::{ClaimRecord, DeadLetter};
 use crate::slot::Slot;
 use crate::{verify, Backend, Error, Result};
 
-/// A claim's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ClaimStatus {
-    /// A redelivered message's processing started (crash-loop detection).
-    Started,
-    /// The handler's effect committed.
-    Done,
-    /// The handler failed; a retry is due at `next_attempt_at`.
-    Failed,
-    /// Dead-lettered.
-    Dead,
-}
-
-impl ClaimStatus {
-    /// The status as stored.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Started => "started",
-            Self::Done => "done",
-            Self::Failed => "failed",
-            Self::Dead => "dead",
-        }
-    }
-
-    pub(crate) fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "started" => Self::Started,
-            "done" => Self::Done,
-            "failed" => Self::Failed,
-            "dead" => Self::Dead,
-            _ => return None,
-        })
-    }
-}
-
-/// A row of the claim table.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ClaimRecord {
-    /// The consumer group.
-    pub group: String,
-    /// The message key.
-    pub key: String,
-    /// The message type.
-    pub message_type: String,
-    /// The tenant, informational.
-    pub tenant: Option<String>,
-    /// The state.
-    pub status: ClaimStatus,
-    /// Handled failures so far.
-    pub attempts: i32,
-    /// Starts of redelivered processing without an outcome since.
-    pub starts: i32,
-    /// When a retry is due.
-    pub next_attempt_at: Option<DateTime<Utc>>,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// Whether the payload is kept (only while a retry is pending).
-    pub has_payload: bool,
-    /// When the claim was first made.
-    pub first_seen_at: DateTime<Utc>,
-    /// When it last changed.
-    pub updated_at: DateTime<Utc>,
-}
-
-/// A row of the dead-letter table.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetter {
-    /// Surrogate id (a key collision dead-letters under an existing key).
-    pub id: i64,
-    /// The consumer group.
-    pub group: String,
-    /// The message key.
-    pub key: String,
-    /// The message type.
-    pub message_type: String,
-    /// The tenant.
-    pub tenant: Option<String>,
-    /// The payload, as delivered.
-    pub payload: Vec<u8>,
-    /// The transport headers.
-    pub headers: BTreeMap<String, String>,
-    /// Handled failures when it was dead-lettered.
-    pub attempts: i32,
-    /// Why (`max_attempts`, `permanent`, `decode_error`, `key_collision`, `crash_loop`, ...).
-    pub reason: String,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// When.
-    pub dead_lettered_at: DateTime<Utc>,
-    /// When it was replayed, if it was.
-    pub replayed_at: Option<DateTime<Utc>>,
-}
-
+/// The settings a batch runs under.
 pub(crate) struct Settings {
     pub crash_limit: u32,
     /// How long a batch may hold its transaction (and the crash slot).
@@ -122,23 +32,24 @@ pub(crate) struct Settings {
 }
 
 pub(crate) struct Inner<C: StoreConnection> {
-    pub pool: Pool<StoreManager<C>>,
+    pool: Pool<StoreManager<C>>,
     /// Waits for the pool's connecting threads when the store is dropped.
-    pub closer: Closer,
-    pub handlers: HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>,
-    pub clock: Arc<dyn Clock>,
-    pub settings: Settings,
+    closer: Closer,
+    handlers: HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>,
+    clock: Arc<dyn Clock>,
+    settings: Settings,
     /// One crash-detection slot per consumer group in this process.
-    pub slots: Mutex<HashMap<ConsumerGroup, Arc<Slot>>>,
+    slots: Mutex<HashMap<ConsumerGroup, Arc<Slot>>>,
     /// Redelivered messages whose start mark this process committed and whose
     /// processing then failed on a store error: their next start is not a crash.
-    pub errored_starts: Mutex<std::collections::HashSet<ClaimKey>>,
+    errored_starts: Mutex<HashSet<ClaimKey>>,
     /// The URL and schema the store was built with (the outbox's LISTEN connection
     /// opens its own connection, outside the pool). The URL is never printed.
-    pub url: String,
-    pub schema: Option<String>,
-    /// PostgreSQL: the outbox's LISTEN connection, opened on the first wait.
-    pub listener: Mutex<crate::outbox::Listener>,
+    url: String,
+    schema: Option<String>,
+    /// What a relay waits for enqueues on (PostgreSQL: the LISTEN connection,
+    /// opened on the first wait).
+    listener: Mutex<C::Listener>,
 }
 
 impl<C: StoreConnection> Drop for Inner<C> {
@@ -150,6 +61,31 @@ impl<C: StoreConnection> Drop for Inner<C> {
 }
 
 impl<C: StoreConnection> Inner<C> {
+    /// A pooled connection.
+    pub(crate) fn connection(&self) -> Result<PooledStoreConnection<C>> {
+        Ok(self.pool.get()?)
+    }
+
+    /// The store's clock's now.
+    pub(crate) fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// The settings batches run under.
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// The handler registered for a group and message type.
+    pub(crate) fn handler(
+        &self,
+        group: &ConsumerGroup,
+        message_type: &str,
+    ) -> Option<&Arc<dyn DynHandler<C>>> {
+        self.handlers.get(&(group.clone(), message_type.to_owned()))
+    }
+
+    /// The group's crash-detection slot in this process.
     pub(crate) fn slot(&self, group: &ConsumerGroup) -> Arc<Slot> {
         self.slots
             .lock()
@@ -157,6 +93,39 @@ impl<C: StoreConnection> Inner<C> {
             .entry(group.clone())
             .or_default()
             .clone()
+    }
+
+    /// Redelivered messages whose last start here ended in a store error.
+    pub(crate) fn errored_starts(&self) -> MutexGuard<'_, HashSet<ClaimKey>> {
+        self.errored_starts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sets a connection up as the store's own again (after a handler ended the
+    /// transaction or changed the session).
+    pub(crate) fn restore_session(&self, conn: &mut C) -> QueryResult<()> {
+        C::reset_session(conn)
+            .and_then(|()| C::on_acquire(conn, self.schema.as_deref()))
+            .and_then(|()| {
+                C::set_timeouts(
+                    conn,
+                    self.settings.statement_timeout,
+                    self.settings.batch_deadline,
+                )
+            })
+    }
+
+    /// Waits for an enqueue in the store's schema (see
+    /// [`OutboxStore::wait_for_enqueue`](inbox_core::OutboxStore::wait_for_enqueue)).
+    pub(crate) fn wait_for_enqueue(&self, timeout: Duration) -> Result<bool> {
+        C::wait_for_enqueue(
+            &self.listener,
+            &self.url,
+            self.schema.as_deref(),
+            &*self.clock,
+            timeout,
+        )
     }
 }
 
@@ -422,63 +391,14 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 
     fn assemble(self, check_schema: bool) -> Result<Store<C>> {
-        if let Some(schema) = &self.schema {
-            if C::BACKEND != Backend::Postgres {
-                return Err(Error::Config(
-                    "a schema can only be set on PostgreSQL".to_owned(),
-                ));
-            }
-            if !valid_schema_name(schema) {
-                return Err(Error::InvalidSchemaName(schema.clone()));
-            }
-        }
-        if self.crash_limit == 0 {
-            return Err(Error::Config(
-                "crash_limit must be at least 1, found 0".to_owned(),
-            ));
-        }
-        if self.batch_deadline < Duration::from_millis(1)
-            || self.statement_timeout < Duration::from_millis(1)
-            || self.statement_timeout > self.batch_deadline
-        {
-            return Err(Error::Config(format!(
-                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
-                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
-                self.statement_timeout, self.batch_deadline
-            )));
-        }
-        if self.pool_size == 0 {
-            return Err(Error::Config(
-                "pool_size must be at least 1, found 0".to_owned(),
-            ));
-        }
-        let mut handlers = HashMap::new();
-        for handler in self.handlers {
-            let route = (handler.group().clone(), handler.message_type().to_owned());
-            if handlers.contains_key(&route) {
-                return Err(Error::Core(inbox_core::Error::DuplicateHandler {
-                    group: route.0.to_string(),
-                    message_type: route.1,
-                }));
-            }
-            handlers.insert(route, handler);
-        }
-
-        // Connect once by hand: the driver's own error says why ("connection refused"),
-        // which a pool's time-out would not.
-        let mut first =
-            C::establish_url(&self.url).map_err(|source| Error::connect(&self.url, &source))?;
-        C::on_acquire(&mut first, self.schema.as_deref())?;
-        if self.migrate {
-            C::migrate(&mut first, self.schema.as_deref())?;
-        }
-        // On this connection, before any pool exists: a refused schema leaves no pool
-        // thread behind still connecting (a process that exits on the error would
-        // tear the TLS library down under it).
-        if check_schema {
-            verify::check(&C::catalog(&mut first)?)?;
-            Store::<C>::check_operator_schema(&mut first)?;
-        }
+        self.check_settings()?;
+        let handlers = routes(self.handlers)?;
+        let mut first = first_connection::<C>(
+            &self.url,
+            self.schema.as_deref(),
+            self.migrate,
+            check_schema,
+        )?;
         C::set_timeouts(&mut first, self.statement_timeout, self.batch_deadline)?;
         drop(first);
 
@@ -516,6 +436,83 @@ impl<C: StoreConnection> StoreBuilder<C> {
             }),
         })
     }
+
+    /// Refuses settings the store cannot run with, before connecting.
+    fn check_settings(&self) -> Result<()> {
+        if let Some(schema) = &self.schema {
+            if C::BACKEND != Backend::Postgres {
+                return Err(Error::Config(
+                    "a schema can only be set on PostgreSQL".to_owned(),
+                ));
+            }
+            if !valid_schema_name(schema) {
+                return Err(Error::InvalidSchemaName(schema.clone()));
+            }
+        }
+        if self.crash_limit == 0 {
+            return Err(Error::Config(
+                "crash_limit must be at least 1, found 0".to_owned(),
+            ));
+        }
+        if self.batch_deadline < Duration::from_millis(1)
+            || self.statement_timeout < Duration::from_millis(1)
+            || self.statement_timeout > self.batch_deadline
+        {
+            return Err(Error::Config(format!(
+                "statement_timeout must be at least 1 ms and at most batch_deadline, and \
+                 batch_deadline at least 1 ms; found statement_timeout {:?}, batch_deadline {:?}",
+                self.statement_timeout, self.batch_deadline
+            )));
+        }
+        if self.pool_size == 0 {
+            return Err(Error::Config(
+                "pool_size must be at least 1, found 0".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The handlers by route; two for one route are refused.
+#[allow(clippy::type_complexity)]
+fn routes<C: StoreConnection>(
+    list: Vec<Arc<dyn DynHandler<C>>>,
+) -> Result<HashMap<(ConsumerGroup, String), Arc<dyn DynHandler<C>>>> {
+    let mut handlers = HashMap::new();
+    for handler in list {
+        let route = (handler.group().clone(), handler.message_type().to_owned());
+        if handlers.contains_key(&route) {
+            return Err(Error::Core(inbox_core::Error::DuplicateHandler {
+                group: route.0.to_string(),
+                message_type: route.1,
+            }));
+        }
+        handlers.insert(route, handler);
+    }
+    Ok(handlers)
+}
+
+/// The store's first connection, opened by hand: the driver's own error says why
+/// ("connection refused"), which a pool's time-out would not. Migrates and verifies
+/// on it, before any pool exists: a refused schema leaves no pool thread behind still
+/// connecting (a process that exits on the error would tear the TLS library down
+/// under it).
+fn first_connection<C: StoreConnection>(
+    url: &str,
+    schema: Option<&str>,
+    migrate: bool,
+    check_schema: bool,
+) -> Result<C> {
+    let mut first = C::establish_url(url).map_err(|source| Error::connect(url, &source))?;
+    C::on_acquire(&mut first, schema)?;
+    if migrate {
+        C::migrate(&mut first, schema)?;
+    }
+    if check_schema {
+        verify::check(&C::catalog(&mut first)?)?;
+        Store::<C>::check_operator_schema(&mut first)?;
+    }
+    Ok(first)
 }
 
 #[derive(Debug)]

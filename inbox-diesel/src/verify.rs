@@ -108,20 +108,30 @@ fn is_claim_key(index: &IndexInfo) -> bool {
 
 /// Refuses a claim table whose unique indexes do not enforce exactly the claim key.
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
-    let mismatch =
-        |problem: SchemaProblem, expected: String, found: String| Error::SchemaMismatch {
-            problem,
-            expected,
-            found,
-            table: catalog.table.clone(),
-        };
     if !catalog.exists {
         return Err(mismatch(
+            catalog,
             SchemaProblem::MissingTable,
             format!("table with unique {}", key_list()),
             "no such table (were the migrations run?)".to_owned(),
         ));
     }
+    check_columns(catalog)?;
+    check_indexes(catalog)
+}
+
+fn mismatch(catalog: &Catalog, problem: SchemaProblem, expected: String, found: String) -> Error {
+    Error::SchemaMismatch {
+        problem,
+        expected,
+        found,
+        table: catalog.table.clone(),
+    }
+}
+
+/// The claim key's columns: present, NOT NULL, comparing bytes.
+fn check_columns(catalog: &Catalog) -> Result<()> {
+    let mismatch = |problem, expected, found| mismatch(catalog, problem, expected, found);
     for key in ClaimKey::COLUMNS {
         let expected = || format!("NOT NULL column {key} comparing bytes");
         match catalog.columns.iter().find(|c| c.name == *key) {
@@ -152,6 +162,13 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
             Some(_) => {}
         }
     }
+    Ok(())
+}
+
+/// The unique indexes: one valid, non-deferrable index of exactly the claim key, and
+/// no other that could reject a claim the claim key allows.
+fn check_indexes(catalog: &Catalog) -> Result<()> {
+    let mismatch = |problem, expected, found| mismatch(catalog, problem, expected, found);
     let unique: Vec<&IndexInfo> = catalog.indexes.iter().filter(|i| i.unique).collect();
     let found_all = || {
         if unique.is_empty() {

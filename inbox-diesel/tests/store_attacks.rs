@@ -7,27 +7,20 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, TimeDelta, Utc};
+use chrono::TimeDelta;
 use diesel::result::DatabaseErrorKind;
 use inbox_core::{
     ClaimKey, DeadLetterReason, Decision, Envelope, InboxStore, ManualClock, MessageKey,
     ProjectionLock, RetryPolicy, MAX_RETRY_DELAY,
 };
 use inbox_diesel::{Backend, ClaimStatus, Store};
+use inbox_test_support::{all_stop, claim_key, start_time};
 use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 
-fn start() -> DateTime<Utc> {
-    "2026-11-30T12:00:00Z".parse().expect("timestamp")
-}
-
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
-}
-
-fn stops(decisions: &[Decision]) -> bool {
-    decisions.iter().all(|d| matches!(d, Decision::Stop(_)))
+    claim_key(GROUP, k)
 }
 
 inbox_test_support::on_both_backends!(
@@ -49,7 +42,7 @@ inbox_test_support::on_both_backends!(
 /// batch-mates, never `Processed`. SQLite keeps the transaction usable, so there the
 /// effect rightly commits.
 fn a_swallowed_database_error_is_a_recorded_failure_never_an_ack<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let bad = if fx.builder().build().unwrap().backend() == Backend::Postgres {
         "SELECT 1/0"
     } else {
@@ -134,15 +127,14 @@ fn a_handler_that_ends_the_stores_transaction_stops_the_group() {
                 Outcome::Apply
             }
         });
-        let store = fx.builder().handler(handler).build().unwrap();
-        fx.connect().create_effects().unwrap();
+        let store = fx.open(fx.builder().handler(handler));
         let g = group(GROUP);
         for batch in [
             vec![usage("rogue-alone", 1)],
             vec![usage("a", 1), usage("rogue-mid", 1), usage("b", 1)],
         ] {
             let decisions = store.process_batch(&g, &batch).unwrap();
-            assert!(stops(&decisions), "{sql}: {decisions:?}");
+            assert!(all_stop(&decisions), "{sql}: {decisions:?}");
             let Decision::Stop(violation) = &decisions[0] else {
                 unreachable!()
             };
@@ -163,7 +155,7 @@ fn a_handler_that_ends_the_stores_transaction_stops_the_group() {
 /// with its own: the impostor is a collision, the real retry is processed (and after
 /// a success, a duplicate).
 fn copies_are_judged_against_the_stored_claim_not_the_first_copy<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let handler = Recorder::new(GROUP).behaviour(|key, ctx| {
         if key == "k" && ctx.attempt() == 1 {
             Outcome::ApplyThenFail
@@ -172,13 +164,7 @@ fn copies_are_judged_against_the_stored_claim_not_the_first_copy<F: Fixture>(fx:
         }
     });
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(handler)
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
     let g = group(GROUP);
     assert!(matches!(
         store.process_batch(&g, &[usage("k", 1)]).unwrap()[..],
@@ -230,8 +216,7 @@ fn with_type(env: Envelope, message_type: &str) -> Envelope {
 /// its batch, forever. It is dead-lettered as `malformed` (escaped, the raw values
 /// kept in headers) while its batch-mates are processed.
 fn nul_bytes_are_dead_lettered_malformed_and_batch_mates_go_on<F: Fixture>(fx: &F) {
-    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)));
     let g = group(GROUP);
     let batch = [
         usage("a", 1),
@@ -380,7 +365,7 @@ impl<C: TestConn + Send + 'static> inbox_core::Handler<C> for LongType {
 /// batch for free, forever. The free reruns stay; once alone and spent, the error
 /// counts as an attempt, climbs the retry ladder and dead-letters like any failure.
 fn contention_inside_a_handler_counts_once_the_free_reruns_are_spent<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let handler = Recorder::new(GROUP)
         .policy(RetryPolicy::new(3, Duration::from_secs(1), Duration::from_secs(60)).unwrap())
         .behaviour(|key, _| {
@@ -393,13 +378,7 @@ fn contention_inside_a_handler_counts_once_the_free_reruns_are_spent<F: Fixture>
                 Outcome::Apply
             }
         });
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(handler)
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
     let g = group(GROUP);
     let decisions = store
         .process_batch(&g, &[usage("a", 1), usage("hot", 1), usage("b", 1)])
@@ -423,37 +402,33 @@ fn contention_inside_a_handler_counts_once_the_free_reruns_are_spent<F: Fixture>
 /// `retry_after(Duration::MAX)` overflowed `now + delay` and panicked out of
 /// `process_batch`; it saturates at `MAX_RETRY_DELAY`.
 fn a_huge_retry_delay_saturates_instead_of_panicking<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(Recorder::new(GROUP).behaviour(|_, _| Outcome::RetryAfter(Duration::MAX)))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let clock = ManualClock::new(start_time());
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock.clone()))
+            .handler(Recorder::new(GROUP).behaviour(|_, _| Outcome::RetryAfter(Duration::MAX))),
+    );
     let g = group(GROUP);
     assert_eq!(
         store.process_batch(&g, &[usage("k", 1)]).unwrap(),
         [Decision::RetryAfter(MAX_RETRY_DELAY)]
     );
     let claim = store.claim(&key("k")).unwrap().expect("claim");
-    let expected = start() + TimeDelta::from_std(MAX_RETRY_DELAY).unwrap();
+    let expected = start_time() + TimeDelta::from_std(MAX_RETRY_DELAY).unwrap();
     assert_eq!(claim.next_attempt_at, Some(expected));
 }
 
 /// A data error the database raised inside a handler (a value out of range, a
 /// constraint) does not heal by retrying: dead-lettered at once as `permanent`.
 fn data_errors_raised_by_a_handler_are_permanent<F: Fixture>(fx: &F) {
-    let store = fx
-        .builder()
-        .handler(Recorder::new(GROUP).behaviour(|key, _| match key {
-            "check" => Outcome::DbError(DatabaseErrorKind::CheckViolation, "violates check"),
-            "unique" => Outcome::DbError(DatabaseErrorKind::UniqueViolation, "duplicate key"),
-            _ => Outcome::Apply,
-        }))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .handler(Recorder::new(GROUP).behaviour(|key, _| match key {
+                "check" => Outcome::DbError(DatabaseErrorKind::CheckViolation, "violates check"),
+                "unique" => Outcome::DbError(DatabaseErrorKind::UniqueViolation, "duplicate key"),
+                _ => Outcome::Apply,
+            })),
+    );
     let g = group(GROUP);
     let decisions = store
         .process_batch(&g, &[usage("check", 1), usage("ok", 1), usage("unique", 1)])
@@ -534,8 +509,7 @@ fn a_live_batch_waits_behind_an_exclusive_projection_lock_before_it_claims() {
     let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
     let handler = Recorder::new(GROUP).lock(lock);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let mut holder = fx.connect();
     holder
         .batch_execute(&format!(
@@ -668,15 +642,13 @@ fn a_redelivery_that_hangs_is_counted_like_a_crash() {
     let Some(fx) = PgFixture::new() else { return };
     let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::Sleep(Duration::from_millis(700)));
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .batch_deadline(Duration::from_millis(300))
-        .statement_timeout(Duration::from_millis(150))
-        .crash_limit(2)
-        .handler(handler)
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .batch_deadline(Duration::from_millis(300))
+            .statement_timeout(Duration::from_millis(150))
+            .crash_limit(2)
+            .handler(handler),
+    );
     let env = usage("hang", 1).redelivered();
     let g = group(GROUP);
     for _ in 0..2 {
@@ -723,11 +695,9 @@ fn a_long_error_is_cut_on_a_char_boundary<F: Fixture>(fx: &F) {
         _ => exact.clone(),
     };
     let store = fx
-        .builder()
-        .handler(Recorder::new(GROUP).behaviour(move |key, _| Outcome::FailWith(message(key))))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+        .open(fx.builder().handler(
+            Recorder::new(GROUP).behaviour(move |key, _| Outcome::FailWith(message(key))),
+        ));
     let g = group(GROUP);
     store
         .process_batch(&g, &[usage("long", 1), usage("exact", 1)])
@@ -751,12 +721,10 @@ fn a_long_error_is_cut_on_a_char_boundary<F: Fixture>(fx: &F) {
 
 /// A dead letter keeps the delivery's headers, as delivered.
 fn dead_letters_keep_the_delivery_headers<F: Fixture>(fx: &F) {
-    let store = fx
-        .builder()
-        .handler(Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .handler(Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent)),
+    );
     let g = group(GROUP);
     let mut env = usage("k", 1);
     env.headers
@@ -771,16 +739,10 @@ fn dead_letters_keep_the_delivery_headers<F: Fixture>(fx: &F) {
 /// A batch of several message types: each delivery reaches the handler of its own type
 /// (or none), whatever the order.
 fn each_message_type_in_a_batch_reaches_its_own_handler<F: Fixture>(fx: &F) {
-    let store = fx
-        .builder()
-        .handler(Recorder::new(GROUP))
-        .handler(LongType(
-            Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent),
-            "usage.corrected",
-        ))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)).handler(LongType(
+        Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent),
+        "usage.corrected",
+    )));
     let g = group(GROUP);
     let batch = [
         usage("a", 1),
@@ -804,8 +766,7 @@ fn each_message_type_in_a_batch_reaches_its_own_handler<F: Fixture>(fx: &F) {
 /// The broker gave up on a message whose key a done claim of another payload holds (an
 /// impostor): its dead letter is recorded, counted, and the claim is left alone.
 fn a_broker_dead_letter_of_another_payload_is_recorded_and_the_claim_untouched<F: Fixture>(fx: &F) {
-    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)));
     let g = group(GROUP);
     store.process_batch(&g, &[usage("k", 1)]).unwrap();
     let (outcome, counted) = inbox_test_support::metrics::capture(|| {
@@ -861,12 +822,11 @@ fn a_restart_inside_the_isolated_run_stops_the_group() {
             _ if propagate => Outcome::Sql(sql),
             _ => Outcome::IgnoreSql(sql),
         });
-        let store = fx.builder().handler(handler).build().unwrap();
-        fx.connect().create_effects().unwrap();
+        let store = fx.open(fx.builder().handler(handler));
         let decisions = store
             .process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-rogue", 1)])
             .unwrap();
-        assert!(stops(&decisions), "{sql}: {decisions:?}");
+        assert!(all_stop(&decisions), "{sql}: {decisions:?}");
     }
 }
 
@@ -880,8 +840,7 @@ fn a_connection_lost_inside_the_isolated_run_is_a_store_error_not_a_stop() {
         "a-fails" => Outcome::ApplyThenFail,
         _ => Outcome::Sql("SELECT pg_terminate_backend(pg_backend_pid())"),
     });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let outcome = store.process_batch(&group(GROUP), &[usage("a-fails", 1), usage("b-dies", 1)]);
     assert!(outcome.is_err(), "{outcome:?}");
 }

@@ -9,16 +9,15 @@ use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
 use diesel::sql_types::BigInt;
-use inbox_core::{
-    ClaimKey, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore, MessageKey,
-};
+use inbox_core::{ClaimKey, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore};
 use inbox_diesel::ClaimStatus;
+use inbox_test_support::claim_key;
 use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).unwrap())
+    claim_key(GROUP, k)
 }
 
 fn delivered(env: Envelope, count: Option<u32>) -> Envelope {
@@ -39,8 +38,7 @@ fn delivery_limit_dead_letters_record_the_attempts_known<F: Fixture>(fx: &F) {
             Outcome::Apply
         }
     });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let decisions = store
         .process_batch(&g, &[usage("failing-a", 1), usage("failing-b", 1)])

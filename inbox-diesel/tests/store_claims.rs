@@ -6,24 +6,20 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use inbox_core::{
     ClaimKey, Clock, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore,
     ManualClock, MessageKey, RetryLadder, RetryPolicy,
 };
 use inbox_diesel::ClaimStatus;
+use inbox_test_support::{claim_key, start_time};
 use inbox_test_support::{
     group, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn,
 };
 
 const GROUP: &str = "billing.daily-usage";
 
-fn start() -> DateTime<Utc> {
-    "2026-11-30T12:00:00Z".parse().expect("timestamp")
-}
-
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
+    claim_key(GROUP, k)
 }
 
 inbox_test_support::on_both_backends!(
@@ -47,8 +43,7 @@ inbox_test_support::on_both_backends!(
 fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
 
     let g = group(GROUP);
     assert_eq!(
@@ -86,19 +81,13 @@ fn processes_once_and_acks_duplicates<F: Fixture>(fx: &F) {
 }
 
 fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let policy = RetryPolicy::new(4, Duration::from_secs(10), Duration::from_secs(25)).unwrap();
     let handler = Recorder::new(GROUP)
         .policy(policy)
         .behaviour(|_, _| Outcome::ApplyThenFail);
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
     let g = group(GROUP);
     let msg = usage("poison", 5).with_tenant("acme");
 
@@ -171,8 +160,7 @@ fn failures_advance_attempts_then_dead_letter_once<F: Fixture>(fx: &F) {
 
 fn first_failure_of_a_new_message_is_recorded<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::ApplyThenFail);
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let decision = store
         .process_batch(&group(GROUP), &[usage("new", 1)])
         .unwrap();
@@ -189,8 +177,7 @@ fn first_failure_of_a_new_message_is_recorded<F: Fixture>(fx: &F) {
 
 fn permanent_error_dead_letters_at_once<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent);
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     assert_eq!(
         store.process_batch(&g, &[usage("bad", 1)]).unwrap(),
@@ -210,8 +197,7 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
         "nested" => Outcome::PanicInNestedTransaction,
         _ => Outcome::Apply,
     });
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let batch = [
         usage("a", 1),
@@ -257,8 +243,7 @@ fn panics_are_failures_and_the_rest_commits<F: Fixture>(fx: &F) {
 fn key_collision_after_success<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     assert_eq!(
         store.process_batch(&g, &[usage("k", 1)]).unwrap(),
@@ -284,7 +269,7 @@ fn key_collision_after_success<F: Fixture>(fx: &F) {
 }
 
 fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let handler = Recorder::new(GROUP).behaviour(|_, ctx| {
         if ctx.attempt() == 1 {
             Outcome::ApplyThenFail
@@ -293,13 +278,7 @@ fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
         }
     });
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
     let g = group(GROUP);
     assert!(matches!(
         store.process_batch(&g, &[usage("k", 1)]).unwrap()[..],
@@ -327,8 +306,7 @@ fn key_collision_while_awaiting_retry<F: Fixture>(fx: &F) {
 fn key_repeated_in_one_batch<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let batch = [
         usage("k", 1),
@@ -362,8 +340,7 @@ fn batch_of_100_with_3_failures<F: Fixture>(fx: &F) {
         }
     });
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let batch: Vec<Envelope> = (0..100).map(|i| usage(&format!("m-{i:03}"), 1)).collect();
     let decisions = store.process_batch(&g, &batch).unwrap();
@@ -395,8 +372,7 @@ fn batch_of_100_with_3_failures<F: Fixture>(fx: &F) {
 fn undecodable_payload_is_dead_lettered<F: Fixture>(fx: &F) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let bad = Envelope::new(
         MessageKey::new("garbled").unwrap(),
@@ -430,12 +406,7 @@ fn undecodable_payload_is_dead_lettered<F: Fixture>(fx: &F) {
 }
 
 fn type_without_handler_is_dead_lettered<F: Fixture>(fx: &F) {
-    let store = fx
-        .builder()
-        .handler(Recorder::new(GROUP))
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)));
     let g = group(GROUP);
     let mut env = usage("x", 1);
     env.message_type = "usage.unknown".into();
@@ -472,7 +443,7 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
             ))
         }
     }
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = fx
         .builder()
         .clock(Arc::new(clock.clone()))
@@ -488,7 +459,7 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
     let claim = store.claim(&key("k")).unwrap().unwrap();
     assert_eq!(
         claim.next_attempt_at,
-        Some(start() + chrono::Duration::seconds(42))
+        Some(start_time() + chrono::Duration::seconds(42))
     );
 }
 
@@ -497,13 +468,7 @@ fn retry_after_overrides_the_policy<F: Fixture>(fx: &F) {
 fn threads_deliver_the_same_envelope<F: Fixture>(fx: &F, threads: usize) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .pool_size(threads as u32)
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().pool_size(threads as u32).handler(handler));
     let barrier = Arc::new(Barrier::new(threads));
     let handles: Vec<_> = (0..threads)
         .map(|_| {
@@ -541,19 +506,17 @@ fn sqlite_threads_deliver_the_same_envelope() {
 
 fn retry_ladder_records_the_delay_actually_used<F: Fixture>(fx: &F) {
     let ms = Duration::from_millis;
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let policy = RetryPolicy::new(5, ms(60), ms(1000)).unwrap();
     let handler = Recorder::new(GROUP)
         .policy(policy)
         .behaviour(|_, _| Outcome::ApplyThenFail);
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .retry_ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock.clone()))
+            .retry_ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
+            .handler(handler),
+    );
     let g = group(GROUP);
     // Policy delays 60, 120, 240 ms wait in the 100, 200 and (longest) 200 ms tiers.
     for tier in [100, 200, 200] {
@@ -578,8 +541,7 @@ fn broker_dead_letters_mark_the_claim_dead<F: Fixture>(fx: &F) {
         }
     });
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     store
         .process_batch(&g, &[usage("done", 1), usage("failing", 1)])
@@ -717,16 +679,11 @@ impl<C: TestConn + Send + 'static> inbox_core::Handler<C> for Folding {
 fn fold_is_used_and_falls_back_per_event_on_failure<F: Fixture>(fx: &F) {
     let folds = Arc::new(std::sync::Mutex::new(Vec::new()));
     let handled = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let store = fx
-        .builder()
-        .handler(Folding {
-            group: group(GROUP),
-            folds: Arc::clone(&folds),
-            handled: Arc::clone(&handled),
-        })
-        .build()
-        .expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(Folding {
+        group: group(GROUP),
+        folds: Arc::clone(&folds),
+        handled: Arc::clone(&handled),
+    }));
     let g = group(GROUP);
 
     let clean: Vec<Envelope> = (0..10).map(|i| usage(&format!("a{i}"), 2)).collect();

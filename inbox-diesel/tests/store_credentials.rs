@@ -8,14 +8,7 @@
 use diesel::PgConnection;
 use inbox_diesel::{Error, Store};
 use inbox_test_support::postgres_url;
-
-/// A URL that cannot connect and the password it must never print.
-struct Case {
-    name: &'static str,
-    /// `{addr}` stands for the server's host:port.
-    url: &'static str,
-    password: &'static str,
-}
+use inbox_test_support::CredentialCase as Case;
 
 /// The server trusts every local user, so a "wrong password" is a password for a
 /// role that does not exist: the server refuses the role.

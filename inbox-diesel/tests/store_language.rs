@@ -14,13 +14,10 @@ use std::sync::{Arc, Barrier, Mutex, Once};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::PgConnection;
-use inbox_core::{
-    ClaimKey, ConsumerGroup, Decision, Handler, HandlerError, MessageContext, MessageKey,
-};
+use inbox_core::{ClaimKey, ConsumerGroup, Decision, Handler, HandlerError, MessageContext};
 use inbox_diesel::{ClaimStatus, ErrorClass, Store, StoreBuilder};
-use inbox_test_support::{
-    group, services_required, unique_name, usage, Fixture, PgFixture, TestConn, Usage,
-};
+use inbox_test_support::claim_key;
+use inbox_test_support::{group, unique_name, usage, Fixture, PgFixture, Service, TestConn, Usage};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
@@ -29,11 +26,12 @@ const GROUP: &str = "billing.daily-usage";
 const GERMAN: &str = "de_DE.UTF-8";
 
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).unwrap())
+    claim_key(GROUP, k)
 }
 
 /// A schema of the test's own on a server that can answer in German, or `None` (the
-/// test skips) when PostgreSQL is not configured or lacks the locale.
+/// test skips) when PostgreSQL is missing or lacks the locale and
+/// `INBOX_SKIP_SERVICES=1`; the test fails in those cases otherwise.
 fn translated_server() -> Option<PgFixture> {
     let fx = PgFixture::new()?;
     let mut conn = fx.connect();
@@ -43,13 +41,14 @@ fn translated_server() -> Option<PgFixture> {
         && matches!(conn.batch_execute("SELECT 1/0"),
                     Err(err) if err.to_string().contains("Division durch Null"));
     if !german {
-        assert!(
-            !services_required(),
-            "INBOX_REQUIRE_SERVICES=1 but the server cannot answer in German: it needs the \
-             {GERMAN} locale (localedef --no-archive -i de_DE -f UTF-8 {GERMAN}, as .ci/run \
-             does) and PostgreSQL's translations (postgres-15.mo)"
+        inbox_test_support::services::unavailable(
+            Service::Postgres,
+            &format!("the server cannot answer in German: it needs the {GERMAN} locale"),
+            &format!(
+                "add it (localedef --no-archive -i de_DE -f UTF-8 {GERMAN}, as .ci/run does), \
+                 with PostgreSQL's translations (postgres-15.mo), and restart the server"
+            ),
         );
-        eprintln!("skipping: the server has no {GERMAN} locale");
         return None;
     }
     // The tables, made by the superuser: the tests' roles need not create them.

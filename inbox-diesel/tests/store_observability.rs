@@ -26,8 +26,7 @@ fn counters_follow_the_decisions<F: Fixture>(fx: &F) {
             k if k.starts_with("invalid") => Outcome::Permanent,
             _ => Outcome::Apply,
         });
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let labels = [("group", GROUP)];
 
@@ -111,8 +110,7 @@ fn a_span_per_delivery_with_its_attempt_and_outcome<F: Fixture>(fx: &F) {
             "flaky" => Outcome::ApplyThenFail,
             _ => Outcome::Apply,
         });
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     store.process_batch(&g, &[usage("flaky", 1)]).unwrap();
     std::thread::sleep(Duration::from_millis(2));

@@ -20,21 +20,18 @@ use inbox_diesel::{
     enqueue, enqueue_with, ClaimStatus, EnqueueLimits, Error, Retention, Store, StoreConnection,
     DEFAULT_MAX_OUTBOX_PAYLOAD,
 };
+use inbox_test_support::start_time;
 use inbox_test_support::{group, usage, Fixture, Outcome, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 const LEASE: Duration = Duration::from_secs(30);
-
-fn start() -> DateTime<Utc> {
-    "2026-11-30T12:00:00Z".parse().expect("timestamp")
-}
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
 fn at(offset: Duration) -> DateTime<Utc> {
-    start() + chrono::Duration::from_std(offset).unwrap()
+    start_time() + chrono::Duration::from_std(offset).unwrap()
 }
 
 inbox_test_support::on_both_backends!(
@@ -231,7 +228,7 @@ fn committed_enqueue_is_leased<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let message = msg("m1")
         .with_tenant("acme")
@@ -254,19 +251,22 @@ where
     assert_eq!(lease.until, at(LEASE));
     assert_eq!(lease.rows.len(), 1);
     let row = &lease.rows[0];
-    assert_eq!((row.id, row.attempts, row.created_at), (id, 0, start()));
+    assert_eq!(
+        (row.id, row.attempts, row.created_at),
+        (id, 0, start_time())
+    );
     assert_eq!(row.message, message, "the message reads back as enqueued");
 
     let stored = fx.connect().outbox();
     assert_eq!(stored.len(), 1);
     assert_eq!(stored[0].leased_by.as_deref(), Some("relay-1"));
     assert_eq!(stored[0].leased_until, Some(at(LEASE)));
-    assert_eq!(stored[0].available_at, start());
+    assert_eq!(stored[0].available_at, start_time());
     assert_eq!(stored[0].published_at, None);
 
     assert_eq!(store.mark_published("relay-1", &[id]).unwrap(), 1);
     let stored = fx.connect().outbox();
-    assert_eq!(stored[0].published_at, Some(start()));
+    assert_eq!(stored[0].published_at, Some(start_time()));
     assert_eq!(stored[0].leased_until, None);
 }
 
@@ -274,7 +274,7 @@ fn rolled_back_enqueue_never_exists<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     enqueue_rolled_back(&store, &msg("m1"));
     assert_eq!(fx.connect().outbox(), []);
@@ -287,7 +287,7 @@ fn same_key_twice_is_already_enqueued<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     id_of(enqueue_committed(&store, &msg("m1")));
     let mut other = msg("m1");
@@ -320,7 +320,7 @@ fn enqueue_refuses_empty_routing_key_type_and_ordering_key<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let mut conn = store.connection().unwrap();
     let cases = [
@@ -362,7 +362,7 @@ fn leases_in_id_order_and_respects_not_before<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let a = id_of(enqueue_committed(&store, &msg("a")));
     let later = id_of(enqueue_committed(
@@ -394,7 +394,7 @@ fn ordering_key_waits_for_earlier_unpublished_rows<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let k1 = id_of(enqueue_committed(
         &store,
@@ -437,7 +437,7 @@ fn expired_lease_is_taken_over_and_the_late_mark_marks_nothing<F: Fixture>(fx: &
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let id = id_of(enqueue_committed(&store, &msg("m1")));
     assert_eq!(ids(&store.lease("relay-a", 10, LEASE).unwrap()), [id]);
@@ -485,7 +485,7 @@ fn record_failures_advances_attempts_and_delays_the_row<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let a = id_of(enqueue_committed(&store, &msg("a")));
     let b = id_of(enqueue_committed(&store, &msg("b")));
@@ -534,7 +534,7 @@ fn lease_refuses_a_zero_lease_and_an_empty_relay<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     id_of(enqueue_committed(&store, &msg("a")));
     let err = store
@@ -553,7 +553,7 @@ fn oldest_unpublished_age_follows_the_clock<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     assert_eq!(store.oldest_unpublished_age().unwrap(), None);
     let a = id_of(enqueue_committed(&store, &msg("a")));
@@ -573,7 +573,7 @@ fn retention_deletes_old_published_rows_in_batches<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let early: Vec<i64> = (0..3)
         .map(|i| id_of(enqueue_committed(&store, &msg(&format!("early-{i}")))))
@@ -617,7 +617,7 @@ where
 }
 
 fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let handler = Recorder::new(GROUP).behaviour(|key, _| {
         if key == "fails" {
             Outcome::ApplyThenFail
@@ -625,13 +625,7 @@ fn retention_deletes_only_old_done_claims<F: Fixture>(fx: &F) {
             Outcome::Apply
         }
     });
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
     let g = group(GROUP);
     let batch = [usage("old-1", 1), usage("old-2", 1), usage("old-3", 1)];
     store.process_batch(&g, &batch).unwrap();
@@ -671,7 +665,7 @@ fn enqueue_refuses_what_could_never_be_published_or_read_back<F: Fixture>(fx: &F
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let mut conn = store.connection().unwrap();
     let long = "n".repeat(256);
@@ -772,7 +766,7 @@ fn unreadable_rows_are_leased_apart_and_never_fail_the_lease<F: Fixture>(fx: &F)
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let a = id_of(enqueue_committed(&store, &msg("a")));
     let bad_headers = id_of(enqueue_committed(&store, &msg("bad-headers")));
@@ -855,7 +849,7 @@ fn a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing<F: Fixt
 where
     F::Conn: Inspect,
 {
-    let clock = ManualClock::new(start());
+    let clock = ManualClock::new(start_time());
     let store = store_on(fx, &clock);
     let k1 = id_of(enqueue_committed(
         &store,
@@ -921,7 +915,7 @@ mod postgres_only {
     #[test]
     fn concurrent_relays_lease_disjoint_rows() {
         let Some(fx) = PgFixture::new() else { return };
-        let clock = ManualClock::new(start());
+        let clock = ManualClock::new(start_time());
         let store = fx
             .builder()
             .clock(Arc::new(clock.clone()))
@@ -969,7 +963,7 @@ mod postgres_only {
     #[test]
     fn lease_skips_rows_locked_by_another_transaction() {
         let Some(fx) = PgFixture::new() else { return };
-        let clock = ManualClock::new(start());
+        let clock = ManualClock::new(start_time());
         let store = store_on(&fx, &clock);
         let a = id_of(enqueue_committed(&store, &msg("a")));
         let b = id_of(enqueue_committed(&store, &msg("b")));
@@ -1009,7 +1003,7 @@ mod postgres_only {
     #[test]
     fn ordered_rows_go_out_in_commit_order_not_id_order() {
         let Some(fx) = PgFixture::new() else { return };
-        let clock = ManualClock::new(start());
+        let clock = ManualClock::new(start_time());
         let store = store_on(&fx, &clock);
         let mut t1 = fx.connect();
         diesel::sql_query("BEGIN").execute(&mut t1).unwrap();
@@ -1102,16 +1096,10 @@ mod sqlite_only {
     #[test]
     fn relays_to_the_in_process_transport_exactly_once() {
         let fx = SqliteFixture::new();
-        let clock = ManualClock::new(start());
+        let clock = ManualClock::new(start_time());
         let handler = Recorder::new(GROUP);
         let calls = handler.calls();
-        let store = fx
-            .builder()
-            .clock(Arc::new(clock.clone()))
-            .handler(handler)
-            .build()
-            .unwrap();
-        fx.connect().create_effects().unwrap();
+        let store = fx.open(fx.builder().clock(Arc::new(clock.clone())).handler(handler));
 
         // The business write and the enqueue commit together, or not at all.
         let mut pooled = store.connection().unwrap();
@@ -1145,14 +1133,14 @@ mod sqlite_only {
         assert_eq!(calls.lock().unwrap().as_slice(), ["m1"]);
         let stored = fx.connect().outbox();
         assert_eq!(stored.len(), 1, "the rolled-back enqueue left no row");
-        assert_eq!(stored[0].published_at, Some(start()));
+        assert_eq!(stored[0].published_at, Some(start_time()));
         assert_eq!(store.oldest_unpublished_age().unwrap(), None);
     }
 
     #[test]
     fn wait_for_enqueue_sleeps_on_the_store_clock() {
         let fx = SqliteFixture::new();
-        let clock = ManualClock::new(start());
+        let clock = ManualClock::new(start_time());
         let store = store_on(&fx, &clock);
         assert!(!store.wait_for_enqueue(secs(5)).unwrap());
         assert_eq!(clock.now(), at(secs(5)), "a manual clock advances instead");

@@ -13,9 +13,10 @@ use diesel::connection::SimpleConnection;
 use diesel::PgConnection;
 use inbox_core::{
     ClaimKey, ConsumerGroup, DeadLetterReason, Decision, Handler, HandlerError, ManualClock,
-    MessageContext, MessageKey, RetryPolicy,
+    MessageContext, RetryPolicy,
 };
 use inbox_diesel::ClaimStatus;
+use inbox_test_support::claim_key;
 use inbox_test_support::{
     group, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn, Usage,
 };
@@ -23,7 +24,7 @@ use inbox_test_support::{
 const GROUP: &str = "billing.daily-usage";
 
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
+    claim_key(GROUP, k)
 }
 
 /// On its first call, takes row 1, lets the test's transaction take row 2 and wait for
@@ -139,14 +140,14 @@ fn crash_child() {
     let mut env = usage(key, 1);
     env.redelivered = redelivered == "true";
     let decisions = match backend {
-        "postgres" => {
-            inbox_diesel::Store::<PgConnection>::builder(std::env::var("DATABASE_URL").unwrap())
-                .schema(location)
-                .handler(handler)
-                .build()
-                .unwrap()
-                .process_batch(&group(GROUP), &[env])
-        }
+        "postgres" => inbox_diesel::Store::<PgConnection>::builder(
+            inbox_test_support::postgres_url().unwrap(),
+        )
+        .schema(location)
+        .handler(handler)
+        .build()
+        .unwrap()
+        .process_batch(&group(GROUP), &[env]),
         _ => inbox_diesel::Store::<diesel::SqliteConnection>::builder(location)
             .handler(handler)
             .build()
@@ -174,14 +175,12 @@ fn crash_loop_is_dead_lettered<F: Fixture>(fx: &F, backend: &str, location: &str
     let clock = ManualClock::new("2026-11-30T12:00:00Z".parse::<DateTime<Utc>>().unwrap());
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock))
-        .crash_limit(3)
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock))
+            .crash_limit(3)
+            .handler(handler),
+    );
     let g = group(GROUP);
 
     // A first delivery that crashes commits nothing, no mark either.
@@ -258,13 +257,7 @@ fn redeliveries_of_settled_messages_commit_no_mark<F: Fixture>(fx: &F) {
             _ => Outcome::Apply,
         });
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock))
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().clock(Arc::new(clock)).handler(handler));
     let g = group(GROUP);
     let first = store
         .process_batch(&g, &[usage("ok", 1), usage("bad", 1), usage("fails", 1)])
@@ -329,14 +322,12 @@ fn sqlite_busy_is_retried_not_counted() {
     // lets the store wait; the store retries the batch and it then commits.
     let fx = SqliteFixture::new();
     let handler = Recorder::new(GROUP);
-    let store = fx
-        .builder()
-        .transaction_retries(50)
-        .pool_size(1)
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .transaction_retries(50)
+            .pool_size(1)
+            .handler(handler),
+    );
     let mut blocker = fx.connect();
     blocker
         .batch_execute("PRAGMA busy_timeout = 0; BEGIN IMMEDIATE;")
@@ -368,14 +359,12 @@ fn sqlite_busy_past_the_retries_defers_the_batch_uncounted() {
     let fx = SqliteFixture::new();
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .transaction_retries(1)
-        .pool_size(1)
-        .handler(handler)
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .transaction_retries(1)
+            .pool_size(1)
+            .handler(handler),
+    );
     store
         .connection()
         .unwrap()
@@ -455,13 +444,11 @@ impl<C: TestConn + Send + 'static> Handler<C> for DeadlocksWhenBatched {
 #[test]
 fn a_batch_that_keeps_deadlocking_is_split() {
     let fx = SqliteFixture::new();
-    let store = fx
-        .builder()
-        .transaction_retries(2)
-        .handler(DeadlocksWhenBatched(group(GROUP)))
-        .build()
-        .expect("store");
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .transaction_retries(2)
+            .handler(DeadlocksWhenBatched(group(GROUP))),
+    );
     let batch: Vec<_> = (0..4).map(|i| usage(&format!("s{i}"), 1)).collect();
     let decisions = store.process_batch(&group(GROUP), &batch).unwrap();
     assert!(

@@ -9,16 +9,13 @@ use diesel::connection::SimpleConnection;
 use inbox_core::ProjectionLock;
 use inbox_core::{ClaimKey, DeadLetterReason, Decision, Envelope, MessageKey};
 use inbox_diesel::Store;
+use inbox_test_support::{all_stop, claim_key};
 use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 
 fn key(k: &str) -> ClaimKey {
-    ClaimKey::new(group(GROUP), MessageKey::new(k).expect("key"))
-}
-
-fn stops(decisions: &[Decision]) -> bool {
-    decisions.iter().all(|d| matches!(d, Decision::Stop(_)))
+    claim_key(GROUP, k)
 }
 
 /// README: "A handler that ended or restarted the store's transaction itself (COMMIT,
@@ -38,8 +35,7 @@ fn review_a_restart_followed_by_an_error_is_taken_for_a_swallowed_error() {
             Outcome::Apply
         }
     });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let decisions = store
         .process_batch(&g, &[usage("a-rogue", 1), usage("b", 1)])
@@ -47,7 +43,7 @@ fn review_a_restart_followed_by_an_error_is_taken_for_a_swallowed_error() {
     let applied_b = fx.connect().effects_of("b").unwrap();
     let claim_b = store.claim(&key("b")).unwrap().map(|c| c.status);
     assert!(
-        stops(&decisions),
+        all_stop(&decisions),
         "decisions {decisions:?}; b applied {applied_b} times, its claim {claim_b:?}"
     );
 }
@@ -65,15 +61,14 @@ fn review_a_restart_followed_by_a_propagated_error_acks_the_batch_as_duplicates(
             Outcome::Apply
         }
     });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     let decisions = store
         .process_batch(&g, &[usage("a-rogue", 1), usage("b", 1)])
         .unwrap();
     let applied_b = fx.connect().effects_of("b").unwrap();
     assert!(
-        stops(&decisions),
+        all_stop(&decisions),
         "decisions {decisions:?}; b applied {applied_b} times"
     );
 }
@@ -93,8 +88,7 @@ fn review_a_commit_then_a_serialization_failure_reruns_into_duplicates() {
             Outcome::Apply
         }
     });
-    let store = fx.builder().handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(handler));
     let g = group(GROUP);
     // The first try fails the store call (diesel: NotInTransaction); the transport
     // redelivers, as it must.
@@ -110,7 +104,7 @@ fn review_a_commit_then_a_serialization_failure_reruns_into_duplicates() {
     };
     let applied_b = fx.connect().effects_of("b").unwrap();
     assert!(
-        stops(&decisions),
+        all_stop(&decisions),
         "errors {outcomes:?}, then decisions {decisions:?}; b applied {applied_b} times"
     );
 }
@@ -130,13 +124,7 @@ fn review_a_rollback_then_an_error_loops_forever_as_a_store_error() {
             Outcome::Apply
         }
     });
-    let store = fx
-        .builder()
-        .crash_limit(3)
-        .handler(handler)
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().crash_limit(3).handler(handler));
     let g = group(GROUP);
     let mut outcomes = Vec::new();
     let first = store.process_batch(&g, &[usage("rogue", 1)]);
@@ -180,8 +168,7 @@ fn review_the_pooled_connection_is_clean_after_a_handler_ended_the_transaction()
                 Outcome::Apply
             }
         });
-        let store = fx.builder().pool_size(1).handler(handler).build().unwrap();
-        fx.connect().create_effects().unwrap();
+        let store = fx.open(fx.builder().pool_size(1).handler(handler));
         let g = group(GROUP);
         for batch in [
             vec![usage("rogue-alone", 1)],
@@ -225,15 +212,13 @@ fn review_a_redelivery_waiting_behind_a_rebuild_is_dead_lettered_as_a_crash_loop
     let lock = ProjectionLock::named(&inbox_test_support::unique_name("usage-totals"));
     let handler = Recorder::new(GROUP).lock(lock);
     let calls = handler.calls();
-    let store = fx
-        .builder()
-        .batch_deadline(Duration::from_millis(300))
-        .statement_timeout(Duration::from_millis(300))
-        .crash_limit(2)
-        .handler(handler)
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(
+        fx.builder()
+            .batch_deadline(Duration::from_millis(300))
+            .statement_timeout(Duration::from_millis(300))
+            .crash_limit(2)
+            .handler(handler),
+    );
     let g = group(GROUP);
     let env = usage("k", 1).redelivered();
     let mut outcomes = Vec::new();
@@ -334,8 +319,7 @@ fn review_a_handler_that_moves_the_search_path_stops_and_leaves_the_connection_c
             Outcome::Apply
         }
     });
-    let store = fx.builder().pool_size(1).handler(handler).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().pool_size(1).handler(handler));
     let g = group(GROUP);
     // Moving the session's search_path is caught like ending the transaction: the
     // batch stops, naming the handler, and the connection is set up again.

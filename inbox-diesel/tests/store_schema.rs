@@ -362,8 +362,7 @@ fn shipped_schema_is_accepted_on_both_backends() {
 fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
     let handler = Recorder::new(GROUP);
     let calls = handler.calls();
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     fx.execute(swallow_inserts);
 
     let g = group(GROUP);
@@ -402,8 +401,7 @@ fn phantom_insert_stops_the_group<F: Fixture>(fx: &F, swallow_inserts: &str) {
 /// A trigger swallows the failure update: the failure must not vanish as "terminal".
 fn phantom_failure_update_stops_the_group<F: Fixture>(fx: &F, swallow_updates: &str) {
     let handler = Recorder::new(GROUP).behaviour(|_, _| inbox_test_support::Outcome::ApplyThenFail);
-    let store = fx.builder().handler(handler).build().expect("store");
-    fx.connect().create_effects().expect("effects");
+    let store = fx.open(fx.builder().handler(handler));
     fx.execute(swallow_updates);
     let decisions = store
         .process_batch(&group(GROUP), &[usage("lost", 1)])
@@ -526,8 +524,7 @@ fn connect_errors_keep_the_driver_error_and_hide_the_password() {
 #[test]
 fn claim_status_round_trips() {
     let fx = SqliteFixture::new();
-    let store = fx.builder().handler(Recorder::new(GROUP)).build().unwrap();
-    fx.connect().create_effects().unwrap();
+    let store = fx.open(fx.builder().handler(Recorder::new(GROUP)));
     store
         .process_batch(&group(GROUP), &[usage("k", 1)])
         .unwrap();
@@ -541,4 +538,39 @@ fn claim_status_round_trips() {
         .unwrap()
         .unwrap();
     assert_eq!(claim.status, ClaimStatus::Done);
+}
+
+/// A migration in progress in one schema (here held up by a lock on its migrations
+/// table) never holds up a store of another schema of the same database: the
+/// migration lock is per schema. With one lock per database, the second build waited
+/// for the first and failed on its 100 ms `lock_timeout`.
+#[test]
+fn postgres_a_migration_in_one_schema_never_waits_for_another_schema() {
+    let Some(busy) = PgFixture::new() else { return };
+    let Some(other) = PgFixture::new() else {
+        return;
+    };
+    drop(busy.builder().build().unwrap());
+    let mut holder = busy.connect();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE \"{}\".__diesel_schema_migrations IN ACCESS EXCLUSIVE MODE",
+            busy.schema
+        ))
+        .unwrap();
+    let held_up = {
+        let builder = busy.builder();
+        std::thread::spawn(move || builder.build().map(drop))
+    };
+    // Give the held-up build time to take its migration lock.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let url = format!("{}?options=-c%20lock_timeout%3D100", other.url());
+    let built = Store::<diesel::PgConnection>::builder(url)
+        .schema(other.schema.clone())
+        .build();
+    holder.batch_execute("ROLLBACK").unwrap();
+    assert!(held_up.join().unwrap().is_ok());
+    if let Err(err) = built {
+        panic!("a store of another schema waited for a migration: {err}");
+    }
 }

@@ -16,11 +16,12 @@ use syn::{parse_macro_input, DeriveInput};
 mod attr;
 mod ctxt;
 mod expand;
-// The consumer group name rules, compiled from inbox-core's own file. inbox-core depends
-// on this crate, so this crate cannot call it; one file compiled twice means a name the
-// derive accepts at compile time is exactly one `ConsumerGroup::new` accepts at run time.
+// The consumer group name rules, compiled from inbox-core's own file: `src/names.rs` is a
+// symbolic link to it, which `cargo package` stores as a regular file, so the published
+// crate carries them too. inbox-core depends on this crate, so this crate cannot call
+// it; one file compiled twice means a name the derive accepts at compile time is exactly
+// one `ConsumerGroup::new` accepts at run time.
 #[allow(dead_code)] // the message key rules are inbox-core's alone
-#[path = "../../inbox-core/src/names.rs"]
 mod names;
 mod retry;
 

@@ -6,38 +6,36 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_amqp::Topology;
+use inbox_core::RetryLadder;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use crate::services_required;
-
-/// The RabbitMQ URL, or `None` (after one line on stderr) when there is none.
-///
-/// From `AMQP_URL`; with the `testcontainers` feature and none set, from a container
-/// started for the test process.
+/// The RabbitMQ URL (see [`crate::services`]), or `None` when it is found nowhere and
+/// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
 pub fn amqp_url() -> Option<String> {
-    #[allow(unused_mut)] // assigned only with the `testcontainers` feature
-    let mut url = std::env::var("AMQP_URL")
-        .ok()
-        .filter(|u| u.starts_with("amqp"));
-    #[cfg(feature = "testcontainers")]
-    if url.is_none() {
-        match crate::containers::rabbitmq() {
-            Ok(started) => url = Some(started),
-            Err(why) => eprintln!("{why}"),
-        }
-    }
-    if url.is_none() {
-        assert!(
-            !services_required(),
-            "INBOX_REQUIRE_SERVICES=1 but AMQP_URL is not set"
-        );
-        eprintln!("skipping: set AMQP_URL=amqp://... to run the RabbitMQ tests");
-    }
-    url
+    crate::services::url_of(crate::Service::Amqp)
+}
+
+/// A broker name prefix no other test uses: `<unique_name(tag)>.`.
+pub fn unique_prefix(tag: &str) -> String {
+    format!("{}.", crate::unique_name(tag))
+}
+
+/// The tests' topology: exchange `billing` under `prefix`, retry tiers of
+/// `ladder_ms` milliseconds, and queues the broker deletes 120 s after their last
+/// consumer is gone (should the test die before its cleanup).
+pub fn test_topology(prefix: &str, ladder_ms: &[u64]) -> Topology {
+    let ladder = ladder_ms.iter().map(|&n| Duration::from_millis(n));
+    Topology::new("billing")
+        .expect("exchange name")
+        .prefix(prefix)
+        .expect("prefix")
+        .ladder(RetryLadder::new(ladder).expect("retry ladder"))
+        .queue_expires(Duration::from_secs(120))
 }
 
 /// A connection for the test's own publishing and inspection.

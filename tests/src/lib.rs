@@ -1,15 +1,19 @@
 //! Test fixtures: every test gets its own PostgreSQL schema or SQLite file, so tests
 //! run in parallel against the shared servers and never see each other's leftovers.
 //!
-//! PostgreSQL comes from `PG_DATABASE_URL`, then `DATABASE_URL`. Without either, a
-//! PostgreSQL test prints one line and returns, unless `INBOX_REQUIRE_SERVICES=1`
-//! (CI sets it), in which case it fails.
+//! The servers are found as [`services`] says: a variable (`DATABASE_URL`, `AMQP_URL`,
+//! `REDIS_URL`), else the default local address when it answers. A test whose server is
+//! found nowhere fails, naming the variable to set, unless `INBOX_SKIP_SERVICES=1`
+//! (it then returns early); with `INBOX_REQUIRE_SERVICES=1` (CI sets it) it always fails.
 
 pub mod amqp;
 #[cfg(feature = "testcontainers")]
 pub mod containers;
 pub mod metrics;
+pub mod services;
 pub mod spans;
+
+pub use services::{services_required, services_skipped, Service};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +24,8 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
-    ConsumerGroup, Envelope, Handler, HandlerError, MessageContext, MessageKey, RetryPolicy,
+    ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, MessageContext, MessageKey,
+    RetryPolicy,
 };
 use inbox_diesel::{Store, StoreBuilder, StoreConnection};
 
@@ -36,38 +41,53 @@ pub fn everything_printed(err: &(dyn std::error::Error + 'static)) -> Vec<String
     printed
 }
 
-/// Whether a missing service fails the test instead of skipping it.
-pub fn services_required() -> bool {
-    std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
-}
-
-/// The PostgreSQL URL, or `None` (after one line on stderr) when there is none.
-///
-/// From `PG_DATABASE_URL`, then `DATABASE_URL`; with the `testcontainers` feature and
-/// neither set, from a container started for the test process.
+/// The PostgreSQL URL (see [`services`]), or `None` when it is found nowhere and
+/// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
 pub fn postgres_url() -> Option<String> {
     // Before this process's first libpq connection (see `inbox_diesel::init_tls`).
     inbox_diesel::init_tls();
-    #[allow(unused_mut)] // assigned only with the `testcontainers` feature
-    let mut url = std::env::var("PG_DATABASE_URL")
-        .or_else(|_| std::env::var("DATABASE_URL"))
-        .ok()
-        .filter(|u| u.starts_with("postgres://") || u.starts_with("postgresql://"));
-    #[cfg(feature = "testcontainers")]
-    if url.is_none() {
-        match containers::postgres() {
-            Ok(started) => url = Some(started),
-            Err(why) => eprintln!("{why}"),
-        }
-    }
-    if url.is_none() {
-        assert!(
-            !services_required(),
-            "INBOX_REQUIRE_SERVICES=1 but neither PG_DATABASE_URL nor DATABASE_URL names a postgres:// URL"
-        );
-        eprintln!("skipping: set DATABASE_URL=postgres://... to run the PostgreSQL tests");
-    }
-    url
+    services::url_of(Service::Postgres)
+}
+
+/// The Redis URL (see [`services`]), or `None` when it is found nowhere and
+/// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
+pub fn redis_url() -> Option<String> {
+    services::url_of(Service::Redis)
+}
+
+/// `base` (a PostgreSQL URL) with `schema` as its search path, so that every connection
+/// a process opens with it (an example run as a child process, say) uses the schema.
+pub fn search_path_url(base: &str, schema: &str) -> String {
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}options=-csearch_path%3D{schema}")
+}
+
+/// The path of the package's example `name`: `cargo test` builds a package's examples
+/// next to its test binaries. Panics when it is missing.
+pub fn example_path(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    let path = dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --example {name}`",
+        path.display()
+    );
+    path
+}
+
+/// A URL that cannot connect and the password no error built from it may print (the
+/// credential tests).
+pub struct CredentialCase {
+    /// What the case tries.
+    pub name: &'static str,
+    /// `{addr}` stands for the server's host:port.
+    pub url: &'static str,
+    /// The secret in the URL.
+    pub password: &'static str,
 }
 
 /// A name no other test (or test process) uses.
@@ -121,6 +141,14 @@ pub trait Fixture {
 
     /// A fresh connection to the same schema or file, outside the store's pool.
     fn connect(&self) -> Self::Conn;
+
+    /// The store `builder` builds, with the [`TestConn`] effects table created beside
+    /// it: the start of most store tests. Panics when the store cannot be built.
+    fn open(&self, builder: StoreBuilder<Self::Conn>) -> Store<Self::Conn> {
+        let store = builder.build().expect("store");
+        self.connect().create_effects().expect("create effects");
+        store
+    }
 
     /// Runs SQL on a fresh connection.
     fn execute(&self, sql: &str) {
@@ -441,6 +469,26 @@ pub fn usage(key: &str, amount: i64) -> Envelope {
         "usage.recorded",
         payload,
     )
+}
+
+/// The claim key of `key` in `group` (both literals).
+pub fn claim_key(group: &str, key: &str) -> ClaimKey {
+    ClaimKey::new(self::group(group), MessageKey::new(key).expect("valid key"))
+}
+
+/// Whether every decision is `Stop`.
+pub fn all_stop(decisions: &[Decision]) -> bool {
+    decisions.iter().all(|d| matches!(d, Decision::Stop(_)))
+}
+
+/// The instant the tests' manual clocks start at: 2026-11-30 12:00 UTC.
+pub fn start_time() -> chrono::DateTime<chrono::Utc> {
+    "2026-11-30T12:00:00Z".parse().expect("timestamp")
+}
+
+/// `n` milliseconds.
+pub fn ms(n: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(n)
 }
 
 /// A consumer group from a literal.

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
     ClaimKey, ConsumerGroup, DeadLetterReason, Decision, DynHandler, Envelope, Handler,
@@ -16,6 +15,7 @@ use inbox_core::{
     RetryPolicy, TransportStats,
 };
 use inbox_diesel::{ClaimRecord, DeadLetter};
+use inbox_test_support::start_time;
 use inbox_test_support::{usage, Fixture, TestConn, Usage};
 
 const GROUP: &str = "billing.derive-check";
@@ -167,10 +167,6 @@ fn derived(calls: &Calls) -> Derived {
     }
 }
 
-fn start() -> DateTime<Utc> {
-    "2026-11-30T12:00:00Z".parse().unwrap()
-}
-
 const KEYS: [&str; 9] = ["a", "b", "c", "d", "e", "f", "g", "h", "i"];
 
 /// Everything observable about one run.
@@ -209,14 +205,12 @@ fn trace<F: Fixture>(
 /// A fixed sequence of batches straight into the store, on a manual clock.
 fn store_scenario<F: Fixture, H: Handler<F::Conn>>(fx: &F, make: fn(&Calls) -> H) -> Trace {
     let calls = Calls::default();
-    let clock = ManualClock::new(start());
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(make(&calls))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let clock = ManualClock::new(start_time());
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock.clone()))
+            .handler(make(&calls)),
+    );
     let g = ConsumerGroup::new(GROUP).unwrap();
     let undecodable = Envelope::new(
         MessageKey::new("f").unwrap(),
@@ -248,14 +242,12 @@ fn transport_scenario<F: Fixture, H: Handler<F::Conn>>(
     make: fn(&Calls) -> H,
 ) -> (TransportStats, Trace) {
     let calls = Calls::default();
-    let clock = ManualClock::new(start());
-    let store = fx
-        .builder()
-        .clock(Arc::new(clock.clone()))
-        .handler(make(&calls))
-        .build()
-        .unwrap();
-    fx.connect().create_effects().unwrap();
+    let clock = ManualClock::new(start_time());
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock.clone()))
+            .handler(make(&calls)),
+    );
     let mut transport = InProcessTransport::new(store.clone())
         .with_clock(Arc::new(clock))
         .batch_size(4);

@@ -10,17 +10,14 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, StatsSnapshot, Topology};
-use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryLadder, RetryPolicy};
+use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryPolicy};
 use inbox_diesel::{ClaimStatus, Store, StoreBuilder};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{
     self, amqp_url, confirm_channel, eventually, publish, queue_depth, wait_for_confirms, Outgoing,
 };
+use inbox_test_support::ms;
 use inbox_test_support::{unique_name, Fixture, PgFixture};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// One test's database schema, broker names and consumer pieces.
 struct Setup {
@@ -34,13 +31,7 @@ impl Setup {
     fn new() -> Option<Self> {
         let url = amqp_url()?;
         let db = PgFixture::new()?;
-        let prefix = format!("{}.", unique_name("t"));
-        let topology = Topology::new("billing")
-            .unwrap()
-            .prefix(prefix)
-            .unwrap()
-            .ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
-            .queue_expires(Duration::from_secs(120));
+        let topology = amqp::test_topology(&amqp::unique_prefix("t"), &[50, 100, 200]);
         Some(Self {
             db,
             url,

@@ -15,15 +15,8 @@ use inbox_amqp::{
 };
 use inbox_diesel::Store;
 use inbox_test_support::amqp::{amqp_url, host_port};
+use inbox_test_support::CredentialCase as Case;
 use inbox_test_support::{Fixture, SqliteFixture};
-
-/// A URL that cannot connect and the password it must never print.
-struct Case {
-    name: &'static str,
-    /// `{addr}` stands for the broker's host:port.
-    url: &'static str,
-    password: &'static str,
-}
 
 const CASES: &[Case] = &[
     Case {

@@ -8,21 +8,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel::PgConnection;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings};
 use inbox_core::{
-    ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore,
-    RetryLadder, RetryPolicy,
+    ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, InboxStore, RetryPolicy,
 };
 use inbox_diesel::{ClaimStatus, Store};
 use inbox_examples::usage::{DailyUsage, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, eventually, queue_depth};
-use inbox_test_support::{unique_name, Fixture, PgFixture};
+use inbox_test_support::ms;
+use inbox_test_support::{Fixture, PgFixture};
 use lapin::options::BasicPublishOptions;
 use lapin::BasicProperties;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// The real store, whose `dead_letter` fails its first `failures` calls; it remembers
 /// whether each call's delivery was a redelivery.
@@ -71,13 +67,8 @@ async fn a_store_outage_keeps_the_broker_dead_letter_until_it_is_recorded() {
     let Some(url) = amqp_url() else { return };
     let Some(db) = PgFixture::new() else { return };
     let group = ConsumerGroup::new(GROUP).unwrap();
-    let topology = Topology::new("billing")
-        .unwrap()
-        .prefix(format!("{}.", unique_name("t")))
-        .unwrap()
-        .ladder(RetryLadder::new([ms(50)]).unwrap())
-        .queue_expires(Duration::from_secs(120))
-        .group(group.clone(), [MESSAGE_TYPE]);
+    let topology =
+        amqp::test_topology(&amqp::unique_prefix("t"), &[50]).group(group.clone(), [MESSAGE_TYPE]);
     let inner = Arc::new(
         db.builder()
             .pool_size(3)

@@ -9,29 +9,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::PgConnection;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
-use inbox_core::{ConsumerGroup, RetryLadder};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings};
+use inbox_core::ConsumerGroup;
 use inbox_diesel::Store;
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, eventually, publish, Outgoing};
-use inbox_test_support::{unique_name, Fixture, Outcome, PgFixture, Recorder, TestConn};
+use inbox_test_support::ms;
+use inbox_test_support::{Fixture, Outcome, PgFixture, Recorder, TestConn};
 
 const GROUP: &str = "billing.daily-usage";
 const TYPE: &str = "usage.recorded";
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_handler_is_abandoned_isolated_and_dead_lettered_as_a_crash_loop() {
     let Some(url) = amqp_url() else { return };
     let Some(db) = PgFixture::new() else { return };
-    let topology = Topology::new("billing")
-        .unwrap()
-        .prefix(format!("{}.", unique_name("t")))
-        .unwrap()
-        .ladder(RetryLadder::new([ms(50), ms(100)]).unwrap())
-        .queue_expires(Duration::from_secs(120));
+    let topology = amqp::test_topology(&amqp::unique_prefix("t"), &[50, 100]);
     let handler = Recorder::new(GROUP).behaviour(|key, _| {
         if key == "hang" {
             // Far longer than the batch deadline (the runtime waits for the

@@ -12,15 +12,13 @@ use std::time::Duration;
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
-use inbox_core::{
-    ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RetryLadder,
-};
+use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock};
 use inbox_diesel::Store;
 use inbox_examples::usage::{UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{
     self, amqp_url, confirm_channel, publish, queue_depth, wait_for_confirms, Cuts, Outgoing, Proxy,
 };
-use inbox_test_support::{postgres_url, unique_name, PgFixture};
+use inbox_test_support::{postgres_url, PgFixture};
 
 const CHILD_ENV: &str = "INBOX_AMQP_CHILD";
 const POISON_USER: i64 = 99;
@@ -68,13 +66,7 @@ impl Handler<PgConnection> for Faulty {
 }
 
 fn topology(prefix: &str) -> Topology {
-    let ms = Duration::from_millis;
-    Topology::new("billing")
-        .unwrap()
-        .prefix(prefix)
-        .unwrap()
-        .ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
-        .queue_expires(Duration::from_secs(120))
+    amqp::test_topology(prefix, &[50, 100, 200])
 }
 
 fn consumer(
@@ -200,7 +192,7 @@ impl Scene {
     fn new(per_event: Duration) -> Option<Self> {
         let url = amqp_url()?;
         let db = PgFixture::new()?;
-        let prefix = format!("{}.", unique_name("t"));
+        let prefix = amqp::unique_prefix("t");
         let store = build_store(
             db.url(),
             &db.schema,

@@ -18,19 +18,16 @@ use std::time::{Duration, Instant};
 use chrono::NaiveDate;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, StatsSnapshot, Topology};
-use inbox_core::{ConsumerGroup, RetryLadder, RetryPolicy};
+use inbox_core::{ConsumerGroup, RetryPolicy};
 use inbox_diesel::{DeadLetter, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, confirm_channel, raw, wait_for_confirms};
-use inbox_test_support::{unique_name, PgFixture};
+use inbox_test_support::ms;
+use inbox_test_support::PgFixture;
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
 
 const MAX_BODY: usize = 1 << 20;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// One test's schema, broker names, store and consumer.
 struct Setup {
@@ -45,13 +42,8 @@ impl Setup {
     async fn new() -> Option<Self> {
         let url = amqp_url()?;
         let db = PgFixture::new()?;
-        let prefix = format!("{}.", unique_name("h"));
         let group = ConsumerGroup::new(GROUP).unwrap();
-        let topology = Topology::new("billing")
-            .unwrap()
-            .prefix(prefix)
-            .unwrap()
-            .ladder(RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap())
+        let topology = amqp::test_topology(&amqp::unique_prefix("h"), &[50, 100, 200])
             .queue_expires(Duration::from_secs(300))
             .group(group.clone(), [MESSAGE_TYPE]);
         let builder = inbox_test_support::Fixture::builder(&db)

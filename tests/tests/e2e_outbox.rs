@@ -18,17 +18,13 @@ use inbox_amqp::{
     CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings, RelaySnapshot, Topology,
 };
 use inbox_core::{
-    EnqueueOutcome, Lease, MessageKey, OutboxFailure, OutboxMessage, OutboxStore, RetryLadder,
-    RetryPolicy,
+    EnqueueOutcome, Lease, MessageKey, OutboxFailure, OutboxMessage, OutboxStore, RetryPolicy,
 };
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, amqp_url, eventually, Cuts, Proxy};
-use inbox_test_support::{unique_name, Fixture, PgFixture};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+use inbox_test_support::ms;
+use inbox_test_support::{Fixture, PgFixture};
 
 struct World {
     db: PgFixture,
@@ -42,12 +38,12 @@ impl World {
     fn new() -> Option<Self> {
         let url = amqp_url()?;
         let db = PgFixture::new()?;
-        let prefix = format!("{}.", unique_name("t"));
-        let ladder = RetryLadder::new([ms(50), ms(100), ms(200)]).unwrap();
+        let prefix = amqp::unique_prefix("t");
+        let topology = amqp::test_topology(&prefix, &[50, 100, 200]);
         let store = db
             .builder()
             .pool_size(8)
-            .retry_ladder(ladder.clone())
+            .retry_ladder(topology.retry_ladder().clone())
             .handler(DailyUsage::new(RetryPolicy::default()))
             .build()
             .unwrap();
@@ -59,13 +55,7 @@ impl World {
         )
         .unwrap();
         drop(conn);
-        let topology = Topology::new("billing")
-            .unwrap()
-            .prefix(prefix.clone())
-            .unwrap()
-            .ladder(ladder)
-            .queue_expires(Duration::from_secs(120))
-            .routes(inbox_core::InboxStore::routes(&store));
+        let topology = topology.routes(inbox_core::InboxStore::routes(&store));
         Some(Self {
             db,
             url,

@@ -139,7 +139,7 @@ impl<C: StoreConnection> Store<C> {
         let mut conn = self.connection()?;
         C::write_transaction(&mut *conn, |conn| {
             for seq in 0..count {
-                let now = self.inner.clock.now();
+                let now = self.clock().now();
                 let payload = serde_json::json!({
                     "run": run,
                     "seq": seq,

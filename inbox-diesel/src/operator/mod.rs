@@ -9,9 +9,9 @@ mod canary;
 mod catalog;
 mod fingerprint;
 mod gauges;
-mod ops;
+pub(crate) mod ops;
 mod reasons;
-mod tables;
+pub(crate) mod tables;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -23,8 +23,8 @@ use crate::backend::StoreConnection;
 use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
 
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
-pub(crate) use catalog::{check as check_schema, CatalogOps};
-pub(crate) use ops::OperatorOps;
+pub(crate) use catalog::{check as check_schema, CatalogOps, OperatorCatalog, UniqueIndex};
+pub(crate) use ops::{operator_ops, OperatorOps};
 pub use reasons::replay_refusal;
 
 use ops::{EntryTuple, NewReplay};
@@ -582,7 +582,7 @@ impl<C: StoreConnection> Store<C> {
         let mut conn = self.connection()?;
         let mut tries = 0;
         loop {
-            let now = self.inner.clock.now();
+            let now = self.clock().now();
             let attempt = C::write_transaction(&mut *conn, |conn| {
                 let Some(letter) = C::op_letter(conn, id)? else {
                     return Ok(ReplayOutcome::NotFound);
@@ -682,7 +682,7 @@ impl<C: StoreConnection> Store<C> {
     /// Discards (archives) one letter: kept until a purge of discarded letters, never
     /// replayed, listed only when asked for.
     pub fn discard_dead_letter(&self, id: i64) -> Result<DiscardOutcome> {
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let mut conn = self.connection()?;
         Ok(C::write_transaction(&mut *conn, |conn| {
             if C::op_discard(conn, id, now)? == 1 {
@@ -763,7 +763,7 @@ impl<C: StoreConnection> Store<C> {
         limit: Option<usize>,
         target: &ReplayTarget,
     ) -> Result<BulkReport> {
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let cutoff = now
             .checked_sub_signed(delta(filter.overdue_for))
             .ok_or_else(|| {
@@ -834,7 +834,7 @@ impl<C: StoreConnection> Store<C> {
     /// pending dead letters by group and reason, the outbox backlog, its oldest
     /// unpublished row's age, and dead outbox rows.
     pub fn operator_stats(&self) -> Result<OperatorStats> {
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let mut conn = self.connection()?;
         let raw = C::op_stats(&mut conn, now)?;
         let mut groups: BTreeMap<String, GroupStats> = BTreeMap::new();
@@ -898,7 +898,7 @@ impl<C: StoreConnection> Store<C> {
         retention: &crate::Retention,
         discarded: Duration,
     ) -> Result<PurgeReport> {
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let before = |d: Duration| {
             now.checked_sub_signed(delta(d))
                 .unwrap_or(DateTime::<Utc>::MIN_UTC)
@@ -926,7 +926,7 @@ impl<C: StoreConnection> Store<C> {
                 "a purge batch must be at least 1 row, found 0".to_owned(),
             ));
         }
-        let now = self.inner.clock.now();
+        let now = self.clock().now();
         let Some(cutoff) = now.checked_sub_signed(delta(window)) else {
             return Ok(0);
         };

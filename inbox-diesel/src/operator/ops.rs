@@ -1,12 +1,11 @@
-//! The operator's statements, written once and expanded per backend (like the claim
-//! statements); the catalog reads of `verify` differ per backend and live in
-//! `catalog.rs`.
+//! The operator's statements, written once as diesel DSL and expanded by each backend
+//! (`pg/operator.rs`, `sqlite/operator.rs`), like `dsl.rs`'s claim and outbox
+//! statements; the catalog reads of the schema check are each backend's own.
 
 use chrono::{DateTime, Utc};
-use diesel::prelude::*;
 use diesel::result::QueryResult;
 
-use super::{DeadLetterFilter, LetterStatus};
+use super::DeadLetterFilter;
 
 /// A dead letter without its payload.
 pub type EntryTuple = (
@@ -731,5 +730,4 @@ macro_rules! operator_ops {
     };
 }
 
-operator_ops!(diesel::PgConnection, pg);
-operator_ops!(diesel::SqliteConnection, sqlite);
+pub(crate) use operator_ops;

@@ -2,7 +2,7 @@
 //! rustc's output for each misuse recorded next to it in `ui/fail/*.stderr`.
 //!
 //! After an intended change to a message, `TRYBUILD=overwrite cargo test -p
-//! inbox-macros --test compiletest` rewrites the `.stderr` files; review the diff.
+//! inbox-macros-tests --test compiletest` rewrites the `.stderr` files; review the diff.
 
 #[test]
 fn ui() {

@@ -1,0 +1,350 @@
+//! The relay's broker side: publishing leased outbox rows with confirms, each row's
+//! failure its own, as the [`OutboxPublisher`] of the core relay round.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection, ErrorKind};
+use tokio::runtime::Handle;
+use tokio::time::Instant;
+
+use inbox_core::{OutboxPublisher, OutboxRow, Publication};
+
+use crate::publish::{publish_with_confirm, Confirmed, Pending};
+use crate::TENANT_HEADER;
+
+/// Publishes rows on the relay's connection. Called by the core relay round on a
+/// blocking thread: it drives the broker I/O on the runtime behind `handle`.
+pub(crate) struct AmqpPublisher {
+    handle: Handle,
+    conn: Arc<Connection>,
+    channel: Channel,
+    /// The kinds of the last publication's failures, in its order.
+    kinds: Vec<FailureKind>,
+}
+
+impl AmqpPublisher {
+    /// A publisher on `channel` (in confirm mode) of `conn`, for the current runtime.
+    pub(crate) fn new(conn: Arc<Connection>, channel: Channel) -> Self {
+        Self {
+            handle: Handle::current(),
+            conn,
+            channel,
+            kinds: Vec::new(),
+        }
+    }
+
+    /// Of the last publication's failures: how many were returned, nacked, and
+    /// failed on their own.
+    pub(crate) fn failure_kinds(&self) -> (u64, u64, u64) {
+        let count = |kind| self.kinds.iter().filter(|k| **k == kind).count() as u64;
+        (
+            count(FailureKind::Returned),
+            count(FailureKind::Nacked),
+            count(FailureKind::Rejected),
+        )
+    }
+}
+
+impl OutboxPublisher for AmqpPublisher {
+    fn publish(&mut self, rows: &[OutboxRow], within: Duration) -> Publication {
+        let handle = self.handle.clone();
+        let round = handle.block_on(async {
+            let deadline = Instant::now() + within;
+            publish(&self.conn, &mut self.channel, rows, deadline).await
+        });
+        self.kinds = round.failed.iter().map(|f| f.kind).collect();
+        let mut publication = Publication::default();
+        for id in round.published {
+            publication.confirmed(id);
+        }
+        for failure in round.failed {
+            publication.failed(failure.id, failure.error);
+        }
+        publication.lost = round.lost;
+        publication
+    }
+}
+
+/// Why a row's publication failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailureKind {
+    /// The broker returned it as unroutable.
+    Returned,
+    /// The broker nacked it.
+    Nacked,
+    /// It failed on its own: the broker closed the channel over it, it cannot be
+    /// encoded as AMQP, or the store could not read it.
+    Rejected,
+}
+
+struct Failure {
+    id: i64,
+    error: String,
+    kind: FailureKind,
+}
+
+impl Failure {
+    fn of(row: &OutboxRow, error: String, kind: FailureKind) -> Self {
+        Self {
+            id: row.id,
+            error,
+            kind,
+        }
+    }
+}
+
+/// What a publishing round settled.
+#[derive(Default)]
+struct Round {
+    /// Confirmed rows.
+    published: Vec<i64>,
+    /// Rows that failed on their own.
+    failed: Vec<Failure>,
+    /// Why the round stopped before settling every row (the connection was lost, or
+    /// the lease ran out); the unsettled rows stay leased and are taken again.
+    lost: Option<String>,
+}
+
+/// A channel in confirm mode.
+pub(crate) async fn confirm_channel(conn: &Connection) -> lapin::Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
+
+fn properties(row: &OutboxRow) -> BasicProperties {
+    let msg = &row.message;
+    let mut headers = FieldTable::default();
+    for (k, v) in &msg.headers {
+        headers.insert(
+            k.as_str().into(),
+            AMQPValue::LongString(LongString::from(v.as_str())),
+        );
+    }
+    if let Some(tenant) = &msg.tenant {
+        headers.insert(
+            TENANT_HEADER.into(),
+            AMQPValue::LongString(LongString::from(tenant.as_str())),
+        );
+    }
+    BasicProperties::default()
+        .with_message_id(msg.message_key.as_str().into())
+        .with_type(msg.message_type.as_str().into())
+        .with_delivery_mode(2)
+        .with_headers(headers)
+}
+
+/// Why a row cannot go out as AMQP: names the protocol carries as short strings (at
+/// most 255 bytes). `enqueue` refuses such rows; another producer may write them.
+fn unencodable(row: &OutboxRow) -> Option<String> {
+    const SHORT: usize = 255;
+    let msg = &row.message;
+    let fields = [
+        ("exchange", msg.exchange.as_str()),
+        ("routing key", msg.routing_key.as_str()),
+        ("message type", msg.message_type.as_str()),
+        ("message key", msg.message_key.as_str()),
+    ];
+    let names = msg.headers.keys().map(|k| ("header name", k.as_str()));
+    fields
+        .into_iter()
+        .chain(names)
+        .find(|(_, v)| v.len() > SHORT)
+        .map(|(what, v)| {
+            format!(
+                "cannot be encoded as AMQP: {what} must be at most {SHORT} bytes, found {} bytes",
+                v.len()
+            )
+        })
+}
+
+/// How one row's publication ended.
+enum Settled {
+    Published,
+    Failed(Failure),
+}
+
+fn settled(row: &OutboxRow, confirmed: Confirmed) -> Settled {
+    match confirmed {
+        Confirmed::Ack => Settled::Published,
+        Confirmed::Nack => Settled::Failed(Failure::of(
+            row,
+            "nacked by the broker".to_owned(),
+            FailureKind::Nacked,
+        )),
+        Confirmed::Returned => {
+            let msg = &row.message;
+            Settled::Failed(Failure::of(
+                row,
+                format!(
+                    "unroutable: exchange {:?} has no queue bound for routing key {:?}",
+                    msg.exchange, msg.routing_key
+                ),
+                FailureKind::Returned,
+            ))
+        }
+    }
+}
+
+async fn basic_publish(channel: &Channel, row: &OutboxRow) -> lapin::Result<Pending> {
+    let msg = &row.message;
+    publish_with_confirm(
+        channel,
+        &msg.exchange,
+        &msg.routing_key,
+        &msg.payload,
+        properties(row),
+    )
+    .await
+}
+
+/// Whether a failed publication is the row's own doing: the broker closed the
+/// channel over it (a soft error: 404 no such exchange, 406 over the size limit, 403
+/// access refused), or it could not be encoded.
+fn is_the_rows_fault(err: &lapin::Error) -> bool {
+    err.is_amqp_soft_error() || matches!(err.kind(), ErrorKind::SerialisationError(_))
+}
+
+const LEASE_RAN_OUT: &str = "no publisher confirms before the lease expired";
+
+/// Publishes the leased rows with confirms until `deadline`, each row's failure
+/// recorded against that row, never stopping the others.
+///
+/// The rows are published in id order on one channel, then every confirm is awaited.
+/// When the broker closes the channel over one row, it drops the rows after it and
+/// the confirms still owed for the rows before it: which row it was is not said.
+/// The unconfirmed rows are then published one at a time on a new channel until one
+/// closes it again (that one is the poison, and is recorded), and the rest go on as
+/// before. Each such pass blames one row or settles every row, so a round ends.
+async fn publish(
+    conn: &Connection,
+    channel: &mut Channel,
+    rows: &[OutboxRow],
+    deadline: Instant,
+) -> Round {
+    let mut round = Round::default();
+    let mut todo: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
+    for row in rows {
+        match unencodable(row) {
+            Some(error) => round
+                .failed
+                .push(Failure::of(row, error, FailureKind::Rejected)),
+            None => todo.push(row),
+        }
+    }
+    while !todo.is_empty() {
+        let unsettled = match publish_pipelined(channel, &todo, deadline, &mut round).await {
+            Ok(unsettled) => unsettled,
+            Err(reason) => {
+                round.lost = Some(reason);
+                return round;
+            }
+        };
+        if unsettled.is_empty() {
+            break;
+        }
+        // A connection that is gone blames nobody: reconnect and lease again.
+        if !conn.status().connected() {
+            round.lost = Some("the connection closed while publishing".to_owned());
+            return round;
+        }
+        let mut rest = unsettled.into_iter();
+        for row in rest.by_ref() {
+            match publish_alone(conn, channel, row, deadline).await {
+                Ok(Settled::Published) => round.published.push(row.id),
+                Ok(Settled::Failed(failure)) => {
+                    let poison = failure.kind == FailureKind::Rejected;
+                    round.failed.push(failure);
+                    // Found: the rows after it go on together again.
+                    if poison {
+                        break;
+                    }
+                }
+                Err(reason) => {
+                    round.lost = Some(reason);
+                    return round;
+                }
+            }
+        }
+        todo = rest.collect();
+    }
+    round
+}
+
+/// Publishes `rows` on one channel and awaits every confirm; settles what the broker
+/// answered into `round` and returns the rows it did not (the channel closed), in
+/// order. `Err` when the lease ran out or the connection is gone.
+async fn publish_pipelined<'r>(
+    channel: &Channel,
+    rows: &[&'r OutboxRow],
+    deadline: Instant,
+    round: &mut Round,
+) -> std::result::Result<Vec<&'r OutboxRow>, String> {
+    let mut pending = Vec::with_capacity(rows.len());
+    let mut unsent = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        match basic_publish(channel, row).await {
+            Ok(confirm) => pending.push((*row, confirm)),
+            Err(_) => {
+                // The channel is closing or closed; the confirms below say why.
+                unsent = rows[i..].to_vec();
+                break;
+            }
+        }
+    }
+    let mut unsettled = Vec::new();
+    for (row, confirm) in pending {
+        match tokio::time::timeout_at(deadline, confirm.answer()).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(Ok(confirmed)) => match settled(row, confirmed) {
+                Settled::Published => round.published.push(row.id),
+                Settled::Failed(failure) => round.failed.push(failure),
+            },
+            Ok(Err(_)) => unsettled.push(row),
+        }
+    }
+    unsettled.extend(unsent);
+    Ok(unsettled)
+}
+
+/// Publishes one row alone, on a new channel if the last one was closed, and awaits
+/// its confirm. A [`FailureKind::Rejected`] failure when the broker closed the
+/// channel over it (it was the only row in flight); `Err` when the lease ran out or
+/// the connection is gone.
+async fn publish_alone(
+    conn: &Connection,
+    channel: &mut Channel,
+    row: &OutboxRow,
+    deadline: Instant,
+) -> std::result::Result<Settled, String> {
+    if !channel.status().connected() {
+        match tokio::time::timeout_at(deadline, confirm_channel(conn)).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(Err(err)) => return Err(format!("reopening the channel failed: {err}")),
+            Ok(Ok(fresh)) => *channel = fresh,
+        }
+    }
+    let published = match basic_publish(channel, row).await {
+        Ok(confirm) => match tokio::time::timeout_at(deadline, confirm.answer()).await {
+            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
+            Ok(confirmed) => confirmed,
+        },
+        Err(err) => Err(err),
+    };
+    match published {
+        Ok(confirmed) => Ok(settled(row, confirmed)),
+        Err(err) if is_the_rows_fault(&err) && conn.status().connected() => {
+            Ok(Settled::Failed(Failure::of(
+                row,
+                format!("the broker refused it and closed the channel: {err}"),
+                FailureKind::Rejected,
+            )))
+        }
+        Err(err) => Err(format!("publishing failed: {err}")),
+    }
+}

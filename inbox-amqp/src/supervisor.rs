@@ -1,0 +1,196 @@
+//! The one connection supervisor of the consumer and the relay: connect with a
+//! bounded handshake, declare what the session needs, run the session, close the
+//! connection politely, back off and reconnect until shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::Connection;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::connect::SessionEnd;
+use crate::connect::{check_backoff, check_connect_timeout, close_connection, connect, pause};
+use crate::{Error, Result};
+
+/// How a supervisor connects and backs off.
+pub(crate) struct Supervisor<'a> {
+    /// The broker's URL.
+    url: &'a str,
+    /// The connection's name.
+    name: Option<&'a str>,
+    /// Longest wait for the AMQP handshake.
+    connect_timeout: Duration,
+    /// First wait before reconnecting.
+    backoff_min: Duration,
+    /// Longest wait before reconnecting.
+    backoff_max: Duration,
+    /// The text of the connection's close.
+    goodbye: &'a str,
+}
+
+impl<'a> Supervisor<'a> {
+    /// A supervisor of connections to `url` named `name`, each handshake given
+    /// `connect_timeout`, reconnecting after `backoff` (min, max), closing with
+    /// `goodbye`; refused when the timeout or the backoff is out of range.
+    pub(crate) fn new(
+        url: &'a str,
+        name: Option<&'a str>,
+        connect_timeout: Duration,
+        (backoff_min, backoff_max): (Duration, Duration),
+        goodbye: &'a str,
+    ) -> Result<Self> {
+        check_backoff(backoff_min, backoff_max)?;
+        check_connect_timeout(connect_timeout)?;
+        Ok(Self {
+            url,
+            name,
+            connect_timeout,
+            backoff_min,
+            backoff_max,
+            goodbye,
+        })
+    }
+
+    /// Runs sessions until `shutdown` is cancelled or one ends fatally.
+    ///
+    /// Each connection is first given to `declare` (the topology, a confirm
+    /// channel); its result goes to `session`. The first connection and declaration
+    /// must succeed, so a misconfigured program fails at startup; a
+    /// [`Error::TopologyConflict`] is fatal at any time; later losses reconnect
+    /// after a backoff that doubles up to `backoff_max` and is back to
+    /// `backoff_min` only after a session that held for `backoff_max` (a connection
+    /// that dies at once must not reconnect in a hot loop). `reconnected` is called
+    /// on every connection after the first.
+    pub(crate) async fn run<T, D, DF, S, SF>(
+        &self,
+        shutdown: &CancellationToken,
+        mut declare: D,
+        mut session: S,
+        mut reconnected: impl FnMut(),
+    ) -> Result<()>
+    where
+        D: FnMut(Arc<Connection>) -> DF,
+        DF: Future<Output = Result<T>>,
+        S: FnMut(Arc<Connection>, T) -> SF,
+        SF: Future<Output = std::result::Result<(), SessionEnd>>,
+    {
+        let mut backoff = self.backoff_min;
+        let mut connected_before = false;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let connected = tokio::select! {
+                c = connect(self.url, self.name, self.connect_timeout) => c,
+                () = shutdown.cancelled() => return Ok(()),
+            };
+            let conn = match connected {
+                Ok(conn) => Arc::new(conn),
+                Err(err) if !connected_before => return Err(err),
+                Err(err) => {
+                    tracing::warn!(error = %err, ?backoff, "reconnect failed");
+                    pause(shutdown, &mut backoff, self.backoff_max).await;
+                    continue;
+                }
+            };
+            let declared = match declare(Arc::clone(&conn)).await {
+                Ok(declared) => declared,
+                Err(err) => {
+                    if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
+                        return Err(err);
+                    }
+                    tracing::warn!(error = %err, "declaring failed; reconnecting");
+                    pause(shutdown, &mut backoff, self.backoff_max).await;
+                    continue;
+                }
+            };
+            if connected_before {
+                reconnected();
+                tracing::info!("reconnected");
+            }
+            connected_before = true;
+
+            let started = Instant::now();
+            let end = session(Arc::clone(&conn), declared).await;
+            close_connection(&conn, self.goodbye).await;
+            match end {
+                Ok(()) => return Ok(()),
+                Err(SessionEnd::Fatal(err)) => return Err(err),
+                Err(SessionEnd::Lost(reason)) => {
+                    backoff = self.backoff_after_session(backoff, started.elapsed());
+                    tracing::warn!(%reason, ?backoff, "connection lost; reconnecting");
+                    pause(shutdown, &mut backoff, self.backoff_max).await;
+                }
+            }
+        }
+    }
+
+    /// The pause before the next reconnect: back to the minimum after a session
+    /// that held for `backoff_max` or longer, else the growing one.
+    fn backoff_after_session(&self, backoff: Duration, session: Duration) -> Duration {
+        if session >= self.backoff_max {
+            self.backoff_min
+        } else {
+            backoff
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn supervisor() -> Supervisor<'static> {
+        let backoff = (Duration::from_millis(100), Duration::from_secs(5));
+        let url = "amqp://127.0.0.1:1/%2f";
+        Supervisor::new(url, None, Duration::from_secs(1), backoff, "bye")
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_when_built() {
+        let s = Duration::from_secs(1);
+        let url = "amqp://127.0.0.1:1/%2f";
+        let refused = |timeout, backoff| {
+            let built = Supervisor::new(url, None, timeout, backoff, "bye");
+            crate::connect::config_error(built.map(|_| ()))
+        };
+        assert!(refused(s, (2 * s, s)).contains("backoff"));
+        assert!(refused(s, (Duration::ZERO, s)).contains("backoff"));
+        assert!(refused(Duration::ZERO, (s, s)).contains("connect timeout"));
+    }
+
+    #[test]
+    fn a_connection_that_dies_at_once_keeps_backing_off() {
+        let s = supervisor();
+        let grown = s.backoff_min * 8;
+        assert_eq!(
+            s.backoff_after_session(grown, Duration::from_millis(10)),
+            grown
+        );
+        assert_eq!(s.backoff_after_session(grown, s.backoff_max), s.backoff_min);
+    }
+
+    #[test]
+    fn the_first_connection_must_succeed() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let shutdown = CancellationToken::new();
+        let mut sessions = 0;
+        let ran = runtime.block_on(supervisor().run(
+            &shutdown,
+            |_| async { Ok(()) },
+            |_, ()| {
+                sessions += 1;
+                async { Ok(()) }
+            },
+            || {},
+        ));
+        assert!(matches!(ran, Err(Error::Connect { .. })), "{ran:?}");
+        assert_eq!(sessions, 0);
+    }
+}

@@ -1,0 +1,236 @@
+//! PostgreSQL: everything the store runs there. `claims` (the claim statement over
+//! arrays), `outbox` (leasing with SKIP LOCKED, NOTIFY), `retention` (purges that
+//! skip locked rows), `catalog` (the claim table's indexes), `listen` (the relay's
+//! LISTEN connection); this module connects, migrates, sets the session up and holds
+//! the write transaction, projection locks and transaction token.
+
+mod catalog;
+mod claims;
+mod listen;
+mod operator;
+mod outbox;
+mod retention;
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use diesel::connection::SimpleConnection;
+use diesel::pg::Pg;
+use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::sql_types::{BigInt, Integer, Text};
+use diesel::{ConnectionResult, PgConnection, QueryResult};
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use inbox_core::Clock;
+
+use crate::backend::{is_untranslated, private::Sealed, quoted, StoreConnection};
+use crate::verify::Catalog;
+use crate::{Backend, Error, Result};
+use listen::Listener;
+
+const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+
+/// Serialises concurrent migration runs of several processes on one schema: the first
+/// key of a two-key advisory lock whose second key is the hash of the schema's name, so
+/// stores in different schemas of one database never wait for each other's migrations
+/// (advisory locks are per database).
+const MIGRATION_LOCK: i32 = 0x1b0c_5a11;
+
+impl StoreConnection for PgConnection {}
+
+/// A projection's transaction-scoped advisory lock, shared or exclusive: prepared
+/// once per connection like the claim, since a folding batch takes it every time.
+struct LockStatement {
+    id: i64,
+    exclusive: bool,
+}
+
+impl QueryId for LockStatement {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl RunQueryDsl<PgConnection> for LockStatement {}
+
+impl QueryFragment<Pg> for LockStatement {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(if self.exclusive {
+            "SELECT pg_advisory_xact_lock("
+        } else {
+            "SELECT pg_advisory_xact_lock_shared("
+        });
+        out.push_bind_param::<BigInt, _>(&self.id)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+/// The session's `lc_messages`, and whose session it is.
+#[derive(QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    value: String,
+    #[diesel(sql_type = Text)]
+    role: String,
+    #[diesel(sql_type = Text)]
+    database: String,
+}
+
+impl Setting {
+    fn read(conn: &mut PgConnection) -> QueryResult<Self> {
+        diesel::sql_query(
+            "SELECT current_setting('lc_messages') AS value, \
+                    current_user::text AS role, current_database()::text AS database",
+        )
+        .get_result(conn)
+    }
+}
+
+/// The roles (on their database) already warned about in this process.
+static WARNED: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+
+/// Asks for the server's messages untranslated, which the store recognises deadlocks
+/// (40P01) and data errors (class 22) by: diesel hands those over without their
+/// SQLSTATE. `lc_messages` is a superuser setting: a role that may not set it (and
+/// whose own setting is translated) keeps the server's language, with one warning
+/// per role and database in the process.
+fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
+    let found = Setting::read(conn)?;
+    if is_untranslated(&found.value) {
+        return Ok(());
+    }
+    // Whatever the error (42501 for a role without the privilege, in the server's
+    // language), the session's setting is as found; a broken connection fails the
+    // next statement.
+    if conn.batch_execute("SET lc_messages = 'C'").is_ok() {
+        return Ok(());
+    }
+    let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = (found.role, found.database);
+    if !warned.contains(&key) {
+        tracing::warn!(
+            role = %key.0,
+            database = %key.1,
+            lc_messages = %found.value,
+            "the server's messages are translated and this role may not set lc_messages: \
+             recognising deadlocks and data errors relies on the server's own language, so \
+             a deadlock in a handler counts as a failed attempt and one in a claim fails \
+             the batch; give the role lc_messages = 'C' (ALTER ROLE ... SET lc_messages = \
+             'C', or GRANT SET ON PARAMETER lc_messages)"
+        );
+        warned.push(key);
+    }
+    Ok(())
+}
+
+impl Sealed for PgConnection {
+    const BACKEND: Backend = Backend::Postgres;
+
+    type Listener = Listener;
+
+    fn establish_url(url: &str) -> ConnectionResult<Self> {
+        // Before libpq's first connection initialises OpenSSL with an exit cleanup.
+        crate::init_tls();
+        PgConnection::establish(url)
+    }
+
+    fn pool_url(url: &str) -> String {
+        url.to_owned()
+    }
+
+    fn on_acquire(conn: &mut Self, schema: Option<&str>) -> QueryResult<()> {
+        untranslated_messages(conn)?;
+        match schema {
+            Some(schema) => conn.batch_execute(&format!("SET search_path TO {}", quoted(schema))),
+            None => Ok(()),
+        }
+    }
+
+    fn recognises_server_errors(conn: &mut Self) -> QueryResult<bool> {
+        Ok(is_untranslated(&Setting::read(conn)?.value))
+    }
+
+    fn reset_session(conn: &mut Self) -> QueryResult<()> {
+        // Whatever a handler left: no transaction, the server's defaults; the caller
+        // then applies the store's own settings again.
+        let _ = conn.batch_execute("ROLLBACK");
+        conn.batch_execute("RESET ALL")
+    }
+
+    fn set_timeouts(
+        conn: &mut Self,
+        statement: std::time::Duration,
+        idle_in_transaction: std::time::Duration,
+    ) -> QueryResult<()> {
+        conn.batch_execute(&format!(
+            "SET statement_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+            statement.as_millis(),
+            idle_in_transaction.as_millis()
+        ))
+    }
+
+    fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
+        if let Some(schema) = schema {
+            let q = quoted(schema);
+            conn.batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
+            ))?;
+        }
+        diesel::sql_query("SELECT pg_advisory_lock($1, hashtext(current_schema()))")
+            .bind::<Integer, _>(MIGRATION_LOCK)
+            .execute(conn)?;
+        let ran = conn
+            .run_pending_migrations(MIGRATIONS)
+            .map(|_| ())
+            .map_err(Error::Migration);
+        diesel::sql_query("SELECT pg_advisory_unlock($1, hashtext(current_schema()))")
+            .bind::<Integer, _>(MIGRATION_LOCK)
+            .execute(conn)?;
+        ran
+    }
+
+    fn catalog(conn: &mut Self) -> Result<Catalog> {
+        catalog::read(conn)
+    }
+
+    fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+        E: From<diesel::result::Error>,
+    {
+        conn.transaction(f)
+    }
+
+    fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()> {
+        for &(id, exclusive) in locks {
+            LockStatement { id, exclusive }.execute(conn)?;
+        }
+        Ok(())
+    }
+
+    fn wait_for_enqueue(
+        listener: &Mutex<Listener>,
+        url: &str,
+        schema: Option<&str>,
+        _clock: &dyn Clock,
+        timeout: Duration,
+    ) -> Result<bool> {
+        listen::wait(listener, url, schema, timeout)
+    }
+
+    fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {
+        // The schema too: a handler that moved the session's search_path would send
+        // the next batch's claims into another store's tables.
+        let row: Token = diesel::sql_query(
+            "SELECT pg_current_xact_id()::text || ' ' || coalesce(current_schema(), '') AS token",
+        )
+        .get_result(conn)?;
+        Ok(Some(row.token))
+    }
+}
+
+#[derive(QueryableByName)]
+struct Token {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    token: String,
+}

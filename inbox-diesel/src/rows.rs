@@ -1,0 +1,336 @@
+//! The rows the store's statements write and read, and the public records made of
+//! them: neutral, below every backend (each backend's statements take and return
+//! these).
+
+use chrono::{DateTime, Utc};
+use diesel::result::QueryResult;
+use inbox_core::{MessageKey, OutboxMessage, OutboxRow, UnreadableRow};
+use std::collections::BTreeMap;
+
+/// A claim's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimStatus {
+    /// A redelivered message's processing started (crash-loop detection).
+    Started,
+    /// The handler's effect committed.
+    Done,
+    /// The handler failed; a retry is due at `next_attempt_at`.
+    Failed,
+    /// Dead-lettered.
+    Dead,
+}
+
+impl ClaimStatus {
+    /// The status as stored.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Dead => "dead",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "started" => Self::Started,
+            "done" => Self::Done,
+            "failed" => Self::Failed,
+            "dead" => Self::Dead,
+            _ => return None,
+        })
+    }
+}
+
+/// A row of the claim table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimRecord {
+    /// The consumer group.
+    pub group: String,
+    /// The message key.
+    pub key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The tenant, informational.
+    pub tenant: Option<String>,
+    /// The state.
+    pub status: ClaimStatus,
+    /// Handled failures so far.
+    pub attempts: i32,
+    /// Starts of redelivered processing without an outcome since.
+    pub starts: i32,
+    /// When a retry is due.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// Whether the payload is kept (only while a retry is pending).
+    pub has_payload: bool,
+    /// When the claim was first made.
+    pub first_seen_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A row of the dead-letter table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Surrogate id (a key collision dead-letters under an existing key).
+    pub id: i64,
+    /// The consumer group.
+    pub group: String,
+    /// The message key.
+    pub key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The tenant.
+    pub tenant: Option<String>,
+    /// The payload, as delivered.
+    pub payload: Vec<u8>,
+    /// The transport headers.
+    pub headers: BTreeMap<String, String>,
+    /// Handled failures when it was dead-lettered.
+    pub attempts: i32,
+    /// Why (`max_attempts`, `permanent`, `decode_error`, `key_collision`, `crash_loop`, ...).
+    pub reason: String,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When.
+    pub dead_lettered_at: DateTime<Utc>,
+    /// When it was replayed, if it was.
+    pub replayed_at: Option<DateTime<Utc>>,
+}
+
+/// A claim to insert.
+pub struct ClaimRow<'a> {
+    pub key: &'a str,
+    pub message_type: &'a str,
+    pub tenant: Option<&'a str>,
+    pub digest: &'a [u8],
+    pub payload: &'a [u8],
+}
+
+/// What the claim table holds for a key the claim statement did not return.
+pub struct Stored {
+    pub key: String,
+    pub status: String,
+    pub digest: Vec<u8>,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+}
+
+/// A failure to record against a claim the batch owns.
+pub struct FailureUpdate<'a> {
+    pub status: ClaimStatus,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub last_error: &'a str,
+    pub payload: Option<&'a [u8]>,
+    pub now: DateTime<Utc>,
+}
+
+/// A dead letter to insert.
+pub struct NewDeadLetter<'a> {
+    pub group: &'a str,
+    pub key: &'a str,
+    pub message_type: &'a str,
+    pub tenant: Option<&'a str>,
+    pub payload: &'a [u8],
+    pub headers: String,
+    pub attempts: i32,
+    pub reason: &'a str,
+    pub last_error: Option<&'a str>,
+    pub now: DateTime<Utc>,
+}
+
+pub(crate) type ClaimTuple = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    i32,
+    i32,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    bool,
+    DateTime<Utc>,
+    DateTime<Utc>,
+);
+
+pub(crate) type DeadLetterTuple = (
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    Vec<u8>,
+    String,
+    i32,
+    String,
+    Option<String>,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+);
+
+pub(crate) fn claim_record(t: ClaimTuple) -> QueryResult<ClaimRecord> {
+    let status = ClaimStatus::parse(&t.4).ok_or_else(|| {
+        diesel::result::Error::DeserializationError(
+            format!("unknown claim status {:?}", t.4).into(),
+        )
+    })?;
+    Ok(ClaimRecord {
+        group: t.0,
+        key: t.1,
+        message_type: t.2,
+        tenant: t.3,
+        status,
+        attempts: t.5,
+        starts: t.6,
+        next_attempt_at: t.7,
+        last_error: t.8,
+        has_payload: t.9,
+        first_seen_at: t.10,
+        updated_at: t.11,
+    })
+}
+
+pub(crate) fn dead_letter(t: DeadLetterTuple) -> DeadLetter {
+    DeadLetter {
+        id: t.0,
+        group: t.1,
+        key: t.2,
+        message_type: t.3,
+        tenant: t.4,
+        payload: t.5,
+        headers: serde_json::from_str(&t.6).unwrap_or_default(),
+        attempts: t.7,
+        reason: t.8,
+        last_error: t.9,
+        dead_lettered_at: t.10,
+        replayed_at: t.11,
+    }
+}
+
+/// A row to insert.
+pub struct NewOutbox<'a> {
+    pub key: &'a str,
+    pub exchange: &'a str,
+    pub routing_key: &'a str,
+    pub message_type: &'a str,
+    pub tenant: Option<&'a str>,
+    pub payload: &'a [u8],
+    pub headers: String,
+    pub ordering_key: Option<&'a str>,
+    pub created_at: DateTime<Utc>,
+    pub available_at: DateTime<Utc>,
+}
+
+pub(crate) type OutboxTuple = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    Vec<u8>,
+    String,
+    Option<String>,
+    DateTime<Utc>,
+    i32,
+);
+
+/// A stored row as a message, or why it cannot be one (it is recorded against the
+/// row, never failing the lease).
+fn outbox_row(t: OutboxTuple) -> std::result::Result<OutboxRow, UnreadableRow> {
+    let unreadable = |error: String| UnreadableRow {
+        id: t.0,
+        attempts: t.10,
+        error: format!("unreadable row: {error}"),
+    };
+    let message_key = MessageKey::new(t.1.clone()).map_err(|err| unreadable(err.to_string()))?;
+    let headers = serde_json::from_str(&t.7)
+        .map_err(|err| unreadable(format!("headers are not a JSON object of strings: {err}")))?;
+    Ok(OutboxRow {
+        id: t.0,
+        message: OutboxMessage {
+            message_key,
+            exchange: t.2,
+            routing_key: t.3,
+            message_type: t.4,
+            payload: t.6,
+            headers,
+            tenant: t.5,
+            ordering_key: t.8,
+            // Consumed by leasing: a leased row is due, whenever it was first due.
+            not_before: None,
+        },
+        attempts: t.10,
+        created_at: t.9,
+    })
+}
+
+/// Sorts decoded tuples into readable rows and unreadable ones.
+pub(crate) fn decode_into(
+    t: OutboxTuple,
+    rows: &mut Vec<OutboxRow>,
+    unreadable: &mut Vec<UnreadableRow>,
+) {
+    match outbox_row(t) {
+        Ok(row) => rows.push(row),
+        Err(bad) => unreadable.push(bad),
+    }
+}
+
+/// A dead outbox row, as an operator sees it: what was stored, read as text where
+/// it can be (a row may be dead because it could not be read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadOutboxRow {
+    /// The row's id.
+    pub id: i64,
+    /// The message key, as stored.
+    pub message_key: String,
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The message type.
+    pub message_type: String,
+    /// The ordering key.
+    pub ordering_key: Option<String>,
+    /// Failed publications.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When its last attempt failed. (Its `created_at` is not read: a row may be
+    /// dead because another producer wrote a timestamp the store cannot decode.)
+    pub dead_at: DateTime<Utc>,
+}
+
+pub(crate) type DeadTuple = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    i32,
+    Option<String>,
+    Option<DateTime<Utc>>,
+);
+
+pub(crate) fn dead_row(t: DeadTuple) -> DeadOutboxRow {
+    DeadOutboxRow {
+        id: t.0,
+        message_key: t.1,
+        exchange: t.2,
+        routing_key: t.3,
+        message_type: t.4,
+        ordering_key: t.5,
+        attempts: t.6,
+        last_error: t.7,
+        // Selected with dead_at IS NOT NULL.
+        dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
+    }
+}

@@ -1,0 +1,117 @@
+//! SQLite: everything the store runs there. `claims` (the claim, row by row),
+//! `outbox` (leasing in id order), `retention` (purges), `catalog` and `collation`
+//! (the claim table's indexes and declared collations); this module connects,
+//! migrates, sets the pragmas and holds the immediate write transaction.
+
+mod catalog;
+mod claims;
+mod collation;
+mod operator;
+mod outbox;
+mod retention;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::{ConnectionResult, QueryResult, SqliteConnection};
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use inbox_core::Clock;
+
+use crate::backend::{private::Sealed, StoreConnection};
+use crate::url::sqlite_path;
+use crate::verify::Catalog;
+use crate::{Backend, Error, Result};
+
+const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
+
+impl StoreConnection for SqliteConnection {}
+
+impl Sealed for SqliteConnection {
+    const BACKEND: Backend = Backend::Sqlite;
+
+    /// Relays poll: nothing listens.
+    type Listener = ();
+
+    fn establish_url(url: &str) -> ConnectionResult<Self> {
+        SqliteConnection::establish(sqlite_path(url))
+    }
+
+    fn pool_url(url: &str) -> String {
+        sqlite_path(url).to_owned()
+    }
+
+    fn on_acquire(conn: &mut Self, _schema: Option<&str>) -> QueryResult<()> {
+        // Several pooled connections share one file: wait for the writer instead of
+        // failing at once, and let readers run beside it.
+        conn.batch_execute(
+            "PRAGMA busy_timeout = 5000; PRAGMA journal_mode = WAL; \
+             PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
+        )
+    }
+
+    fn reset_session(conn: &mut Self) -> QueryResult<()> {
+        // A transaction a handler left open (an error: none is open is fine).
+        let _ = conn.batch_execute("ROLLBACK");
+        Ok(())
+    }
+
+    fn set_timeouts(
+        _conn: &mut Self,
+        _statement: std::time::Duration,
+        _idle_in_transaction: std::time::Duration,
+    ) -> QueryResult<()> {
+        // No statement timeout in SQLite: a handler that hangs holds the writer lock
+        // until it returns.
+        Ok(())
+    }
+
+    fn recognises_server_errors(_conn: &mut Self) -> QueryResult<bool> {
+        // SQLite's messages are never translated.
+        Ok(true)
+    }
+
+    fn migrate(conn: &mut Self, _schema: Option<&str>) -> Result<()> {
+        conn.run_pending_migrations(MIGRATIONS)
+            .map(|_| ())
+            .map_err(Error::Migration)
+    }
+
+    fn catalog(conn: &mut Self) -> Result<Catalog> {
+        catalog::read(conn)
+    }
+
+    fn wait_for_enqueue(
+        _listener: &Mutex<()>,
+        _url: &str,
+        _schema: Option<&str>,
+        clock: &dyn Clock,
+        timeout: Duration,
+    ) -> Result<bool> {
+        // Polling is SQLite's only mode; a manual clock advances instead.
+        clock.sleep(timeout);
+        Ok(false)
+    }
+
+    fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&mut Self) -> std::result::Result<T, E>,
+        E: From<diesel::result::Error>,
+    {
+        // BEGIN IMMEDIATE: a deferred transaction that reads and then writes can fail
+        // with SQLITE_BUSY, which busy_timeout does not retry.
+        conn.immediate_transaction(f)
+    }
+
+    fn take_locks(_conn: &mut Self, _locks: &[(i64, bool)]) -> QueryResult<()> {
+        // One writer at a time already: the immediate transaction is the lock.
+        Ok(())
+    }
+
+    fn transaction_token(_conn: &mut Self) -> QueryResult<Option<String>> {
+        // SQLite has no transaction id diesel can read, and an error a handler
+        // swallowed does not abort an SQLite transaction.
+        Ok(None)
+    }
+}

@@ -1,0 +1,56 @@
+//! SQLite's outbox statements: leasing (one writer at a time, so id order is
+//! commit order) and no wake-up (relays poll); the rest is the shared DSL.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel::{QueryResult, SqliteConnection};
+
+use crate::statements::OutboxOps;
+
+/// One writer at a time, so ids are handed out in commit order: id order is
+/// an ordering key's order, and no transaction id is needed.
+const LEASE: &str = "\
+    UPDATE outbox_messages SET leased_until = ?2, leased_by = ?3 \
+    WHERE id IN ( \
+        SELECT o.id FROM outbox_messages o \
+        WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ?1 \
+          AND (o.leased_until IS NULL OR o.leased_until <= ?1) \
+          AND NOT EXISTS ( \
+              SELECT 1 FROM outbox_messages e \
+              WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
+                AND e.published_at IS NULL AND e.dead_at IS NULL) \
+        ORDER BY o.id LIMIT ?4) \
+    RETURNING id";
+
+#[derive(QueryableByName)]
+struct LeasedId {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+impl OutboxOps for SqliteConnection {
+    fn notify_enqueue(conn: &mut Self) -> QueryResult<()> {
+        // Relays poll: nothing to wake.
+        let _ = conn;
+        Ok(())
+    }
+
+    fn lease_ids(
+        conn: &mut Self,
+        relay: &str,
+        limit: i64,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> QueryResult<Vec<i64>> {
+        let ids: Vec<LeasedId> = diesel::sql_query(LEASE)
+            .bind::<diesel::sql_types::TimestamptzSqlite, _>(now)
+            .bind::<diesel::sql_types::TimestamptzSqlite, _>(until)
+            .bind::<Text, _>(relay)
+            .bind::<BigInt, _>(limit)
+            .load(conn)?;
+        Ok(ids.into_iter().map(|r| r.id).collect())
+    }
+
+    crate::dsl::outbox_dsl!(sqlite);
+}

@@ -1,0 +1,1 @@
+../../inbox-core/src/names.rs
