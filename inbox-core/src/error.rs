@@ -33,6 +33,13 @@ pub enum Error {
         /// The message type.
         message_type: String,
     },
+    /// A message was addressed to one consumer group (a replay) that this transport
+    /// does not consume.
+    #[error("no consumer group {group:?} here to deliver a replay to")]
+    UnknownGroup {
+        /// The consumer group.
+        group: String,
+    },
     /// The claim table broke its own invariant; the consumer group must stop.
     #[error(transparent)]
     ClaimInvariantViolated(#[from] ClaimInvariantViolated),

@@ -39,6 +39,7 @@
 
 mod clock;
 mod decision;
+mod duration;
 mod envelope;
 mod error;
 mod handler;
@@ -49,8 +50,10 @@ pub mod names;
 mod outbox;
 mod rebuild;
 mod relay;
+mod replay;
 mod retry;
 mod store;
+mod trace;
 mod transport;
 mod url;
 
@@ -59,6 +62,7 @@ pub use decision::{
     check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally,
     TransportAction,
 };
+pub use duration::{parse_duration, parse_ladder};
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, ErrorChain, Result};
 pub use handler::{
@@ -84,7 +88,9 @@ pub use rebuild::{
     DRIFT_SAMPLE,
 };
 pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
+pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, InboxStore};
+pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::{redact_message, redact_url, RedactedError};

@@ -192,7 +192,12 @@ impl<S: InboxStore> OutboxPublisher for InProcessTransport<S> {
     fn publish(&mut self, rows: &[OutboxRow], _within: Duration) -> Publication {
         let mut publication = Publication::default();
         for row in rows {
-            match InProcessTransport::publish(self, row.message.to_envelope()) {
+            // A replay is for one group alone (see `replay_target`).
+            let sent = match crate::replay_target(&row.message) {
+                Some(group) => self.deliver_to(&group, row.message.to_envelope()),
+                None => InProcessTransport::publish(self, row.message.to_envelope()),
+            };
+            match sent {
                 Ok(_) => publication.confirmed(row.id),
                 Err(err) => publication.failed(row.id, err.to_string()),
             }

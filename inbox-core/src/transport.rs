@@ -137,6 +137,18 @@ impl<S: InboxStore> InProcessTransport<S> {
         Ok(groups.len())
     }
 
+    /// Queues `envelope` for `group` alone, if this transport consumes that group
+    /// (a replay, see [`crate::replay_target`]); returns 1.
+    pub fn deliver_to(&mut self, group: &ConsumerGroup, envelope: Envelope) -> Result<usize> {
+        if !self.queues.contains_key(group) {
+            return Err(Error::UnknownGroup {
+                group: group.to_string(),
+            });
+        }
+        self.deliver(group, envelope);
+        Ok(1)
+    }
+
     /// Queues `envelope` for `group` exactly as given (a test can hand in a
     /// redelivered copy or a type no handler takes).
     pub fn deliver(&mut self, group: &ConsumerGroup, envelope: Envelope) {

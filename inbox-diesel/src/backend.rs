@@ -26,6 +26,8 @@ pub(crate) mod private {
         + RetentionOps
         + crate::idempotency::IdempotencyOps
         + crate::rebuild_ops::RebuildOps
+        + crate::operator::OperatorOps
+        + crate::operator::CatalogOps
         + Sized
     {
         const BACKEND: Backend;

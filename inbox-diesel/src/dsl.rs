@@ -286,8 +286,9 @@ macro_rules! outbox_dsl {
                     available_at.eq(row.available_at),
                     attempts.eq(0),
                 ))
-                .on_conflict(message_key)
-                .do_nothing()
+                // The only unique key besides the id is (message_key, replay_seq),
+                // and a producer's row has replay_seq 0.
+                .on_conflict_do_nothing()
                 .returning(id)
                 .get_result(conn)
                 .optional()

@@ -86,6 +86,17 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The operator migration's objects are missing or wrong (see
+    /// [`Store::verify_schema`](crate::Store::verify_schema)).
+    #[error("schema mismatch: expected {expected}, found {found} on {table}")]
+    OperatorSchema {
+        /// What the store needs.
+        expected: String,
+        /// What the catalog holds.
+        found: String,
+        /// The table.
+        table: String,
+    },
     /// An outbox message was refused before it was written.
     #[error("invalid outbox message {key}: {reason}")]
     InvalidOutboxMessage {

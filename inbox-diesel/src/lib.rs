@@ -41,6 +41,7 @@ mod batch;
 mod dsl;
 mod error;
 mod idempotency;
+mod operator;
 mod outbox;
 mod pg;
 mod pool;
@@ -62,6 +63,12 @@ pub use error::{Error, Result, SchemaProblem};
 pub use idempotency::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
     settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
+};
+pub use operator::{
+    replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
+    DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, LetterCount,
+    LetterStatus, OperatorStats, PurgeReport, RedriveFilter, ReplayOutcome, ReplayTarget,
+    CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,

@@ -252,7 +252,8 @@ impl<C: StoreConnection> Store<C> {
         let mut conn = self.connection()?;
         verify::check(&C::catalog(&mut conn)?)?;
         crate::idempotency::verify_on(&mut *conn)?;
-        crate::rebuild::verify(&mut *conn)
+        crate::rebuild::verify(&mut *conn)?;
+        Self::check_operator_schema(&mut conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -654,6 +655,7 @@ fn first_connection<C: StoreConnection>(
         verify::check(&C::catalog(&mut first)?)?;
         crate::idempotency::verify_on(&mut first)?;
         crate::rebuild::verify(&mut first)?;
+        Store::<C>::check_operator_schema(&mut first)?;
     }
     Ok(first)
 }

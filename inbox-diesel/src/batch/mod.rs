@@ -101,13 +101,17 @@ impl<C: StoreConnection> Inner<C> {
         let spans: Vec<tracing::Span> = batch
             .iter()
             .map(|env| {
-                tracing::debug_span!(
+                let span = tracing::debug_span!(
                     "inbox.delivery",
                     group = %group,
                     key = %env.message_key,
                     attempt = tracing::field::Empty,
                     outcome = tracing::field::Empty,
-                )
+                    traceparent = tracing::field::Empty,
+                );
+                // The producer's trace is the delivery's parent (before it is entered).
+                inbox_core::adopt_trace_parent(&span, env);
+                span
             })
             .collect();
         let (mut pending, unstorable) = self.deliveries(group, batch, &spans);

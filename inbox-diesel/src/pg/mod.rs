@@ -8,6 +8,7 @@ mod catalog;
 mod claims;
 mod idempotency;
 mod listen;
+mod operator;
 mod outbox;
 mod rebuild;
 mod retention;

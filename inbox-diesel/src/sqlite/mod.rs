@@ -7,6 +7,7 @@ mod catalog;
 mod claims;
 mod collation;
 mod idempotency;
+mod operator;
 mod outbox;
 mod rebuild;
 mod retention;

@@ -1,0 +1,235 @@
+//! The command line: clap types a host binary mounts (see the crate docs).
+
+use clap::{Args, Subcommand, ValueEnum};
+
+/// Options every subcommand takes. Mount them with `#[command(flatten)]`.
+#[derive(Clone, Debug, Default, Args)]
+pub struct GlobalArgs {
+    /// The database: postgres://... or sqlite://... (a password in it is never printed).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// PostgreSQL: the schema holding the inbox tables (default: the search path).
+    #[arg(long, env = "INBOX_SCHEMA", global = true)]
+    pub schema: Option<String>,
+    /// The prefix of the exchange and queue names (as the consumer's topology has it).
+    #[arg(long, env = "INBOX_PREFIX", global = true, default_value = "")]
+    pub prefix: String,
+    /// Print JSON (stable field names, see the README) instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// The operator subcommands. Mount them with `#[command(flatten)]` in your own
+/// `Subcommand` enum, or as one variant with `#[command(subcommand)]`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum Command {
+    /// Dead letters: list, show, failure groups, replay, discard.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+    /// Claims: show one key's, redrive failed ones whose retry copy was lost.
+    #[command(subcommand)]
+    Claims(ClaimCommand),
+    /// Claims by status per group, retries, dead letters, the outbox backlog.
+    Stats,
+    /// Checks the database schema and, with AMQP_URL, the broker topology.
+    Verify(VerifyArgs),
+    /// Deletes published outbox rows, done claims and discarded dead letters past
+    /// their retention, in bounded batches.
+    Purge(PurgeArgs),
+    /// Sends canary messages through the deployment (outbox, relay, broker, a
+    /// consumer with the canary handler) and reports arrivals, losses, doubles and
+    /// latency; exits 6 on any loss or double.
+    Selftest(SelftestArgs),
+}
+
+/// `selftest`.
+#[derive(Clone, Debug, Args)]
+pub struct SelftestArgs {
+    /// Canary messages to send.
+    #[arg(long, default_value_t = 10)]
+    pub count: u32,
+    /// How long to wait for them (50ms, 10s, 1m, ...).
+    #[arg(long, default_value = "30s")]
+    pub timeout: String,
+    /// The exchange (without the prefix) the consumers' canary group is bound to.
+    #[arg(long, env = "INBOX_EXCHANGE", default_value = "billing")]
+    pub exchange: String,
+    /// Publish the canaries with a relay of this command's own (otherwise the
+    /// deployment's running relay publishes them); needs AMQP_URL.
+    #[arg(long)]
+    pub relay: bool,
+    /// The broker, for --relay (password never printed).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+}
+
+/// `dead-letters ...`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// Lists dead letters, newest first.
+    List {
+        /// Which letters.
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Skip this many first (paging).
+        #[arg(long, default_value_t = 0)]
+        offset: usize,
+    },
+    /// Shows one dead letter: payload, headers, reason, error, attempts, failures, replays.
+    Show {
+        /// The letter's id.
+        id: i64,
+    },
+    /// Groups dead letters by failure: reason, message type, error kind and first line.
+    Groups {
+        /// Which letters.
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// Replays one letter (by id) or every letter matching the filter (needs --yes).
+    Replay {
+        /// One letter's id.
+        id: Option<i64>,
+        /// Which letters.
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// At most this many letters.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Confirms a bulk replay.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Discards (archives) one letter or every letter matching the filter (needs --yes).
+    Discard {
+        /// One letter's id.
+        id: Option<i64>,
+        /// Which letters.
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// At most this many letters.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Confirms a bulk discard.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Which dead letters (every option narrows).
+#[derive(Clone, Debug, Default, Args)]
+pub struct FilterArgs {
+    /// Only this consumer group.
+    #[arg(long)]
+    pub consumer_group: Option<String>,
+    /// Only this reason (max_attempts, permanent, no_handler, ...).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Only this message type.
+    #[arg(long = "type")]
+    pub message_type: Option<String>,
+    /// Only this message key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Only letters dead-lettered since: RFC 3339, or a duration ago (1h, 2d).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Only letters dead-lettered before: RFC 3339, or a duration ago.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Only this failure group (its fingerprint, from `dead-letters groups`).
+    #[arg(long)]
+    pub group: Option<String>,
+    /// pending, replayed, discarded, or active (pending or replayed). Default: active
+    /// for list, pending for groups, replay and discard.
+    #[arg(long, value_enum)]
+    pub status: Option<StatusArg>,
+}
+
+/// A dead letter's status, as a filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StatusArg {
+    /// Neither replayed nor discarded.
+    Pending,
+    /// Replayed.
+    Replayed,
+    /// Discarded.
+    Discarded,
+    /// Pending or replayed.
+    Active,
+}
+
+/// `claims ...`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum ClaimCommand {
+    /// Shows the claims of a message key, one per consumer group.
+    Show {
+        /// The message key.
+        key: String,
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer_group: Option<String>,
+    },
+    /// Sends failed claims again whose retry copy was lost (due and unchanged for
+    /// --overdue-for); needs --yes.
+    Redrive {
+        /// Only this consumer group.
+        #[arg(long)]
+        consumer_group: Option<String>,
+        /// Only this message key.
+        #[arg(long)]
+        key: Option<String>,
+        /// How long a retry must be overdue (50ms, 10s, 5m, ...).
+        #[arg(long, default_value = "60s")]
+        overdue_for: String,
+        /// At most this many claims.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Confirms the redrive.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// `verify`.
+#[derive(Clone, Debug, Default, Args)]
+pub struct VerifyArgs {
+    /// The broker; with it, the topology is checked too (password never printed).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+    /// The topic exchange the groups are bound to (without the prefix); checked when set.
+    #[arg(long, env = "INBOX_EXCHANGE")]
+    pub exchange: Option<String>,
+    /// A consumer group to check (repeatable); default: every group with a claim.
+    #[arg(long = "consumer-group")]
+    pub consumer_groups: Vec<String>,
+    /// The retry ladder of the consumers (50ms,200ms); default: the framework's.
+    #[arg(long, env = "INBOX_RETRY_LADDER")]
+    pub retry_ladder: Option<String>,
+}
+
+/// `purge`.
+#[derive(Clone, Debug, Args)]
+pub struct PurgeArgs {
+    /// Keep published outbox rows this long.
+    #[arg(long, default_value = "7d")]
+    pub published: String,
+    /// Keep done claims this long (at least --longest-retry).
+    #[arg(long, default_value = "30d")]
+    pub done_claims: String,
+    /// Keep discarded dead letters this long.
+    #[arg(long, default_value = "30d")]
+    pub discarded: String,
+    /// The longest retry delay of the consumers (the done-claim window may not be shorter).
+    #[arg(long, default_value = "10m")]
+    pub longest_retry: String,
+    /// Rows per transaction.
+    #[arg(long, default_value_t = 1000)]
+    pub batch: usize,
+    /// Count what would be deleted; delete nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}

@@ -1,0 +1,19 @@
+//! `inbox`: the operator commands on their own. See the crate's README.
+
+use clap::Parser;
+
+/// Operator commands for a transactional inbox: dead letters, claims, stats, verify, purge.
+#[derive(Debug, Parser)]
+#[command(name = "inbox", version)]
+struct Cli {
+    #[command(flatten)]
+    global: inbox_cli::GlobalArgs,
+    #[command(subcommand)]
+    command: inbox_cli::Command,
+}
+
+fn main() -> std::process::ExitCode {
+    inbox_diesel::init_tls();
+    let cli = Cli::parse();
+    inbox_cli::run(&cli.global, &cli.command)
+}

@@ -1,0 +1,315 @@
+//! Human tables and the JSON documents (field names are a contract: see the README).
+
+use std::fmt::Write as _;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use inbox_diesel::{ClaimRecord, DeadLetterDetails, DeadLetterEntry, FailureGroup, OperatorStats};
+use serde_json::{json, Value};
+
+/// Columns padded to their widest cell.
+pub(crate) struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub(crate) fn new<const N: usize>(header: [&str; N]) -> Self {
+        Self {
+            header: header.iter().map(|h| (*h).to_owned()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub(crate) fn row<const N: usize>(&mut self, cells: [String; N]) {
+        self.rows
+            .push(cells.into_iter().map(|c| one_line(&c)).collect());
+    }
+
+    /// The table, or `(none)`, then a summary line.
+    pub(crate) fn render(&self, summary: &str) -> String {
+        let mut out = String::new();
+        if self.rows.is_empty() {
+            let _ = writeln!(out, "(none)");
+        } else {
+            let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+            for row in &self.rows {
+                for (w, cell) in widths.iter_mut().zip(row) {
+                    *w = (*w).max(cell.chars().count());
+                }
+            }
+            for row in std::iter::once(&self.header).chain(&self.rows) {
+                let last = row.len().saturating_sub(1);
+                let mut line = String::new();
+                for (i, (cell, w)) in row.iter().zip(&widths).enumerate() {
+                    if i == last {
+                        line.push_str(cell);
+                    } else {
+                        let _ = write!(line, "{cell:<w$}  ");
+                    }
+                }
+                let _ = writeln!(out, "{}", line.trim_end());
+            }
+        }
+        let _ = writeln!(out, "{summary}");
+        out
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.replace(['\n', '\r', '\t'], " ")
+}
+
+/// A time as RFC 3339 in UTC, to the second.
+pub(crate) fn time(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+fn time_json(t: Option<DateTime<Utc>>) -> Value {
+    t.map_or(Value::Null, |t| {
+        Value::String(t.to_rfc3339_opts(SecondsFormat::Micros, true))
+    })
+}
+
+/// The first line of an error, at most 80 characters.
+pub(crate) fn first_line(text: Option<&str>) -> String {
+    let line = text.unwrap_or_default().lines().next().unwrap_or_default();
+    if line.chars().count() > 80 {
+        let cut: String = line.chars().take(77).collect();
+        format!("{cut}...")
+    } else {
+        line.to_owned()
+    }
+}
+
+pub(crate) fn entry_json(e: &DeadLetterEntry) -> Value {
+    json!({
+        "id": e.id,
+        "consumer_group": e.consumer_group,
+        "message_key": e.message_key,
+        "message_type": e.message_type,
+        "tenant": e.tenant,
+        "reason": e.reason,
+        "attempts": e.attempts,
+        "last_error": e.last_error,
+        "dead_lettered_at": time_json(Some(e.dead_lettered_at)),
+        "replay_count": e.replay_count,
+        "replayed_at": time_json(e.replayed_at),
+        "discarded_at": time_json(e.discarded_at),
+        "failure_group": e.failure_group,
+        "status": e.status.as_str(),
+        "delivered_by_replay": e.delivered_by_replay,
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
+    let mut v = entry_json(&d.entry);
+    let text = std::str::from_utf8(&d.payload).ok();
+    if let Value::Object(map) = &mut v {
+        map.insert("payload".into(), json!(text));
+        map.insert("payload_hex".into(), json!(hex(&d.payload)));
+        map.insert("headers".into(), json!(d.headers));
+        map.insert(
+            "traceparent".into(),
+            json!(d.headers.get(inbox_core::TRACEPARENT_HEADER)),
+        );
+        map.insert(
+            "first_failure_at".into(),
+            time_json(Some(d.first_failure_at)),
+        );
+        map.insert("last_failure_at".into(), time_json(Some(d.last_failure_at)));
+        map.insert(
+            "claim_status".into(),
+            json!(d.claim_status.map(|s| s.as_str())),
+        );
+        map.insert("replayable".into(), json!(d.replay_refusal.is_none()));
+        map.insert("replay_refusal".into(), json!(d.replay_refusal));
+    }
+    v
+}
+
+pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
+    let e = &d.entry;
+    let mut out = String::new();
+    let mut field = |name: &str, value: String| {
+        let _ = writeln!(out, "{name:<20} {value}");
+    };
+    field("id", e.id.to_string());
+    field("consumer group", e.consumer_group.clone());
+    field("message key", e.message_key.clone());
+    field("message type", e.message_type.clone());
+    field("tenant", e.tenant.clone().unwrap_or_else(|| "-".to_owned()));
+    field("reason", e.reason.clone());
+    field("status", e.status.as_str().to_owned());
+    field("attempts", e.attempts.to_string());
+    field("dead-lettered at", time(e.dead_lettered_at));
+    field("first failure", time(d.first_failure_at));
+    field("last failure", time(d.last_failure_at));
+    field("replays", e.replay_count.to_string());
+    field(
+        "last replayed at",
+        e.replayed_at.map_or_else(|| "-".to_owned(), time),
+    );
+    if let Some(n) = e.delivered_by_replay {
+        field("delivered by replay", n.to_string());
+    }
+    field(
+        "claim",
+        d.claim_status.map_or("none", |s| s.as_str()).to_owned(),
+    );
+    field("failure group", e.failure_group.clone());
+    if let Some(tp) = d.headers.get(inbox_core::TRACEPARENT_HEADER) {
+        field("traceparent", tp.clone());
+    }
+    field(
+        "replayable",
+        match d.replay_refusal {
+            None => "yes".to_owned(),
+            Some(why) => format!("no: {why}"),
+        },
+    );
+    field(
+        "last error",
+        one_line(e.last_error.as_deref().unwrap_or("-")),
+    );
+    let _ = writeln!(out, "headers:");
+    if d.headers.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    }
+    for (k, v) in &d.headers {
+        let _ = writeln!(out, "  {k}: {}", one_line(v));
+    }
+    let _ = writeln!(out, "payload ({} bytes):", d.payload.len());
+    match std::str::from_utf8(&d.payload) {
+        Ok(text) => {
+            let _ = writeln!(out, "  {text}");
+        }
+        Err(_) => {
+            let _ = writeln!(out, "  hex {}", hex(&d.payload));
+        }
+    }
+    out
+}
+
+pub(crate) fn group_json(g: &FailureGroup) -> Value {
+    json!({
+        "fingerprint": g.fingerprint,
+        "reason": g.reason,
+        "message_type": g.message_type,
+        "kind": g.kind,
+        "signature": g.signature,
+        "count": g.count,
+        "consumer_groups": g.consumer_groups,
+        "first_seen": time_json(Some(g.first_seen)),
+        "last_seen": time_json(Some(g.last_seen)),
+        "replayable": g.replayable,
+    })
+}
+
+pub(crate) fn claim_json(c: &ClaimRecord) -> Value {
+    json!({
+        "consumer_group": c.group,
+        "message_key": c.key,
+        "message_type": c.message_type,
+        "tenant": c.tenant,
+        "status": c.status.as_str(),
+        "attempts": c.attempts,
+        "starts": c.starts,
+        "next_attempt_at": time_json(c.next_attempt_at),
+        "last_error": c.last_error,
+        "has_payload": c.has_payload,
+        "first_seen_at": time_json(Some(c.first_seen_at)),
+        "updated_at": time_json(Some(c.updated_at)),
+    })
+}
+
+pub(crate) fn stats_json(s: &OperatorStats) -> Value {
+    let groups: Vec<Value> = s
+        .groups
+        .iter()
+        .map(|g| {
+            json!({
+                "consumer_group": g.consumer_group,
+                "started": g.started,
+                "done": g.done,
+                "failed": g.failed,
+                "dead": g.dead,
+                "retries_due": g.retries_due,
+                "retries_waiting": g.retries_waiting,
+                "oldest_pending_retry": time_json(g.oldest_pending_retry),
+                "oldest_unprocessed_at": time_json(g.oldest_unprocessed_at),
+            })
+        })
+        .collect();
+    let letters: Vec<Value> = s
+        .dead_letters
+        .iter()
+        .map(
+            |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason, "count": l.count }),
+        )
+        .collect();
+    json!({
+        "at": time_json(Some(s.at)),
+        "groups": groups,
+        "dead_letters": letters,
+        "outbox": {
+            "backlog": s.outbox_backlog,
+            "oldest_unpublished_age_seconds": s.oldest_unpublished_age.map(|d| d.as_secs_f64()),
+            "dead": s.dead_outbox_rows,
+        },
+    })
+}
+
+pub(crate) fn stats_text(s: &OperatorStats) -> String {
+    let mut claims = Table::new([
+        "GROUP",
+        "STARTED",
+        "DONE",
+        "FAILED",
+        "DEAD",
+        "RETRIES_DUE",
+        "RETRIES_WAITING",
+        "OLDEST_PENDING_RETRY",
+    ]);
+    for g in &s.groups {
+        claims.row([
+            g.consumer_group.clone(),
+            g.started.to_string(),
+            g.done.to_string(),
+            g.failed.to_string(),
+            g.dead.to_string(),
+            g.retries_due.to_string(),
+            g.retries_waiting.to_string(),
+            g.oldest_pending_retry.map_or_else(|| "-".to_owned(), time),
+        ]);
+    }
+    let mut letters = Table::new(["GROUP", "REASON", "DEAD_LETTERS"]);
+    for l in &s.dead_letters {
+        letters.row([
+            l.consumer_group.clone(),
+            l.reason.clone(),
+            l.count.to_string(),
+        ]);
+    }
+    let age = s
+        .oldest_unpublished_age
+        .map_or_else(|| "-".to_owned(), |d| format!("{:.1}s", d.as_secs_f64()));
+    format!(
+        "claims\n{}\npending dead letters\n{}\noutbox: {} unpublished (oldest {age}), {} dead\n",
+        claims.render(&format!("{} groups", s.groups.len())),
+        letters.render(&format!(
+            "{} pending dead letters",
+            s.dead_letters.iter().map(|l| l.count).sum::<u64>()
+        )),
+        s.outbox_backlog,
+        s.dead_outbox_rows
+    )
+}

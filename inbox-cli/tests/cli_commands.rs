@@ -1,0 +1,362 @@
+//! The real `inbox` binary against a real database (SQLite, and PostgreSQL when
+//! configured): human tables, JSON documents, exit codes, no password printed.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::process::{Command, Output};
+
+use inbox_core::{DeadLetterReason, Decision};
+use inbox_test_support::{group, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture};
+use serde_json::Value;
+
+const GROUP: &str = "billing.daily-usage";
+
+struct Db {
+    url: String,
+    schema: Option<String>,
+}
+
+fn inbox(db: &Db, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_inbox"));
+    cmd.env_remove("INBOX_SCHEMA")
+        .env_remove("INBOX_PREFIX")
+        .env_remove("AMQP_URL")
+        .env("DATABASE_URL", &db.url);
+    if let Some(schema) = &db.schema {
+        cmd.args(["--schema", schema]);
+    }
+    cmd.args(args).output().unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).unwrap()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+/// Two `max_attempts` letters, one `key_collision` letter, one done claim.
+fn seed<F: Fixture>(fx: &F) {
+    let store = fx
+        .builder()
+        .handler(
+            Recorder::new(GROUP)
+                .policy(
+                    inbox_core::RetryPolicy::new(
+                        1,
+                        std::time::Duration::from_millis(1),
+                        std::time::Duration::from_millis(1),
+                    )
+                    .unwrap(),
+                )
+                .behaviour(|key, _| {
+                    if key.starts_with("bad-") {
+                        Outcome::FailWith(format!("row {} locked", key.len()))
+                    } else {
+                        Outcome::Apply
+                    }
+                }),
+        )
+        .build()
+        .unwrap();
+    inbox_test_support::TestConn::create_effects(&mut *store.connection().unwrap()).unwrap();
+    let g = group(GROUP);
+    for key in ["bad-1", "bad-22"] {
+        assert_eq!(
+            store.process_batch(&g, &[usage(key, 1)]).unwrap(),
+            [Decision::DeadLettered(DeadLetterReason::MaxAttempts)]
+        );
+    }
+    assert_eq!(
+        store.process_batch(&g, &[usage("ok-1", 1)]).unwrap(),
+        [Decision::Processed]
+    );
+    assert_eq!(
+        store.process_batch(&g, &[usage("ok-1", 2)]).unwrap(),
+        [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
+    );
+}
+
+fn scenario(db: &Db) {
+    // Human list: a header, the rows, a summary.
+    let list = inbox(db, &["dead-letters", "list"]);
+    assert_eq!(code(&list), 0, "{}", stderr(&list));
+    let text = stdout(&list);
+    assert!(text.starts_with("ID "), "{text}");
+    assert!(
+        text.contains("bad-22") && text.contains("key_collision"),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("3 dead letters"), "{text}");
+
+    // JSON list, newest first, with the documented fields.
+    let list = json(&inbox(
+        db,
+        &["--json", "dead-letters", "list", "--reason", "max_attempts"],
+    ));
+    let letters = list["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 2);
+    assert_eq!(letters[0]["message_key"], "bad-22");
+    for field in [
+        "id",
+        "consumer_group",
+        "message_key",
+        "message_type",
+        "tenant",
+        "reason",
+        "attempts",
+        "last_error",
+        "dead_lettered_at",
+        "replay_count",
+        "replayed_at",
+        "discarded_at",
+        "failure_group",
+        "status",
+        "delivered_by_replay",
+    ] {
+        assert!(letters[0].get(field).is_some(), "{field}: {}", letters[0]);
+    }
+    assert_eq!(letters[0]["status"], "pending");
+    let first_id = letters[1]["id"].as_i64().unwrap();
+
+    // Failure groups: the two max_attempts letters are one group.
+    let groups = json(&inbox(db, &["--json", "dead-letters", "groups"]));
+    let groups = groups["failure_groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    assert_eq!(groups[0]["count"], 2);
+    assert_eq!(groups[0]["signature"], "row <n> locked");
+    assert_eq!(groups[0]["consumer_groups"][0], GROUP);
+    assert_eq!(groups[0]["replayable"], true);
+    let fingerprint = groups[0]["fingerprint"].as_str().unwrap().to_owned();
+    let human = stdout(&inbox(db, &["dead-letters", "groups"]));
+    assert!(
+        human.starts_with("FAILURE_GROUP") && human.contains(&fingerprint),
+        "{human}"
+    );
+
+    // Show: human and JSON.
+    let show = inbox(db, &["dead-letters", "show", &first_id.to_string()]);
+    assert_eq!(code(&show), 0);
+    let text = stdout(&show);
+    assert!(
+        text.contains("bad-1") && text.contains(r#"{"amount":1}"#),
+        "{text}"
+    );
+    let show = json(&inbox(
+        db,
+        &["--json", "dead-letters", "show", &first_id.to_string()],
+    ));
+    assert_eq!(show["payload"], r#"{"amount":1}"#);
+    assert_eq!(show["claim_status"], "dead");
+    assert_eq!(show["replayable"], true);
+    assert!(show["headers"].is_object());
+
+    // Not found: exit 4, a JSON error on stdout with --json.
+    let missing = inbox(db, &["--json", "dead-letters", "show", "999999"]);
+    assert_eq!(code(&missing), 4);
+    assert_eq!(json(&missing)["exit_code"], 4);
+    assert!(stderr(&missing).contains("no dead letter 999999"));
+
+    // A bulk replay needs --yes: exit 2, nothing changed.
+    let refused = inbox(db, &["dead-letters", "replay", "--group", &fingerprint]);
+    assert_eq!(code(&refused), 2);
+    assert!(stderr(&refused).contains("refusing to replay 2 dead letters without --yes"));
+    let still = json(&inbox(
+        db,
+        &["--json", "dead-letters", "list", "--status", "pending"],
+    ));
+    assert_eq!(still["dead_letters"].as_array().unwrap().len(), 3);
+
+    // The collision letter is refused: exit 5, with the advice.
+    let collision = json(&inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "list",
+            "--reason",
+            "key_collision",
+        ],
+    ));
+    let collision_id = collision["dead_letters"][0]["id"]
+        .as_i64()
+        .unwrap()
+        .to_string();
+    let refused = inbox(db, &["--json", "dead-letters", "replay", &collision_id]);
+    assert_eq!(code(&refused), 5, "{}", stdout(&refused));
+    assert_eq!(json(&refused)["outcome"], "refused");
+
+    // Replay by failure group: the count; again: nothing.
+    let replay = inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "replay",
+            "--group",
+            &fingerprint,
+            "--yes",
+        ],
+    );
+    assert_eq!(code(&replay), 0, "{}", stderr(&replay));
+    let report = json(&replay);
+    assert_eq!(
+        (report["matched"].as_u64(), report["replayed"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let again = inbox(
+        db,
+        &[
+            "dead-letters",
+            "replay",
+            "--group",
+            &fingerprint,
+            "--status",
+            "replayed",
+            "--yes",
+        ],
+    );
+    assert_eq!(code(&again), 0);
+    assert!(
+        stdout(&again).starts_with("replayed 0 of 2 dead letters"),
+        "{}",
+        stdout(&again)
+    );
+    let one = json(&inbox(
+        db,
+        &["--json", "dead-letters", "replay", &first_id.to_string()],
+    ));
+    assert_eq!(one["outcome"], "claim_not_dead");
+    assert_eq!(one["claim_status"], "failed");
+
+    // Claims of a key.
+    let claims = json(&inbox(db, &["--json", "claims", "show", "bad-1"]));
+    assert_eq!(claims["claims"][0]["status"], "failed");
+    assert_eq!(claims["claims"][0]["attempts"], 0);
+    assert_eq!(code(&inbox(db, &["claims", "show", "no-such-key"])), 4);
+
+    // Stats: the replays wait in the outbox.
+    let stats = json(&inbox(db, &["--json", "stats"]));
+    assert_eq!(stats["outbox"]["backlog"], 2);
+    assert_eq!(stats["groups"][0]["consumer_group"], GROUP);
+    assert_eq!(stats["groups"][0]["failed"], 2);
+    assert_eq!(stats["groups"][0]["done"], 1);
+    assert_eq!(stats["dead_letters"][0]["reason"], "key_collision");
+    let human = stdout(&inbox(db, &["stats"]));
+    assert!(human.contains("outbox: 2 unpublished"), "{human}");
+
+    // Discard, bulk with a limit.
+    let discard = json(&inbox(
+        db,
+        &[
+            "--json",
+            "dead-letters",
+            "discard",
+            "--status",
+            "replayed",
+            "--limit",
+            "1",
+            "--yes",
+        ],
+    ));
+    assert_eq!(discard["discarded"], 1);
+    let purge = json(&inbox(
+        db,
+        &["--json", "purge", "--discarded", "0s", "--dry-run"],
+    ));
+    assert_eq!(purge["dry_run"], true);
+    assert_eq!(purge["discarded_dead_letters"], 1);
+    let purge = json(&inbox(
+        db,
+        &["--json", "purge", "--discarded", "0s", "--batch", "1"],
+    ));
+    assert_eq!(purge["discarded_dead_letters"], 1);
+    assert_eq!(
+        code(&inbox(
+            db,
+            &["purge", "--done-claims", "1m", "--longest-retry", "10m"]
+        )),
+        2
+    );
+
+    // Verify.
+    let verify = inbox(db, &["verify"]);
+    assert_eq!(code(&verify), 0, "{}", stderr(&verify));
+    assert_eq!(
+        stdout(&verify),
+        "schema: ok\ntopology: skipped (no AMQP_URL)\n"
+    );
+    // Bad arguments.
+    assert_eq!(
+        code(&inbox(
+            db,
+            &["dead-letters", "list", "--since", "yesterday"]
+        )),
+        2
+    );
+    assert_eq!(code(&inbox(db, &["dead-letters", "nonsense"])), 2);
+}
+
+#[test]
+fn sqlite_session() {
+    let fx = SqliteFixture::new();
+    seed(&fx);
+    let db = Db {
+        url: format!("sqlite://{}", fx.path),
+        schema: None,
+    };
+    scenario(&db);
+    // A schema the store cannot work with: exit 3, for verify and every other command.
+    fx.execute("DROP INDEX inbox_dead_letters_recent; ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
+    let verify = inbox(&db, &["--json", "verify"]);
+    assert_eq!(code(&verify), 3);
+    assert_eq!(json(&verify)["schema"], "error");
+    assert_eq!(code(&inbox(&db, &["stats"])), 3);
+}
+
+#[test]
+fn postgres_session() {
+    let Some(fx) = PgFixture::new() else { return };
+    seed(&fx);
+    let db = Db {
+        url: fx.url().to_owned(),
+        schema: Some(fx.schema.clone()),
+    };
+    scenario(&db);
+}
+
+#[test]
+fn no_database_and_an_unreachable_one_say_so_without_the_password() {
+    let none = Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .env_remove("DATABASE_URL")
+        .args(["stats"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&none), 2);
+    assert!(stderr(&none).contains("DATABASE_URL"));
+    let db = Db {
+        url: "postgres://operator:s3cret-pw@127.0.0.1:1/nowhere".to_owned(),
+        schema: None,
+    };
+    for args in [&["stats"][..], &["--json", "verify"][..]] {
+        let out = inbox(&db, args);
+        assert_eq!(code(&out), 1, "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("could not connect"),
+            "{}",
+            stderr(&out)
+        );
+        for printed in [stdout(&out), stderr(&out)] {
+            assert!(!printed.contains("s3cret-pw"), "{printed}");
+        }
+    }
+}

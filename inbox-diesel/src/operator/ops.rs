@@ -1,0 +1,733 @@
+//! The operator's statements, written once as diesel DSL and expanded by each backend
+//! (`pg/operator.rs`, `sqlite/operator.rs`), like `dsl.rs`'s claim and outbox
+//! statements; the catalog reads of the schema check are each backend's own.
+
+use chrono::{DateTime, Utc};
+use diesel::result::QueryResult;
+
+use super::DeadLetterFilter;
+
+/// A dead letter without its payload.
+pub(crate) type EntryTuple = (
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    i32,
+    String,
+    Option<String>,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    i32,
+    Option<DateTime<Utc>>,
+);
+
+/// The first and last time a key was dead-lettered in a group.
+pub(crate) type FailureSpan = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+
+/// A dead letter as a replay needs it.
+pub struct Letter {
+    pub id: i64,
+    pub group: String,
+    pub key: String,
+    pub message_type: String,
+    pub tenant: Option<String>,
+    pub payload: Vec<u8>,
+    pub headers: String,
+    pub reason: String,
+    pub discarded: bool,
+}
+
+/// An outbox row addressed to one group.
+pub struct NewReplay<'a> {
+    pub key: &'a str,
+    pub routing_key: &'a str,
+    pub message_type: &'a str,
+    pub tenant: Option<&'a str>,
+    pub payload: &'a [u8],
+    pub headers: &'a str,
+    pub sequence: i32,
+    pub now: DateTime<Utc>,
+}
+
+/// A failed claim that may be redriven.
+pub struct Redrivable {
+    pub group: String,
+    pub key: String,
+    pub message_type: String,
+    pub tenant: Option<String>,
+    pub payload: Vec<u8>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A claim row, as `ClaimRecord` is built from.
+pub(crate) type ClaimTuple = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    i32,
+    i32,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    bool,
+    DateTime<Utc>,
+    DateTime<Utc>,
+);
+
+/// What `stats` reads, raw.
+#[derive(Default)]
+pub struct RawStats {
+    pub claims: Vec<(String, String, i64)>,
+    pub due: Vec<(String, i64)>,
+    pub oldest_retry: Vec<(String, Option<DateTime<Utc>>)>,
+    pub oldest_unprocessed: Vec<(String, Option<DateTime<Utc>>)>,
+    pub letters: Vec<(String, String, i64)>,
+    pub backlog: i64,
+    pub oldest_unpublished: Option<DateTime<Utc>>,
+    pub dead_outbox: i64,
+}
+
+/// The operator statements every backend runs, on its own connection type.
+pub trait OperatorOps: Sized {
+    /// Dead letters matching `filter` (the failure group aside), newest first.
+    #[doc(hidden)]
+    fn op_entries(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+        limit: Option<i64>,
+        offset: i64,
+    ) -> QueryResult<Vec<EntryTuple>>;
+
+    /// One dead letter with its payload.
+    #[doc(hidden)]
+    fn op_letter(conn: &mut Self, id: i64) -> QueryResult<Option<Letter>>;
+
+    /// One dead letter without its payload.
+    #[doc(hidden)]
+    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, Vec<u8>)>>;
+
+    /// The first and last time a (group, key) was dead-lettered.
+    #[doc(hidden)]
+    fn op_failure_span(conn: &mut Self, group: &str, key: &str) -> QueryResult<FailureSpan>;
+
+    /// The guarded reset of a dead claim: only a `dead` claim of this payload digest
+    /// becomes a due `failed` one with no attempts or starts; returns rows touched.
+    #[doc(hidden)]
+    fn op_reset_dead_claim(
+        conn: &mut Self,
+        group: &str,
+        key: &str,
+        digest: &[u8],
+        payload: &[u8],
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
+    /// A claim's status and digest.
+    #[doc(hidden)]
+    fn op_claim_state(
+        conn: &mut Self,
+        group: &str,
+        key: &str,
+    ) -> QueryResult<Option<(String, Vec<u8>)>>;
+
+    /// The next replay sequence of a message key in the outbox.
+    #[doc(hidden)]
+    fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32>;
+
+    /// Inserts a replay row; returns its id.
+    #[doc(hidden)]
+    fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64>;
+
+    /// Counts a replay against a dead letter.
+    #[doc(hidden)]
+    fn op_mark_replayed(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
+
+    /// Discards a dead letter not discarded yet; returns rows touched.
+    #[doc(hidden)]
+    fn op_discard(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
+
+    /// Every claim of a message key, by group.
+    #[doc(hidden)]
+    fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>>;
+
+    /// Failed claims with a payload, due and unchanged since `cutoff`.
+    #[doc(hidden)]
+    fn op_redrivable(
+        conn: &mut Self,
+        group: Option<&str>,
+        key: Option<&str>,
+        cutoff: DateTime<Utc>,
+        limit: i64,
+    ) -> QueryResult<Vec<Redrivable>>;
+
+    /// Marks a redriven claim (guarded by its `updated_at` as read): rows touched.
+    #[doc(hidden)]
+    fn op_touch_redriven(
+        conn: &mut Self,
+        group: &str,
+        key: &str,
+        read_at: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize>;
+
+    /// The figures of `stats`.
+    #[doc(hidden)]
+    fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats>;
+
+    /// Counts what a purge with these cutoffs would delete: published outbox rows,
+    /// done claims, discarded dead letters.
+    #[doc(hidden)]
+    fn op_count_purgeable(
+        conn: &mut Self,
+        published_before: DateTime<Utc>,
+        done_before: DateTime<Utc>,
+        discarded_before: DateTime<Utc>,
+    ) -> QueryResult<(i64, i64, i64)>;
+
+    /// Deletes up to `limit` dead letters discarded before `cutoff`; returns how many.
+    #[doc(hidden)]
+    fn op_purge_discarded(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64)
+        -> QueryResult<usize>;
+
+    /// Records an arrival of a canary message.
+    #[doc(hidden)]
+    fn op_record_canary(
+        conn: &mut Self,
+        run: &str,
+        seq: i32,
+        sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> QueryResult<()>;
+
+    /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
+    #[doc(hidden)]
+    fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
+}
+
+/// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
+pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
+
+macro_rules! operator_ops {
+    ($conn:ty, $schema:ident) => {
+        impl OperatorOps for $conn {
+            fn op_entries(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+                limit: Option<i64>,
+                offset: i64,
+            ) -> QueryResult<Vec<EntryTuple>> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters.into_boxed();
+                if let Some(g) = &filter.consumer_group {
+                    q = q.filter(consumer_group.eq(g.clone()));
+                }
+                if let Some(r) = &filter.reason {
+                    q = q.filter(reason.eq(r.clone()));
+                }
+                if let Some(t) = &filter.message_type {
+                    q = q.filter(message_type.eq(t.clone()));
+                }
+                if let Some(k) = &filter.message_key {
+                    q = q.filter(message_key.eq(k.clone()));
+                }
+                if let Some(since) = filter.since {
+                    q = q.filter(dead_lettered_at.ge(since));
+                }
+                if let Some(until) = filter.until {
+                    q = q.filter(dead_lettered_at.lt(until));
+                }
+                q = match filter.status {
+                    None => q.filter(discarded_at.is_null()),
+                    Some(LetterStatus::Pending) => q
+                        .filter(discarded_at.is_null())
+                        .filter(replayed_at.is_null()),
+                    Some(LetterStatus::Replayed) => q
+                        .filter(discarded_at.is_null())
+                        .filter(replayed_at.is_not_null()),
+                    Some(LetterStatus::Discarded) => q.filter(discarded_at.is_not_null()),
+                };
+                let mut q = q
+                    .order((dead_lettered_at.desc(), id.desc()))
+                    .offset(offset)
+                    .select((
+                        id,
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        headers,
+                        attempts,
+                        reason,
+                        last_error,
+                        dead_lettered_at,
+                        replayed_at,
+                        replay_count,
+                        discarded_at,
+                    ));
+                if let Some(limit) = limit {
+                    q = q.limit(limit);
+                } else if offset > 0 {
+                    // SQLite allows OFFSET only after a LIMIT.
+                    q = q.limit(i64::MAX);
+                }
+                q.load(conn)
+            }
+
+            fn op_letter(conn: &mut Self, letter: i64) -> QueryResult<Option<Letter>> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                let row: Option<(
+                    i64,
+                    String,
+                    String,
+                    String,
+                    Option<String>,
+                    Vec<u8>,
+                    String,
+                    String,
+                    Option<DateTime<Utc>>,
+                )> = op_dead_letters
+                    .find(letter)
+                    .select((
+                        id,
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        payload,
+                        headers,
+                        reason,
+                        discarded_at,
+                    ))
+                    .first(conn)
+                    .optional()?;
+                Ok(row.map(|r| Letter {
+                    id: r.0,
+                    group: r.1,
+                    key: r.2,
+                    message_type: r.3,
+                    tenant: r.4,
+                    payload: r.5,
+                    headers: r.6,
+                    reason: r.7,
+                    discarded: r.8.is_some(),
+                }))
+            }
+
+            fn op_entry(
+                conn: &mut Self,
+                letter: i64,
+            ) -> QueryResult<Option<(EntryTuple, Vec<u8>)>> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                let entry: Option<EntryTuple> = op_dead_letters
+                    .find(letter)
+                    .select((
+                        id,
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        headers,
+                        attempts,
+                        reason,
+                        last_error,
+                        dead_lettered_at,
+                        replayed_at,
+                        replay_count,
+                        discarded_at,
+                    ))
+                    .first(conn)
+                    .optional()?;
+                let Some(entry) = entry else {
+                    return Ok(None);
+                };
+                let body: Vec<u8> = op_dead_letters.find(letter).select(payload).first(conn)?;
+                Ok(Some((entry, body)))
+            }
+
+            fn op_failure_span(
+                conn: &mut Self,
+                group: &str,
+                key: &str,
+            ) -> QueryResult<FailureSpan> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                // No MIN/MAX: diesel has no ordering aggregates for SQLite's timestamps.
+                let first = op_dead_letters
+                    .filter(consumer_group.eq(group))
+                    .filter(message_key.eq(key))
+                    .order(dead_lettered_at)
+                    .select(dead_lettered_at)
+                    .first(conn)
+                    .optional()?;
+                let last = op_dead_letters
+                    .filter(consumer_group.eq(group))
+                    .filter(message_key.eq(key))
+                    .order(dead_lettered_at.desc())
+                    .select(dead_lettered_at)
+                    .first(conn)
+                    .optional()?;
+                Ok((first, last))
+            }
+
+            fn op_reset_dead_claim(
+                conn: &mut Self,
+                group: &str,
+                key: &str,
+                digest: &[u8],
+                body: &[u8],
+                now: DateTime<Utc>,
+            ) -> QueryResult<usize> {
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                diesel::update(
+                    inbox_claims
+                        .find((group, key))
+                        .filter(status.eq(crate::ClaimStatus::Dead.as_str()))
+                        .filter(payload_digest.eq(digest)),
+                )
+                .set((
+                    status.eq(crate::ClaimStatus::Failed.as_str()),
+                    attempts.eq(0),
+                    starts.eq(0),
+                    next_attempt_at.eq(Some(now)),
+                    payload.eq(Some(body)),
+                    updated_at.eq(now),
+                ))
+                .execute(conn)
+            }
+
+            fn op_claim_state(
+                conn: &mut Self,
+                group: &str,
+                key: &str,
+            ) -> QueryResult<Option<(String, Vec<u8>)>> {
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                inbox_claims
+                    .find((group, key))
+                    .select((status, payload_digest))
+                    .first(conn)
+                    .optional()
+            }
+
+            fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
+                use crate::operator::tables::$schema::op_outbox::dsl::*;
+                let last: Option<i32> = op_outbox
+                    .filter(message_key.eq(key))
+                    .select(diesel::dsl::max(replay_seq))
+                    .first(conn)?;
+                Ok(last.unwrap_or(0).saturating_add(1))
+            }
+
+            fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64> {
+                use crate::operator::tables::$schema::op_outbox::dsl::*;
+                diesel::insert_into(op_outbox)
+                    .values((
+                        message_key.eq(row.key),
+                        exchange.eq(""),
+                        routing_key.eq(row.routing_key),
+                        message_type.eq(row.message_type),
+                        tenant.eq(row.tenant),
+                        payload.eq(row.payload),
+                        headers.eq(row.headers),
+                        created_at.eq(row.now),
+                        available_at.eq(row.now),
+                        attempts.eq(0),
+                        replay_seq.eq(row.sequence),
+                    ))
+                    .returning(id)
+                    .get_result(conn)
+            }
+
+            fn op_mark_replayed(
+                conn: &mut Self,
+                letter: i64,
+                now: DateTime<Utc>,
+            ) -> QueryResult<usize> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                diesel::update(op_dead_letters.find(letter))
+                    .set((replay_count.eq(replay_count + 1), replayed_at.eq(Some(now))))
+                    .execute(conn)
+            }
+
+            fn op_discard(conn: &mut Self, letter: i64, now: DateTime<Utc>) -> QueryResult<usize> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                diesel::update(op_dead_letters.find(letter).filter(discarded_at.is_null()))
+                    .set(discarded_at.eq(Some(now)))
+                    .execute(conn)
+            }
+
+            fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>> {
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                inbox_claims
+                    .filter(message_key.eq(key))
+                    .order(consumer_group)
+                    .select((
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        status,
+                        attempts,
+                        starts,
+                        next_attempt_at,
+                        last_error,
+                        payload.is_not_null(),
+                        first_seen_at,
+                        updated_at,
+                    ))
+                    .load(conn)
+            }
+
+            fn op_redrivable(
+                conn: &mut Self,
+                group: Option<&str>,
+                key: Option<&str>,
+                cutoff: DateTime<Utc>,
+                limit: i64,
+            ) -> QueryResult<Vec<Redrivable>> {
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                let mut q = inbox_claims
+                    .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
+                    .filter(payload.is_not_null())
+                    .filter(next_attempt_at.le(cutoff))
+                    .filter(updated_at.le(cutoff))
+                    .into_boxed();
+                if let Some(g) = group {
+                    q = q.filter(consumer_group.eq(g.to_owned()));
+                }
+                if let Some(k) = key {
+                    q = q.filter(message_key.eq(k.to_owned()));
+                }
+                let rows: Vec<(
+                    String,
+                    String,
+                    String,
+                    Option<String>,
+                    Option<Vec<u8>>,
+                    DateTime<Utc>,
+                )> = q
+                    .order((next_attempt_at, message_key))
+                    .limit(limit)
+                    .select((
+                        consumer_group,
+                        message_key,
+                        message_type,
+                        tenant,
+                        payload,
+                        updated_at,
+                    ))
+                    .load(conn)?;
+                Ok(rows
+                    .into_iter()
+                    .filter_map(|r| {
+                        Some(Redrivable {
+                            group: r.0,
+                            key: r.1,
+                            message_type: r.2,
+                            tenant: r.3,
+                            payload: r.4?,
+                            updated_at: r.5,
+                        })
+                    })
+                    .collect())
+            }
+
+            fn op_touch_redriven(
+                conn: &mut Self,
+                group: &str,
+                key: &str,
+                read_at: DateTime<Utc>,
+                now: DateTime<Utc>,
+            ) -> QueryResult<usize> {
+                use crate::schema::$schema::inbox_claims::dsl::*;
+                diesel::update(
+                    inbox_claims
+                        .find((group, key))
+                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
+                        .filter(updated_at.eq(read_at))
+                        .filter(payload.is_not_null()),
+                )
+                .set((next_attempt_at.eq(Some(now)), updated_at.eq(now)))
+                .execute(conn)
+            }
+
+            fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats> {
+                use diesel::dsl::count_star;
+                let mut stats = RawStats::default();
+                {
+                    use crate::schema::$schema::inbox_claims::dsl::*;
+                    stats.claims = inbox_claims
+                        .group_by((consumer_group, status))
+                        .select((consumer_group, status, count_star()))
+                        .order((consumer_group, status))
+                        .load(conn)?;
+                    stats.due = inbox_claims
+                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
+                        .filter(next_attempt_at.le(now))
+                        .group_by(consumer_group)
+                        .select((consumer_group, count_star()))
+                        .load(conn)?;
+                    let failing: Vec<String> = stats
+                        .claims
+                        .iter()
+                        .filter(|(_, s, _)| s == crate::ClaimStatus::Failed.as_str())
+                        .map(|(g, _, _)| g.clone())
+                        .collect();
+                    for group in failing {
+                        // Per group, by the failed-claims index (no MIN on SQLite's
+                        // timestamps in diesel).
+                        let oldest: Option<Option<DateTime<Utc>>> = inbox_claims
+                            .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
+                            .filter(consumer_group.eq(&group))
+                            .filter(next_attempt_at.is_not_null())
+                            .order(next_attempt_at)
+                            .select(next_attempt_at)
+                            .first(conn)
+                            .optional()?;
+                        stats.oldest_retry.push((group, oldest.flatten()));
+                    }
+                    let unfinished: Vec<String> = stats
+                        .claims
+                        .iter()
+                        .filter(|(_, s, _)| {
+                            s == crate::ClaimStatus::Failed.as_str()
+                                || s == crate::ClaimStatus::Started.as_str()
+                        })
+                        .map(|(g, _, _)| g.clone())
+                        .collect();
+                    for group in unfinished {
+                        let oldest: Option<DateTime<Utc>> = inbox_claims
+                            .filter(status.eq_any([
+                                crate::ClaimStatus::Failed.as_str(),
+                                crate::ClaimStatus::Started.as_str(),
+                            ]))
+                            .filter(consumer_group.eq(&group))
+                            .order(first_seen_at)
+                            .select(first_seen_at)
+                            .first(conn)
+                            .optional()?;
+                        if !stats.oldest_unprocessed.iter().any(|(g, _)| *g == group) {
+                            stats.oldest_unprocessed.push((group, oldest));
+                        }
+                    }
+                }
+                {
+                    use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                    stats.letters = op_dead_letters
+                        .filter(discarded_at.is_null())
+                        .filter(replayed_at.is_null())
+                        .group_by((consumer_group, reason))
+                        .select((consumer_group, reason, count_star()))
+                        .order((consumer_group, reason))
+                        .load(conn)?;
+                }
+                {
+                    use crate::operator::tables::$schema::op_outbox::dsl::*;
+                    let live = op_outbox
+                        .filter(published_at.is_null())
+                        .filter(dead_at.is_null());
+                    stats.backlog = live.select(count_star()).first(conn)?;
+                    stats.oldest_unpublished = op_outbox
+                        .filter(published_at.is_null())
+                        .filter(dead_at.is_null())
+                        .order(created_at)
+                        .select(created_at)
+                        .first(conn)
+                        .optional()?;
+                    stats.dead_outbox = op_outbox
+                        .filter(published_at.is_null())
+                        .filter(dead_at.is_not_null())
+                        .select(count_star())
+                        .first(conn)?;
+                }
+                Ok(stats)
+            }
+
+            fn op_count_purgeable(
+                conn: &mut Self,
+                published_before: DateTime<Utc>,
+                done_before: DateTime<Utc>,
+                discarded_before: DateTime<Utc>,
+            ) -> QueryResult<(i64, i64, i64)> {
+                use diesel::dsl::count_star;
+                let published: i64 = {
+                    use crate::operator::tables::$schema::op_outbox::dsl::*;
+                    op_outbox
+                        .filter(published_at.lt(published_before))
+                        .select(count_star())
+                        .first(conn)?
+                };
+                let done: i64 = {
+                    use crate::schema::$schema::inbox_claims::dsl::*;
+                    inbox_claims
+                        .filter(status.eq(crate::ClaimStatus::Done.as_str()))
+                        .filter(updated_at.lt(done_before))
+                        .select(count_star())
+                        .first(conn)?
+                };
+                let discarded: i64 = {
+                    use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                    op_dead_letters
+                        .filter(discarded_at.lt(discarded_before))
+                        .select(count_star())
+                        .first(conn)?
+                };
+                Ok((published, done, discarded))
+            }
+
+            fn op_purge_discarded(
+                conn: &mut Self,
+                cutoff: DateTime<Utc>,
+                limit: i64,
+            ) -> QueryResult<usize> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                let ids: Vec<i64> = op_dead_letters
+                    .filter(discarded_at.lt(cutoff))
+                    .order((discarded_at, id))
+                    .limit(limit)
+                    .select(id)
+                    .load(conn)?;
+                if ids.is_empty() {
+                    return Ok(0);
+                }
+                diesel::delete(op_dead_letters.filter(id.eq_any(&ids))).execute(conn)
+            }
+
+            fn op_record_canary(
+                conn: &mut Self,
+                run: &str,
+                number: i32,
+                sent: DateTime<Utc>,
+                now: DateTime<Utc>,
+            ) -> QueryResult<()> {
+                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                diesel::insert_into(inbox_canary)
+                    .values((
+                        run_id.eq(run),
+                        seq.eq(number),
+                        sent_at.eq(sent),
+                        arrived_at.eq(now),
+                        arrivals.eq(1),
+                    ))
+                    .on_conflict((run_id, seq))
+                    .do_update()
+                    .set(arrivals.eq(arrivals + 1))
+                    .execute(conn)
+                    .map(|_| ())
+            }
+
+            fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>> {
+                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                inbox_canary
+                    .filter(run_id.eq(run))
+                    .order(seq)
+                    .select((seq, sent_at, arrived_at, arrivals))
+                    .load(conn)
+            }
+        }
+    };
+}
+
+pub(crate) use operator_ops;

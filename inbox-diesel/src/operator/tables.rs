@@ -1,0 +1,73 @@
+//! The columns operator statements reach, one module per backend. diesel's tables stop
+//! at 16 columns, so these are views of the store's tables with the columns the
+//! operator migration added (`replay_count`, `discarded_at`, `replay_seq`).
+
+macro_rules! operator_tables {
+    ($ts:ident) => {
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            #[sql_name = "inbox_dead_letters"]
+            op_dead_letters (id) {
+                id -> BigInt,
+                consumer_group -> Text,
+                message_key -> Text,
+                message_type -> Text,
+                tenant -> Nullable<Text>,
+                payload -> Binary,
+                headers -> Text,
+                attempts -> Integer,
+                reason -> Text,
+                last_error -> Nullable<Text>,
+                dead_lettered_at -> $ts,
+                replayed_at -> Nullable<$ts>,
+                replay_count -> Integer,
+                discarded_at -> Nullable<$ts>,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            inbox_canary (run_id, seq) {
+                run_id -> Text,
+                seq -> Integer,
+                sent_at -> $ts,
+                arrived_at -> $ts,
+                arrivals -> Integer,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            #[sql_name = "outbox_messages"]
+            op_outbox (id) {
+                id -> BigInt,
+                message_key -> Text,
+                exchange -> Text,
+                routing_key -> Text,
+                message_type -> Text,
+                tenant -> Nullable<Text>,
+                payload -> Binary,
+                headers -> Text,
+                created_at -> $ts,
+                available_at -> $ts,
+                published_at -> Nullable<$ts>,
+                attempts -> Integer,
+                dead_at -> Nullable<$ts>,
+                replay_seq -> Integer,
+            }
+        }
+    };
+}
+
+/// PostgreSQL.
+pub(crate) mod pg {
+    operator_tables!(Timestamptz);
+}
+
+/// SQLite.
+pub(crate) mod sqlite {
+    operator_tables!(TimestamptzSqlite);
+}
