@@ -240,7 +240,8 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
         .unwrap();
     let report = json(&verify);
     assert_eq!(report["topology"], "ok", "{report}");
-    assert_eq!(report["queues_checked"].as_array().unwrap().len(), 6);
+    // Per group (two): its queue, its `:dlq`, its `:unreadable` and one retry tier.
+    assert_eq!(report["queues_checked"].as_array().unwrap().len(), 8);
     let wrong = Command::new(env!("CARGO_BIN_EXE_inbox"))
         .env("DATABASE_URL", &url)
         .env("AMQP_URL", &amqp_url)
