@@ -48,7 +48,9 @@ pub struct Catalog {
     pub columns: Vec<ColumnInfo>,
 }
 
-fn describe(index: &IndexInfo) -> String {
+/// An index as the schema errors print it (validity, deferrability, partiality,
+/// columns with their collations, name).
+pub(crate) fn describe(index: &IndexInfo) -> String {
     let cols: Vec<String> = index
         .columns
         .iter()

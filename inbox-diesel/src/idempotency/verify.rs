@@ -4,34 +4,11 @@
 //! key's request could refuse another's (a unique index on a part of the key).
 
 use super::IDEMPOTENCY_KEY_COLUMNS as KEY;
-use crate::verify::{Catalog, IndexInfo};
+use crate::verify::{describe, Catalog, IndexInfo};
 use crate::{Error, Result, SchemaProblem};
 
 fn key_list() -> String {
     format!("({})", KEY.join(", "))
-}
-
-fn describe(index: &IndexInfo) -> String {
-    let cols: Vec<String> = index
-        .columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let name = c.as_deref().unwrap_or("<expression>");
-            match index.loose_collations.get(i).and_then(Option::as_deref) {
-                Some(collation) => format!("{name} collate {collation}"),
-                None => name.to_owned(),
-            }
-        })
-        .collect();
-    format!(
-        "{}{}{}unique ({}) [{}]",
-        if index.valid { "" } else { "invalid " },
-        if index.deferrable { "deferrable " } else { "" },
-        if index.partial { "partial " } else { "" },
-        cols.join(", "),
-        index.name
-    )
 }
 
 fn covers_key(index: &IndexInfo) -> bool {
