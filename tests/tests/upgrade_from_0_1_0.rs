@@ -16,12 +16,13 @@ use diesel::sql_types::{BigInt, Binary, Integer, Nullable, Text};
 use diesel::{PgConnection, SqliteConnection};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use inbox_core::{
-    payload_digest, relay_in_process, DeadLetterReason, Decision, Envelope, InProcessTransport,
-    ManualClock, OutboxStore,
+    payload_digest, relay_in_process, DeadLetterReason, Decision, EnqueueOutcome, Envelope,
+    InProcessTransport, ManualClock, MessageKey, OutboxMessage, OutboxStore,
 };
+
 use inbox_diesel::{
-    ClaimStatus, DeadLetterFilter, LetterStatus, ReplayOutcome, ReplayTarget, Store,
-    StoreConnection,
+    enqueue, ClaimStatus, DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome,
+    ReplayTarget, Store, StoreConnection,
 };
 use inbox_test_support::{group, start_time, usage, Fixture, PgFixture, Recorder, TestConn};
 
@@ -74,6 +75,8 @@ struct OldClaim {
 struct OldLetter {
     key: &'static str,
     message_type: &'static str,
+    /// The type the upgrade gives it, where 0.1.0 stored a queue's name instead.
+    repaired_type: Option<&'static str>,
     tenant: Option<&'static str>,
     payload: &'static [u8],
     headers: BTreeMap<String, String>,
@@ -202,18 +205,51 @@ fn old_claims() -> Vec<OldClaim> {
         OldClaim {
             message_type: "usage.unknown",
             attempts: 1,
-            last_error: Some("no handler in group billing.upgrade takes message type \"usage.unknown\""),
+            last_error: Some(
+                "no handler in group billing.upgrade takes message type \"usage.unknown\"",
+            ),
             ..claim("c-dead-no-handler", "dead")
         },
         // The claim a key collision's newcomer met: done, left untouched.
         claim("c-collided", "done"),
+        // A failure whose retry copy the broker lost: redriven from its payload.
+        OldClaim {
+            attempts: 1,
+            next_attempt_at: Some(at(-50)),
+            last_error: Some("handler failed: connection reset"),
+            payload: Some(PAYLOAD),
+            ..claim("c-failed-lost", "failed")
+        },
+        // A message published without a `type` property: 0.1.0 took its type from the
+        // routing key, which the retry tier had replaced by the group queue's name, so
+        // its retry found no handler.
+        OldClaim {
+            attempts: 1,
+            last_error: Some(
+                "no handler in group billing.upgrade takes message type \"billing.upgrade\"",
+            ),
+            ..claim("c-untyped-retried", "dead")
+        },
+        // The same, dead-lettered by the broker at its delivery limit: the routing key
+        // was the `:dlq` queue's name. Its start marks stay (`mark_dead` kept them).
+        OldClaim {
+            starts: 2,
+            last_error: Some("the broker dead-lettered the message (delivery_limit)"),
+            ..claim("c-untyped-delivery-limit", "dead")
+        },
     ]
 }
 
-fn letter(key: &'static str, reason: &'static str, attempts: i32, last_error: &'static str) -> OldLetter {
+fn letter(
+    key: &'static str,
+    reason: &'static str,
+    attempts: i32,
+    last_error: &'static str,
+) -> OldLetter {
     OldLetter {
         key,
         message_type: TYPE,
+        repaired_type: None,
         tenant: Some("acme"),
         payload: PAYLOAD,
         headers: headers(&[("tenant", "acme"), ("x-delivery-count", "1")]),
@@ -227,8 +263,18 @@ fn letter(key: &'static str, reason: &'static str, attempts: i32, last_error: &'
 /// A dead letter of every reason 0.1.0 wrote.
 fn old_letters() -> Vec<OldLetter> {
     vec![
-        letter("c-dead-max-attempts", "max_attempts", 5, "handler failed: upstream timed out"),
-        letter("c-dead-permanent", "permanent", 1, "handler failed: account closed"),
+        letter(
+            "c-dead-max-attempts",
+            "max_attempts",
+            5,
+            "handler failed: upstream timed out",
+        ),
+        letter(
+            "c-dead-permanent",
+            "permanent",
+            1,
+            "handler failed: account closed",
+        ),
         OldLetter {
             payload: GARBLED,
             ..letter(
@@ -250,7 +296,12 @@ fn old_letters() -> Vec<OldLetter> {
                 ("x-delivery-count", "3"),
                 ("x-first-death-reason", "delivery_limit"),
             ]),
-            ..letter("c-dead-delivery-limit", "delivery_limit", 0, "x-delivery-limit reached")
+            ..letter(
+                "c-dead-delivery-limit",
+                "delivery_limit",
+                0,
+                "x-delivery-limit reached",
+            )
         },
         OldLetter {
             message_type: "usage.unknown",
@@ -269,6 +320,37 @@ fn old_letters() -> Vec<OldLetter> {
                 "key_collision",
                 0,
                 "key collision: payload digest differs from the stored claim under key c-collided",
+            )
+        },
+        OldLetter {
+            message_type: "billing.upgrade",
+            repaired_type: Some(TYPE),
+            headers: headers(&[
+                ("x-first-death-exchange", ""),
+                ("x-first-death-queue", "billing.upgrade:retry:1s"),
+                ("x-first-death-reason", "expired"),
+            ]),
+            ..letter(
+                "c-untyped-retried",
+                "no_handler",
+                1,
+                "no handler in group billing.upgrade takes message type \"billing.upgrade\"",
+            )
+        },
+        OldLetter {
+            message_type: "billing.upgrade:dlq",
+            repaired_type: Some(TYPE),
+            headers: headers(&[
+                ("x-delivery-count", "3"),
+                ("x-first-death-exchange", ""),
+                ("x-first-death-queue", "billing.upgrade"),
+                ("x-first-death-reason", "delivery_limit"),
+            ]),
+            ..letter(
+                "c-untyped-delivery-limit",
+                "delivery_limit",
+                0,
+                "the broker dead-lettered the message (delivery_limit)",
             )
         },
         // The transport made the key up (no claim): 0.1.0 derived it from the body.
@@ -355,6 +437,8 @@ trait OldStore: TestConn + StoreConnection {
     fn write_claim(&mut self, group: &str, c: &OldClaim);
     fn write_letter(&mut self, group: &str, l: &OldLetter);
     fn write_outbox(&mut self, exchange: &str, o: &OldOutbox);
+    /// 0.1.0's `enqueue` statement: `ON CONFLICT (message_key) DO NOTHING`.
+    fn enqueue_as_0_1_0(&mut self, key: &str) -> QueryResult<Option<i64>>;
     fn count(&mut self, sql: &str) -> i64;
     fn versions(&mut self) -> Vec<String>;
 }
@@ -457,6 +541,23 @@ macro_rules! old_store {
                 .unwrap();
             }
 
+            fn enqueue_as_0_1_0(&mut self, key: &str) -> QueryResult<Option<i64>> {
+                diesel::sql_query(
+                    "INSERT INTO outbox_messages (message_key, exchange, routing_key, \
+                     message_type, payload, headers, created_at, available_at, attempts) \
+                     VALUES ($1, $2, $3, $3, $4, '{}', $5, $5, 0) \
+                     ON CONFLICT (message_key) DO NOTHING RETURNING id AS n",
+                )
+                .bind::<Text, _>(key)
+                .bind::<Text, _>(EXCHANGE)
+                .bind::<Text, _>(TYPE)
+                .bind::<Binary, _>(PAYLOAD)
+                .bind::<$ts, _>(start_time())
+                .get_result::<Count>(self)
+                .optional()
+                .map(|row| row.map(|r| r.n))
+            }
+
             fn count(&mut self, sql: &str) -> i64 {
                 diesel::sql_query(sql).get_result::<Count>(self).unwrap().n
             }
@@ -475,8 +576,18 @@ macro_rules! old_store {
     };
 }
 
-old_store!(PgConnection, "postgres", diesel::sql_types::Timestamptz, PG_0_1_0);
-old_store!(SqliteConnection, "sqlite", diesel::sql_types::TimestamptzSqlite, SQLITE_0_1_0);
+old_store!(
+    PgConnection,
+    "postgres",
+    diesel::sql_types::Timestamptz,
+    PG_0_1_0
+);
+old_store!(
+    SqliteConnection,
+    "sqlite",
+    diesel::sql_types::TimestamptzSqlite,
+    SQLITE_0_1_0
+);
 
 /// The versions of the current migrations of `backend` (`postgres`, `sqlite`).
 fn current_versions(backend: &str) -> Vec<String> {
@@ -497,8 +608,9 @@ fn current_versions(backend: &str) -> Vec<String> {
 
 const EXCHANGE: &str = "billing";
 
-/// A schema at 0.1.0, holding 0.1.0's rows.
-fn build_0_1_0<F: Fixture>(fx: &F) -> usize
+/// A schema at 0.1.0, holding 0.1.0's rows; returns the id of the last outbox row
+/// 0.1.0 wrote, which its retention has deleted since.
+fn build_0_1_0<F: Fixture>(fx: &F) -> i64
 where
     F::Conn: OldStore,
 {
@@ -520,17 +632,36 @@ where
     for o in old_outbox() {
         conn.write_outbox(EXCHANGE, &o);
     }
-    backend.len()
+    conn.write_outbox(
+        EXCHANGE,
+        &OldOutbox {
+            published_at: Some(at(-28)),
+            ..outbox("o-purged")
+        },
+    );
+    let purged = conn.count("SELECT MAX(id) AS n FROM outbox_messages");
+    // 0.1.0's retention of published rows.
+    fx.execute("DELETE FROM outbox_messages WHERE message_key = 'o-purged'");
+    purged
 }
 
-fn store_on<F: Fixture>(fx: &F, clock: &ManualClock) -> Arc<Store<F::Conn>> {
-    Arc::new(
-        fx.open(
-            fx.builder()
-                .clock(Arc::new(clock.clone()))
-                .handler(Recorder::new(GROUP)),
-        ),
-    )
+/// The current store on `fx`, and the keys its handler was called with, in order.
+fn store_on<F: Fixture>(fx: &F, clock: &ManualClock) -> (Arc<Store<F::Conn>>, Calls) {
+    let recorder = Recorder::new(GROUP);
+    let calls = recorder.calls();
+    let store = fx.open(
+        fx.builder()
+            .clock(Arc::new(clock.clone()))
+            .handler(recorder),
+    );
+    (Arc::new(store), calls)
+}
+
+type Calls = Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Whether a letter of `reason` may be replayed.
+fn replayable(reason: &str) -> bool {
+    !matches!(reason, "key_collision" | "malformed" | "decode_error")
 }
 
 fn delivery(key: &str, payload: &[u8]) -> Envelope {
@@ -564,7 +695,10 @@ fn the_digest_is_the_one_0_1_0_stored() {
         (GARBLED, GARBLED_SHA256),
     ] {
         assert_eq!(payload_digest(payload).to_vec(), sha256(hex));
-        assert_eq!(delivery("k", payload).payload_digest().to_vec(), sha256(hex));
+        assert_eq!(
+            delivery("k", payload).payload_digest().to_vec(),
+            sha256(hex)
+        );
     }
 }
 
@@ -574,9 +708,9 @@ fn upgrade_keeps_every_row<F: Fixture>(fx: &F)
 where
     F::Conn: OldStore,
 {
-    build_0_1_0(fx);
+    let purged = build_0_1_0(fx);
     let clock = ManualClock::new(start_time());
-    let store = store_on(fx, &clock);
+    let (store, calls) = store_on(fx, &clock);
     store.verify_schema().unwrap();
     let mut conn = fx.connect();
     assert_eq!(
@@ -618,7 +752,12 @@ where
     assert_eq!(stored.len(), letters.len());
     for (s, l) in stored.iter().zip(&letters) {
         assert_eq!(s.key, l.key);
-        assert_eq!(s.message_type, l.message_type, "{}", l.key);
+        assert_eq!(
+            s.message_type,
+            l.repaired_type.unwrap_or(l.message_type),
+            "{}",
+            l.key
+        );
         assert_eq!(s.tenant.as_deref(), l.tenant, "{}", l.key);
         assert_eq!(s.payload, l.payload, "{}", l.key);
         assert_eq!(s.headers, l.headers, "{}", l.key);
@@ -643,7 +782,46 @@ where
         assert_eq!(e.replay_count, 0, "{}", l.key);
         assert_eq!(e.delivered_by_replay, None, "{}", l.key);
         assert!(DeadLetterReason::parse(&e.reason).is_some(), "{}", e.reason);
+        let details = store.dead_letter_details(e.id).unwrap().unwrap();
+        assert_eq!(details.payload, l.payload, "{}", l.key);
+        assert_eq!(details.headers, l.headers, "{}", l.key);
+        assert_eq!(
+            details.replay_refusal.is_none(),
+            replayable(l.reason),
+            "{}",
+            l.key
+        );
+        let claim = claims.iter().find(|c| c.key == l.key);
+        assert_eq!(
+            details.claim_status.map(|s| s.as_str()),
+            claim.map(|c| c.status),
+            "{}",
+            l.key
+        );
     }
+    let groups = store.failure_groups(&DeadLetterFilter::default()).unwrap();
+    assert_eq!(
+        groups.iter().map(|g| g.count).sum::<u64>(),
+        letters.len() as u64
+    );
+    let stats = store.operator_stats().unwrap();
+    let g = stats
+        .groups
+        .iter()
+        .find(|g| g.consumer_group == GROUP)
+        .unwrap();
+    let of = |status: &str| claims.iter().filter(|c| c.status == status).count() as u64;
+    assert_eq!(
+        (g.started, g.done, g.failed, g.dead),
+        (of("started"), of("done"), of("failed"), of("dead"))
+    );
+    assert_eq!((g.retries_due, g.retries_waiting), (2, 1));
+    assert_eq!(g.oldest_pending_retry, Some(at(-50)));
+    assert_eq!(
+        stats.dead_letters.iter().map(|c| c.count).sum::<u64>(),
+        letters.len() as u64
+    );
+    assert_eq!(stats.dead_outbox_rows, 0);
 
     // The outbox: the unpublished rows lease in id order, read back as written; the
     // published ones do not lease.
@@ -662,6 +840,7 @@ where
         .filter(|k| *k != "o-ordered-2")
         .collect();
     assert_eq!(leased, expected);
+    assert_eq!(stats.outbox_backlog, pending.len() as u64);
     for r in &lease.rows {
         let o = rows
             .iter()
@@ -673,28 +852,78 @@ where
         assert_eq!(r.message.payload, PAYLOAD);
         assert_eq!(r.message.headers, o.headers, "{}", o.key);
         assert_eq!(r.message.tenant.as_deref(), o.tenant, "{}", o.key);
-        assert_eq!(r.message.ordering_key.as_deref(), o.ordering_key, "{}", o.key);
+        assert_eq!(
+            r.message.ordering_key.as_deref(),
+            o.ordering_key,
+            "{}",
+            o.key
+        );
         assert_eq!(r.attempts, o.attempts, "{}", o.key);
         assert_eq!(r.created_at, o.created_at, "{}", o.key);
     }
     clock.advance(Duration::from_secs(2));
 
+    // A new row: its id is past every id 0.1.0 handed out, its ordering key waits for
+    // 0.1.0's rows of the same key; a 0.1.0 key enqueued again writes nothing.
+    let ordered = OutboxMessage::new(
+        MessageKey::new("o-new-ordered").unwrap(),
+        EXCHANGE,
+        TYPE,
+        PAYLOAD.to_vec(),
+    )
+    .with_ordering_key("user-42");
+    let again = OutboxMessage::new(
+        MessageKey::new("o-pending").unwrap(),
+        EXCHANGE,
+        TYPE,
+        PAYLOAD.to_vec(),
+    );
+    let mut pooled = store.connection().unwrap();
+    let (new, old) = pooled
+        .transaction(|c| {
+            let new = enqueue(c, &ordered, store.clock().now())?;
+            let old = enqueue(c, &again, store.clock().now())?;
+            Ok::<_, inbox_diesel::Error>((new, old))
+        })
+        .unwrap();
+    drop(pooled);
+    match new {
+        EnqueueOutcome::Enqueued { id } => assert!(id > purged, "id {id} after {purged}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(old, EnqueueOutcome::AlreadyEnqueued);
+    // A 0.1.0 producer cannot write to the upgraded table (its conflict target, the
+    // unique message key, is now (message_key, replay_seq)): stop it before upgrading.
+    assert!(conn.enqueue_as_0_1_0("o-old-producer").is_err());
+
     // Every claim keeps its meaning.
     let before = conn.effect_count().unwrap();
     assert_eq!(before, 0);
-    assert_eq!(decide(&store, delivery("c-done", PAYLOAD)), Decision::Duplicate);
+    assert_eq!(
+        decide(&store, delivery("c-done", PAYLOAD)),
+        Decision::Duplicate
+    );
     assert_eq!(
         decide(&store, delivery("c-done-after-retries", PAYLOAD)),
         Decision::Duplicate
     );
-    assert_eq!(decide(&store, delivery("c-collided", PAYLOAD)), Decision::Duplicate);
+    assert_eq!(
+        decide(&store, delivery("c-collided", PAYLOAD)),
+        Decision::Duplicate
+    );
     assert_eq!(
         decide(&store, delivery("c-collided", IMPOSTOR)),
         Decision::DeadLettered(DeadLetterReason::KeyCollision),
         "still a collision"
     );
-    assert_eq!(decide(&store, delivery("c-failed-due", PAYLOAD)), Decision::Processed);
-    assert_eq!(decide(&store, delivery("c-failed-due", PAYLOAD)), Decision::Duplicate);
+    assert_eq!(
+        decide(&store, delivery("c-failed-due", PAYLOAD)),
+        Decision::Processed
+    );
+    assert_eq!(
+        decide(&store, delivery("c-failed-due", PAYLOAD)),
+        Decision::Duplicate
+    );
     assert_eq!(conn.effects_of("c-failed-due").unwrap(), 1);
     assert_eq!(status_of(&store, "c-failed-due"), ClaimStatus::Done);
     match decide(&store, delivery("c-failed-later", PAYLOAD)) {
@@ -717,7 +946,10 @@ where
     );
     assert_eq!(conn.effects_of("c-started-after-failure").unwrap(), 1);
     assert_eq!(
-        decide(&store, delivery("c-started-crashing", PAYLOAD).redelivered()),
+        decide(
+            &store,
+            delivery("c-started-crashing", PAYLOAD).redelivered()
+        ),
         Decision::DeadLettered(DeadLetterReason::CrashLoop),
         "0.1.0's starts count toward the crash limit"
     );
@@ -740,6 +972,18 @@ where
     assert_eq!(decide(&store, decode), Decision::AlreadyDeadLettered);
     assert_eq!(conn.effect_count().unwrap(), 3);
 
+    // A failure whose retry copy was lost is redriven from the payload 0.1.0 kept.
+    let redriven = store
+        .redrive_failed_claims(
+            &RedriveFilter::default()
+                .consumer_group(GROUP)
+                .overdue_for(Duration::from_secs(600)),
+            None,
+            &ReplayTarget::default(),
+        )
+        .unwrap();
+    assert_eq!((redriven.matched, redriven.affected), (1, 1));
+
     // The unpublished rows are relayed once, the published ones never again.
     let mut transport =
         InProcessTransport::new(Arc::clone(&store)).with_clock(Arc::new(clock.clone()));
@@ -751,12 +995,26 @@ where
         }
         relayed += n;
     }
-    assert_eq!(relayed, pending.len());
+    assert_eq!(
+        relayed,
+        pending.len() + 2,
+        "0.1.0's backlog, the new row, the redrive"
+    );
     transport.run_until_idle().unwrap();
     for o in &rows {
         let expected = i64::from(o.published_at.is_none());
         assert_eq!(conn.effects_of(o.key).unwrap(), expected, "{}", o.key);
     }
+    assert_eq!(conn.effects_of("o-new-ordered").unwrap(), 1);
+    assert_eq!(conn.effects_of("c-failed-lost").unwrap(), 1);
+    let order: Vec<String> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|k| k.starts_with("o-ordered") || *k == "o-new-ordered")
+        .cloned()
+        .collect();
+    assert_eq!(order, ["o-ordered-1", "o-ordered-2", "o-new-ordered"]);
     assert_eq!(
         conn.count("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL"),
         0
@@ -768,12 +1026,17 @@ where
         .list_dead_letters(&DeadLetterFilter::default(), 0, 100)
         .unwrap()
         .into_iter()
-        .filter(|e| letters.iter().any(|l| l.key == e.message_key && l.reason == e.reason))
-        .map(|e| (e.reason, e.id))
+        .filter(|e| {
+            letters
+                .iter()
+                .any(|l| l.key == e.message_key && l.reason == e.reason)
+        })
+        .map(|e| (e.message_key, e.id))
         .collect();
+    assert_eq!(ids.len(), letters.len());
     for l in &letters {
-        let outcome = store.replay_dead_letter(ids[l.reason], &target).unwrap();
-        let replayable = !matches!(l.reason, "key_collision" | "malformed" | "decode_error");
+        let outcome = store.replay_dead_letter(ids[l.key], &target).unwrap();
+        let replayable = replayable(l.reason);
         match outcome {
             ReplayOutcome::Replayed { sequence, .. } => {
                 assert!(replayable, "{} replayed", l.reason);
@@ -784,20 +1047,23 @@ where
         }
     }
     let again = store
-        .replay_dead_letter(ids["max_attempts"], &target)
+        .replay_dead_letter(ids["c-dead-max-attempts"], &target)
         .unwrap();
     assert!(
         matches!(again, ReplayOutcome::ClaimNotDead { .. }),
         "{again:?}"
     );
     let replays = relay_in_process(&*store, &mut transport, "relay-new", 100).unwrap();
-    assert_eq!(replays, 5);
+    let replayed = letters.iter().filter(|l| replayable(l.reason)).count();
+    assert_eq!(replays, replayed);
     transport.run_until_idle().unwrap();
     for key in [
         "c-dead-max-attempts",
         "c-dead-permanent",
         "c-dead-crash-loop",
         "c-dead-delivery-limit",
+        "c-untyped-retried",
+        "c-untyped-delivery-limit",
     ] {
         assert_eq!(conn.effects_of(key).unwrap(), 1, "{key} applied once");
         assert_eq!(status_of(&store, key), ClaimStatus::Done, "{key}");
