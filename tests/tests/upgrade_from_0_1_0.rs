@@ -89,6 +89,7 @@ struct OldLetter {
 /// An outbox row as 0.1.0 wrote (and perhaps published) it.
 struct OldOutbox {
     key: &'static str,
+    message_type: &'static str,
     tenant: Option<&'static str>,
     headers: BTreeMap<String, String>,
     ordering_key: Option<&'static str>,
@@ -370,6 +371,7 @@ fn old_letters() -> Vec<OldLetter> {
 fn outbox(key: &'static str) -> OldOutbox {
     OldOutbox {
         key,
+        message_type: TYPE,
         tenant: None,
         headers: BTreeMap::new(),
         ordering_key: None,
@@ -424,6 +426,16 @@ fn old_outbox() -> Vec<OldOutbox> {
             last_error: Some("broker nacked the publication"),
             available_at: at(-19),
             ..outbox("o-failed")
+        },
+        // Failed more often than today's relays try a row (0.1.0 never gave up on
+        // one), and no group takes its type: dead at its next failure.
+        OldOutbox {
+            message_type: "usage.nobody",
+            leased_until: Some(at(-20)),
+            leased_by: Some("relay-0.1.0"),
+            attempts: 25,
+            last_error: Some("unroutable"),
+            ..outbox("o-failing")
         },
     ]
 }
@@ -524,8 +536,8 @@ macro_rules! old_store {
                 )
                 .bind::<Text, _>(o.key)
                 .bind::<Text, _>(exchange)
-                .bind::<Text, _>(TYPE)
-                .bind::<Text, _>(TYPE)
+                .bind::<Text, _>(o.message_type)
+                .bind::<Text, _>(o.message_type)
                 .bind::<Nullable<Text>, _>(o.tenant)
                 .bind::<Binary, _>(PAYLOAD)
                 .bind::<Text, _>(headers)
@@ -847,8 +859,8 @@ where
             .find(|o| o.key == r.message.message_key.as_str())
             .unwrap();
         assert_eq!(r.message.exchange, EXCHANGE);
-        assert_eq!(r.message.routing_key, TYPE);
-        assert_eq!(r.message.message_type, TYPE);
+        assert_eq!(r.message.routing_key, o.message_type);
+        assert_eq!(r.message.message_type, o.message_type);
         assert_eq!(r.message.payload, PAYLOAD);
         assert_eq!(r.message.headers, o.headers, "{}", o.key);
         assert_eq!(r.message.tenant.as_deref(), o.tenant, "{}", o.key);
@@ -997,14 +1009,20 @@ where
     }
     assert_eq!(
         relayed,
-        pending.len() + 2,
-        "0.1.0's backlog, the new row, the redrive"
+        pending.len() - 1 + 2,
+        "0.1.0's backlog but the row no group takes, the new row, the redrive"
     );
     transport.run_until_idle().unwrap();
     for o in &rows {
-        let expected = i64::from(o.published_at.is_none());
+        let expected = i64::from(o.published_at.is_none() && o.message_type == TYPE);
         assert_eq!(conn.effects_of(o.key).unwrap(), expected, "{}", o.key);
     }
+    let dead = store.dead_outbox_rows(10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].message_key.as_str(), dead[0].attempts),
+        ("o-failing", 26)
+    );
     assert_eq!(conn.effects_of("o-new-ordered").unwrap(), 1);
     assert_eq!(conn.effects_of("c-failed-lost").unwrap(), 1);
     let order: Vec<String> = calls
@@ -1016,7 +1034,10 @@ where
         .collect();
     assert_eq!(order, ["o-ordered-1", "o-ordered-2", "o-new-ordered"]);
     assert_eq!(
-        conn.count("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL"),
+        conn.count(
+            "SELECT COUNT(*) AS n FROM outbox_messages \
+             WHERE published_at IS NULL AND dead_at IS NULL"
+        ),
         0
     );
 
@@ -1101,15 +1122,17 @@ mod sqlite {
 
 /// PostgreSQL: two stores of the new version open the 0.1.0 schema at the same time
 /// (the migration lock lets one migrate, the other then finds nothing to do), and both
-/// run the pending work as competing consumers and relays: every effect once.
+/// run the pending work as competing consumers and relays while a third store opens:
+/// every effect once.
 #[test]
 fn postgres_upgrade_with_two_stores_at_once() {
     let Some(fx) = PgFixture::new() else { return };
     build_0_1_0(&fx);
     let clock = ManualClock::new(start_time());
     fx.connect().create_effects().unwrap();
-    let gate = Arc::new(Barrier::new(2));
-    let work = |fx: &PgFixture, clock: &ManualClock, gate: &Barrier| {
+    let gate = Barrier::new(2);
+    let running = Barrier::new(3);
+    let work = |relay: &str| {
         gate.wait();
         let store = Arc::new(
             fx.builder()
@@ -1128,8 +1151,12 @@ fn postgres_upgrade_with_two_stores_at_once() {
         transport
             .publish(delivery("c-started-stale", PAYLOAD).redelivered())
             .unwrap();
+        let mut first = true;
         loop {
-            let n = relay_in_process(&*store, &mut transport, "relay", 100).unwrap();
+            let n = relay_in_process(&*store, &mut transport, relay, 100).unwrap();
+            if std::mem::take(&mut first) {
+                running.wait();
+            }
             transport.run_until_idle().unwrap();
             if n == 0 && store.oldest_unpublished_age().unwrap().is_none() {
                 break;
@@ -1138,10 +1165,16 @@ fn postgres_upgrade_with_two_stores_at_once() {
         }
     };
     std::thread::scope(|s| {
-        let a = s.spawn(|| work(&fx, &clock, &gate));
-        let b = s.spawn(|| work(&fx, &clock, &gate));
+        let a = s.spawn(|| work("relay-a"));
+        let b = s.spawn(|| work("relay-b"));
+        let c = s.spawn(|| {
+            running.wait();
+            let store = fx.builder().clock(Arc::new(clock.clone())).build().unwrap();
+            store.verify_schema().unwrap();
+        });
         a.join().unwrap();
         b.join().unwrap();
+        c.join().unwrap();
     });
     let mut conn = fx.connect();
     assert_eq!(conn.versions(), current_versions("postgres"));
@@ -1149,11 +1182,14 @@ fn postgres_upgrade_with_two_stores_at_once() {
         assert_eq!(conn.effects_of(key).unwrap(), 1, "{key} applied once");
     }
     for o in old_outbox() {
-        let expected = i64::from(o.published_at.is_none());
+        let expected = i64::from(o.published_at.is_none() && o.message_type == TYPE);
         assert_eq!(conn.effects_of(o.key).unwrap(), expected, "{}", o.key);
     }
     assert_eq!(
-        conn.count("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL"),
+        conn.count(
+            "SELECT COUNT(*) AS n FROM outbox_messages \
+             WHERE published_at IS NULL AND dead_at IS NULL"
+        ),
         0
     );
 }
