@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeDelta, Utc};
 use diesel::prelude::*;
@@ -22,7 +22,7 @@ use inbox_core::{
 
 use inbox_diesel::{
     enqueue, ClaimStatus, DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome,
-    ReplayTarget, Store, StoreConnection,
+    ReplayTarget, Retention, Store, StoreConnection,
 };
 use inbox_test_support::{group, start_time, usage, Fixture, PgFixture, Recorder, TestConn};
 
@@ -671,6 +671,30 @@ fn store_on<F: Fixture>(fx: &F, clock: &ManualClock) -> (Arc<Store<F::Conn>>, Ca
 
 type Calls = Arc<std::sync::Mutex<Vec<String>>>;
 
+/// Relays until no live row is unpublished; returns how many rows were published.
+/// On PostgreSQL a row with an ordering key waits until every transaction older than
+/// its own has ended, in any session of the server (other tests' too): this waits for
+/// that, for at most 30 s of wall time.
+fn relay_all<C: StoreConnection>(
+    store: &Arc<Store<C>>,
+    transport: &mut InProcessTransport<Arc<Store<C>>>,
+    relay: &str,
+) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut relayed = 0;
+    loop {
+        let n = relay_in_process(&**store, transport, relay, 100).unwrap();
+        relayed += n;
+        if store.oldest_unpublished_age().unwrap().is_none() {
+            return relayed;
+        }
+        assert!(Instant::now() < deadline, "rows left unpublished");
+        if n == 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// Whether a letter of `reason` may be replayed.
 fn replayable(reason: &str) -> bool {
     !matches!(reason, "key_collision" | "malformed" | "decode_error")
@@ -999,14 +1023,7 @@ where
     // The unpublished rows are relayed once, the published ones never again.
     let mut transport =
         InProcessTransport::new(Arc::clone(&store)).with_clock(Arc::new(clock.clone()));
-    let mut relayed = 0;
-    loop {
-        let n = relay_in_process(&*store, &mut transport, "relay-new", 100).unwrap();
-        if n == 0 {
-            break;
-        }
-        relayed += n;
-    }
+    let relayed = relay_all(&store, &mut transport, "relay-new");
     assert_eq!(
         relayed,
         pending.len() - 1 + 2,
@@ -1102,6 +1119,16 @@ where
     assert_eq!(conn.effects_of("c-failed-later").unwrap(), 1);
     assert_eq!(status_of(&store, "c-collided"), ClaimStatus::Done);
     assert_eq!(conn.effects_of("c-collided").unwrap(), 0);
+
+    // Retention takes 0.1.0's published rows and done claims by their own times.
+    let window = Duration::from_secs(20 * 60);
+    let retention = Retention::new(window, window, Duration::from_secs(600)).unwrap();
+    assert_eq!(store.purge_published(&retention, 10).unwrap(), 2);
+    assert_eq!(store.purge_done_claims(&retention, 10).unwrap(), 3);
+    assert!(store
+        .claim_record(&inbox_test_support::claim_key(GROUP, "c-done"))
+        .unwrap()
+        .is_none());
 }
 
 mod postgres {
@@ -1152,6 +1179,7 @@ fn postgres_upgrade_with_two_stores_at_once() {
             .publish(delivery("c-started-stale", PAYLOAD).redelivered())
             .unwrap();
         let mut first = true;
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let n = relay_in_process(&*store, &mut transport, relay, 100).unwrap();
             if std::mem::take(&mut first) {
@@ -1161,7 +1189,8 @@ fn postgres_upgrade_with_two_stores_at_once() {
             if n == 0 && store.oldest_unpublished_age().unwrap().is_none() {
                 break;
             }
-            std::thread::yield_now();
+            assert!(Instant::now() < deadline, "rows left unpublished");
+            std::thread::sleep(Duration::from_millis(5));
         }
     };
     std::thread::scope(|s| {
