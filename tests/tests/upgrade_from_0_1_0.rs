@@ -20,11 +20,13 @@ use inbox_core::{
     InProcessTransport, ManualClock, MessageKey, OutboxMessage, OutboxStore,
 };
 
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings};
 use inbox_diesel::{
     enqueue, ClaimStatus, DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome,
     ReplayTarget, Retention, Store, StoreConnection,
 };
-use inbox_test_support::{group, start_time, usage, Fixture, PgFixture, Recorder, TestConn};
+use inbox_test_support::amqp::{self, eventually, Outgoing};
+use inbox_test_support::{group, ms, start_time, usage, Fixture, PgFixture, Recorder, TestConn};
 
 /// 0.1.0's migrations, as they stood at its release.
 const PG_0_1_0: EmbeddedMigrations = embed_migrations!("fixtures/schema-0.1.0/postgres");
@@ -626,6 +628,14 @@ fn build_0_1_0<F: Fixture>(fx: &F) -> i64
 where
     F::Conn: OldStore,
 {
+    build_0_1_0_for(fx, EXCHANGE)
+}
+
+/// [`build_0_1_0`], with the outbox rows addressed to `exchange`.
+fn build_0_1_0_for<F: Fixture>(fx: &F, exchange: &str) -> i64
+where
+    F::Conn: OldStore,
+{
     let mut conn = fx.connect();
     let ran = conn.migrate_0_1_0();
     let backend = if F::Conn::BACKEND == "postgres" {
@@ -642,10 +652,10 @@ where
         conn.write_letter(GROUP, &l);
     }
     for o in old_outbox() {
-        conn.write_outbox(EXCHANGE, &o);
+        conn.write_outbox(exchange, &o);
     }
     conn.write_outbox(
-        EXCHANGE,
+        exchange,
         &OldOutbox {
             published_at: Some(at(-28)),
             ..outbox("o-purged")
@@ -673,14 +683,14 @@ type Calls = Arc<std::sync::Mutex<Vec<String>>>;
 
 /// Relays until no live row is unpublished; returns how many rows were published.
 /// On PostgreSQL a row with an ordering key waits until every transaction older than
-/// its own has ended, in any session of the server (other tests' too): this waits for
-/// that, for at most 30 s of wall time.
+/// its own has ended, in any session of the server (another program's long
+/// transaction too): this waits for that, for at most 120 s of wall time.
 fn relay_all<C: StoreConnection>(
     store: &Arc<Store<C>>,
     transport: &mut InProcessTransport<Arc<Store<C>>>,
     relay: &str,
 ) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(120);
     let mut relayed = 0;
     loop {
         let n = relay_in_process(&**store, transport, relay, 100).unwrap();
@@ -1179,7 +1189,7 @@ fn postgres_upgrade_with_two_stores_at_once() {
             .publish(delivery("c-started-stale", PAYLOAD).redelivered())
             .unwrap();
         let mut first = true;
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let n = relay_in_process(&*store, &mut transport, relay, 100).unwrap();
             if std::mem::take(&mut first) {
@@ -1221,4 +1231,97 @@ fn postgres_upgrade_with_two_stores_at_once() {
         ),
         0
     );
+}
+
+/// PostgreSQL and RabbitMQ: the current AMQP relay publishes 0.1.0's backlog to the
+/// test's exchange and the current consumer applies it, together with the copies of
+/// 0.1.0's pending claims the broker brings back: every effect once, a `done` claim's
+/// copy a duplicate, the published rows never sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_upgrade_over_rabbitmq() {
+    let Some(url) = amqp::amqp_url() else { return };
+    let Some(fx) = PgFixture::new() else { return };
+    let topology = amqp::test_topology(&amqp::unique_prefix("upgrade"), &[50, 100, 200]);
+    build_0_1_0_for(&fx, &topology.exchange());
+    fx.connect().create_effects().unwrap();
+    let store = Arc::new(
+        fx.builder()
+            .pool_size(4)
+            .retry_ladder(topology.retry_ladder().clone())
+            .handler(Recorder::new(GROUP))
+            .build()
+            .unwrap(),
+    );
+    let topology = topology.with_routes(inbox_core::InboxStore::routes(&*store));
+    let conn = amqp::connect(&url).await;
+    topology.declare(&conn).await.unwrap();
+
+    let shutdown = CancellationToken::new();
+    let consumer = Consumer::new(url.clone(), Arc::clone(&store), topology.clone()).with_settings(
+        ConsumerSettings::default()
+            .workers(1)
+            .prefetch(20)
+            .batch(5, ms(5)),
+    );
+    let consumed = consumer.stats();
+    let consuming = tokio::spawn(consumer.run(shutdown.clone()));
+    let relay = Relay::new(url.clone(), Arc::clone(&store)).with_settings(
+        RelaySettings::default()
+            .relay_id("relay-new")
+            .lease(100, Duration::from_secs(5))
+            .poll_interval(ms(50))
+            .retry_after(ms(50))
+            .backoff(ms(50), ms(500))
+            .connect_timeout(Duration::from_secs(1)),
+    );
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+
+    // The copies 0.1.0's pending claims were waiting for.
+    let channel = amqp::confirm_channel(&conn).await;
+    for key in ["c-failed-due", "c-started-after-failure", "c-done"] {
+        let msg = Outgoing {
+            message_id: Some(key),
+            message_type: TYPE,
+            body: PAYLOAD,
+            tenant: Some("acme"),
+        };
+        amqp::publish(&channel, &topology.exchange(), &msg).await;
+    }
+    amqp::wait_for_confirms(&channel).await;
+
+    // Five backlog rows and two claims apply; the `done` copy is a duplicate.
+    let settled = eventually(Duration::from_secs(60), || {
+        let s = consumed.snapshot();
+        s.processed >= 7 && s.duplicates >= 1
+    })
+    .await;
+    assert!(settled, "{:?}", consumed.snapshot());
+    let live = || {
+        fx.connect().count(
+            "SELECT COUNT(*) AS n FROM outbox_messages \
+             WHERE published_at IS NULL AND dead_at IS NULL",
+        )
+    };
+    assert!(eventually(Duration::from_secs(30), || live() == 0).await);
+    shutdown.cancel();
+    consuming.await.unwrap().unwrap();
+    relaying.await.unwrap().unwrap();
+
+    let mut db = fx.connect();
+    for o in old_outbox() {
+        let expected = i64::from(o.published_at.is_none() && o.message_type == TYPE);
+        assert_eq!(db.effects_of(o.key).unwrap(), expected, "{}", o.key);
+    }
+    for key in ["c-failed-due", "c-started-after-failure"] {
+        assert_eq!(db.effects_of(key).unwrap(), 1, "{key}");
+    }
+    assert_eq!(db.effects_of("c-done").unwrap(), 0);
+    assert_eq!(db.effect_count().unwrap(), 7);
+    let s = consumed.snapshot();
+    assert_eq!((s.processed, s.duplicates, s.dead_lettered), (7, 1, 0));
+    // The row no exchange binding takes came back unroutable and died.
+    let dead = store.dead_outbox_rows(10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message_key, "o-failing");
+    topology.delete(&conn).await.unwrap();
 }
