@@ -387,7 +387,7 @@ impl<S: InboxStore> Consumer<S> {
     /// of at most [`FRAME_MAX`] bytes; a warning is logged when `RUST_MIN_STACK` is
     /// below what parsing the deepest header table such a frame holds needs (see
     /// [`frame_parse_stack`](crate::frame_parse_stack)). A store with no routes
-    /// opens no connection and runs until the shutdown.
+    /// holds one connection (declaring the exchange) until the shutdown.
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let shared = &self.shared;
         shared.settings.check()?;
@@ -402,12 +402,18 @@ impl<S: InboxStore> Consumer<S> {
                     role,
                     stop.clone(),
                 );
-                connections.spawn(supervised);
+                // Its log lines (losses, reconnects) and its workers' spans say
+                // whose connection it is.
+                let span = tracing::info_span!(
+                    "inbox.amqp.connection",
+                    group = %group,
+                    dead_letters = role == Role::DeadLetters
+                );
+                connections.spawn(supervised.instrument(span));
             }
         }
         if connections.is_empty() {
-            stop.cancelled().await;
-            return Ok(());
+            connections.spawn(Arc::clone(shared).idle(self.url.clone(), stop.clone()));
         }
         let mut ran = Ok(());
         while let Some(joined) = connections.join_next().await {
@@ -495,6 +501,32 @@ impl<S: InboxStore> Shared<S> {
                     shared.stats.add(Counter::Reconnects, 1);
                     metrics::counter!("inbox_amqp_reconnects_total").increment(1);
                 },
+            )
+            .await
+    }
+
+    /// A consumer of no group still connects and declares (the exchange), so a
+    /// misconfigured one fails at startup, then holds the connection until `stop`.
+    async fn idle(self: Arc<Self>, url: String, stop: CancellationToken) -> Result<()> {
+        let s = &self.settings;
+        let supervisor = Supervisor::new(
+            &url,
+            s.connection_name.as_deref(),
+            s.connect_timeout,
+            (s.backoff_min, s.backoff_max),
+            Role::Workers.goodbye(),
+        )?
+        .frame_max(FRAME_MAX);
+        let (shared, stop) = (&self, &stop);
+        supervisor
+            .run(
+                stop,
+                move |conn| async move { shared.topology.declare(&conn).await },
+                move |_, ()| async move {
+                    stop.cancelled().await;
+                    Ok(())
+                },
+                || shared.stats.add(Counter::Reconnects, 1),
             )
             .await
     }
