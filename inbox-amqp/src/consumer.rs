@@ -474,19 +474,9 @@ impl<S: InboxStore> Shared<S> {
         role: Role,
         stop: CancellationToken,
     ) -> Result<()> {
-        let s = &self.settings;
-        let name = s
-            .connection_name
-            .as_deref()
-            .map(|n| role.connection_name(n, &group));
-        let supervisor = Supervisor::new(
-            &url,
-            name.as_deref(),
-            s.connect_timeout,
-            (s.backoff_min, s.backoff_max),
-            role.goodbye(),
-        )?
-        .frame_max(FRAME_MAX);
+        let name =
+            (self.settings.connection_name.as_deref()).map(|n| role.connection_name(n, &group));
+        let supervisor = self.supervisor(&url, name.as_deref(), role)?;
         let (shared, group, stop, caution) = (&self, &group, &stop, &Caution::default());
         supervisor
             .run(
@@ -497,26 +487,35 @@ impl<S: InboxStore> Shared<S> {
                     caution.after(&end);
                     end
                 },
-                || {
-                    shared.stats.add(Counter::Reconnects, 1);
-                    metrics::counter!("inbox_amqp_reconnects_total").increment(1);
-                },
+                || shared.reconnected(),
             )
             .await
+    }
+
+    /// A supervisor of connections to `url` named `name`, for `role`.
+    fn supervisor<'a>(
+        &'a self,
+        url: &'a str,
+        name: Option<&'a str>,
+        role: Role,
+    ) -> Result<Supervisor<'a>> {
+        let s = &self.settings;
+        let backoff = (s.backoff_min, s.backoff_max);
+        let supervisor = Supervisor::new(url, name, s.connect_timeout, backoff, role.goodbye())?;
+        Ok(supervisor.frame_max(FRAME_MAX))
+    }
+
+    /// Counts a connection re-established after a loss.
+    fn reconnected(&self) {
+        self.stats.add(Counter::Reconnects, 1);
+        metrics::counter!("inbox_amqp_reconnects_total").increment(1);
     }
 
     /// A consumer of no group still connects and declares (the exchange), so a
     /// misconfigured one fails at startup, then holds the connection until `stop`.
     async fn idle(self: Arc<Self>, url: String, stop: CancellationToken) -> Result<()> {
-        let s = &self.settings;
-        let supervisor = Supervisor::new(
-            &url,
-            s.connection_name.as_deref(),
-            s.connect_timeout,
-            (s.backoff_min, s.backoff_max),
-            Role::Workers.goodbye(),
-        )?
-        .frame_max(FRAME_MAX);
+        let name = self.settings.connection_name.as_deref();
+        let supervisor = self.supervisor(&url, name, Role::Workers)?;
         let (shared, stop) = (&self, &stop);
         supervisor
             .run(
@@ -526,7 +525,7 @@ impl<S: InboxStore> Shared<S> {
                     stop.cancelled().await;
                     Ok(())
                 },
-                || shared.stats.add(Counter::Reconnects, 1),
+                || shared.reconnected(),
             )
             .await
     }
