@@ -1108,6 +1108,19 @@ mod tests {
     use crate::connect::config_error;
 
     #[test]
+    fn each_connection_is_named_after_its_group_and_role() {
+        let group = ConsumerGroup::new("billing.daily-usage").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            Role::Workers.connection_name("usage_consumer", &group),
+            "usage_consumer (billing.daily-usage)"
+        );
+        assert_eq!(
+            Role::DeadLetters.connection_name("usage_consumer", &group),
+            "usage_consumer (billing.daily-usage dead letters)"
+        );
+    }
+
+    #[test]
     fn settings_out_of_range_are_refused_by_name() {
         let refused = |settings: ConsumerSettings| config_error(settings.checked().map(|_| ()));
         let ms = Duration::from_millis;
