@@ -50,7 +50,9 @@ pub struct ConsumerSettings {
     pub backoff_min: Duration,
     /// Longest such wait (default 5 s).
     pub backoff_max: Duration,
-    /// The connection's name, shown by `rabbitmqctl list_connections`.
+    /// The name of the consumer's connections, shown by `rabbitmqctl
+    /// list_connections`: a group's workers' connection is `<name> (<group>)`, its
+    /// dead-letter reader's `<name> (<group> dead letters)`.
     pub connection_name: Option<String>,
     /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
     /// accepts the connection and never answers is then tried again after backoff.
@@ -106,7 +108,7 @@ impl ConsumerSettings {
         self
     }
 
-    /// Names the connection.
+    /// Names the connections (see [`ConsumerSettings::connection_name`](Self#structfield.connection_name)).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
         self
@@ -153,8 +155,9 @@ impl ConsumerSettings {
 /// `multiple` ack when the whole batch may be acked, else one ack each), a retry
 /// published with a confirm to its tier before the original is acked, nothing acked
 /// after a store failure. A task per group reads the broker's dead-letter queue into
-/// the store. A lost connection is re-established with backoff and the topology
-/// declared again.
+/// the store. Each group's workers and its dead-letter reader have a connection of
+/// their own (see [`Consumer::run`]). A lost connection is re-established with
+/// backoff and the topology declared again.
 ///
 /// A `Stop` (a claim invariant violated) halts its consumer group only: the delivery
 /// is left unacked, the group's workers and dead-letter reader stop consuming and hold
@@ -201,8 +204,8 @@ struct Shared<S> {
     topology: Topology,
     settings: ConsumerSettings,
     stats: Arc<ConsumerStats>,
-    /// Per group, cancelled when it halts (for good: across sessions and both
-    /// connections).
+    /// Per group, cancelled when it halts (for good: across sessions and both of
+    /// its connections).
     halts: BTreeMap<ConsumerGroup, CancellationToken>,
 }
 
@@ -368,97 +371,171 @@ impl<S: InboxStore> Consumer<S> {
     }
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
-    /// are acked, channels and the connection close). A group whose store reports a
+    /// are acked, channels and connections close). A group whose store reports a
     /// claim invariant violation halts; the others go on (see [`Consumer`]).
     ///
     /// The first connection and the topology must succeed, so a misconfigured
     /// consumer fails at startup; later losses reconnect with backoff.
     ///
-    /// Two connections: one for the group queues' workers, one for the dead-letter
-    /// queues' readers, so that a message in a `:dlq` that cannot even be parsed never
-    /// costs the group queues' deliveries anything. Both declare the topology; a fatal
-    /// end of either ends both. Each asks for frames of at most [`FRAME_MAX`] bytes; a
-    /// warning is logged when `RUST_MIN_STACK` is below what parsing the deepest
-    /// header table such a frame holds needs (see [`frame_parse_stack`](crate::frame_parse_stack)).
+    /// Two connections per consumer group: one for its workers, one for its
+    /// dead-letter queue's reader. A delivery the client cannot parse fails the whole
+    /// connection it arrives on, and every other delivery in flight on that
+    /// connection comes back with its delivery count raised; on connections of their
+    /// own, a poison in one group's queue or `:dlq` costs no other group and no other
+    /// queue anything. Each connection declares the exchange and its group's queues
+    /// and reconnects on its own; a fatal end of any ends all. Each asks for frames
+    /// of at most [`FRAME_MAX`] bytes; a warning is logged when `RUST_MIN_STACK` is
+    /// below what parsing the deepest header table such a frame holds needs (see
+    /// [`frame_parse_stack`](crate::frame_parse_stack)). A store with no routes
+    /// holds one connection (declaring the exchange) until the shutdown.
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let shared = &self.shared;
         shared.settings.check()?;
         warn_on_small_stack(std::env::var("RUST_MIN_STACK").ok().as_deref());
-        let s = &shared.settings;
-        let name = s.connection_name.as_deref();
-        let dlq_name = name.map(|n| format!("{n} (dead letters)"));
-        let supervisor = |name, goodbye| {
-            Supervisor::new(
-                &self.url,
-                name,
-                s.connect_timeout,
-                (s.backoff_min, s.backoff_max),
-                goodbye,
-            )
-            .map(|sup| sup.frame_max(FRAME_MAX))
-        };
-        let groups = supervisor(name, "inbox consumer stopping")?;
-        let dlqs = supervisor(dlq_name.as_deref(), "inbox dead-letter reader stopping")?;
-        let stop = &shutdown.child_token();
-        let reconnected = || {
-            shared.stats.add(Counter::Reconnects, 1);
-            metrics::counter!("inbox_amqp_reconnects_total").increment(1);
-        };
-        let (workers_caution, dlq_caution) = (&Caution::default(), &Caution::default());
-        let workers = async {
-            let ran = groups
-                .run(
-                    stop,
-                    move |conn| async move { shared.topology.declare(&conn).await },
-                    move |conn, ()| async move {
-                        let end = shared
-                            .session(&conn, stop, workers_caution, Role::Workers)
-                            .await;
-                        workers_caution.after(&end);
-                        end
-                    },
-                    reconnected,
-                )
-                .await;
+        let stop = shutdown.child_token();
+        let mut connections = JoinSet::new();
+        for group in shared.topology.groups() {
+            for role in [Role::Workers, Role::DeadLetters] {
+                let supervised = Arc::clone(shared).supervise(
+                    self.url.clone(),
+                    group.clone(),
+                    role,
+                    stop.clone(),
+                );
+                // Its log lines (losses, reconnects) and its workers' spans say
+                // whose connection it is.
+                let span = tracing::info_span!(
+                    "inbox.amqp.connection",
+                    group = %group,
+                    dead_letters = role == Role::DeadLetters
+                );
+                connections.spawn(supervised.instrument(span));
+            }
+        }
+        if connections.is_empty() {
+            connections.spawn(Arc::clone(shared).idle(self.url.clone(), stop.clone()));
+        }
+        let mut ran = Ok(());
+        while let Some(joined) = connections.join_next().await {
+            let ended = joined.unwrap_or_else(|source| {
+                Err(Error::TaskFailed {
+                    task: "consumer connection",
+                    source,
+                })
+            });
+            // A connection's supervisor ends at the shutdown or fatally: either way
+            // the others end too, and the first error is the consumer's.
             stop.cancel();
-            ran
-        };
-        let readers = async {
-            let ran = dlqs
-                .run(
-                    stop,
-                    move |conn| async move { shared.topology.declare(&conn).await },
-                    move |conn, ()| async move {
-                        let end = shared
-                            .session(&conn, stop, dlq_caution, Role::DeadLetters)
-                            .await;
-                        dlq_caution.after(&end);
-                        end
-                    },
-                    reconnected,
-                )
-                .await;
-            stop.cancel();
-            ran
-        };
-        let (workers, readers) = tokio::join!(workers, readers);
-        workers.and(readers)
+            if let (Err(err), true) = (ended, ran.is_ok()) {
+                ran = Err(err);
+            }
+        }
+        ran
     }
 }
 
 /// What a connection's sessions run.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Role {
-    /// The group queues' workers.
+    /// A group queue's workers.
     Workers,
-    /// The dead-letter queues' readers.
+    /// A dead-letter queue's reader.
     DeadLetters,
 }
 
+impl Role {
+    /// The connection's name, from the one the settings give: `<name> (<group>)`,
+    /// `<name> (<group> dead letters)`.
+    fn connection_name(self, name: &str, group: &ConsumerGroup) -> String {
+        match self {
+            Role::Workers => format!("{name} ({group})"),
+            Role::DeadLetters => format!("{name} ({group} dead letters)"),
+        }
+    }
+
+    /// What the connection says when it closes.
+    fn goodbye(self) -> &'static str {
+        match self {
+            Role::Workers => "inbox consumer stopping",
+            Role::DeadLetters => "inbox dead-letter reader stopping",
+        }
+    }
+}
+
 impl<S: InboxStore> Shared<S> {
+    /// Supervises `group`'s connection for `role` until `stop` is cancelled or it
+    /// ends fatally: connect, declare the group's topology, run sessions, reconnect.
+    /// Its caution is its own: a poison makes only this connection's next session
+    /// cautious.
+    async fn supervise(
+        self: Arc<Self>,
+        url: String,
+        group: ConsumerGroup,
+        role: Role,
+        stop: CancellationToken,
+    ) -> Result<()> {
+        let name =
+            (self.settings.connection_name.as_deref()).map(|n| role.connection_name(n, &group));
+        let supervisor = self.supervisor(&url, name.as_deref(), role)?;
+        let (shared, group, stop, caution) = (&self, &group, &stop, &Caution::default());
+        supervisor
+            .run(
+                stop,
+                move |conn| async move { shared.topology.declare_group(&conn, group).await },
+                move |conn, ()| async move {
+                    let end = shared.session(&conn, group, stop, caution, role).await;
+                    caution.after(&end);
+                    end
+                },
+                || shared.reconnected(),
+            )
+            .await
+    }
+
+    /// A supervisor of connections to `url` named `name`, for `role`.
+    fn supervisor<'a>(
+        &'a self,
+        url: &'a str,
+        name: Option<&'a str>,
+        role: Role,
+    ) -> Result<Supervisor<'a>> {
+        let s = &self.settings;
+        let backoff = (s.backoff_min, s.backoff_max);
+        let supervisor = Supervisor::new(url, name, s.connect_timeout, backoff, role.goodbye())?;
+        Ok(supervisor.frame_max(FRAME_MAX))
+    }
+
+    /// Counts a connection re-established after a loss.
+    fn reconnected(&self) {
+        self.stats.add(Counter::Reconnects, 1);
+        metrics::counter!("inbox_amqp_reconnects_total").increment(1);
+    }
+
+    /// A consumer of no group still connects and declares (the exchange), so a
+    /// misconfigured one fails at startup, then holds the connection until `stop`.
+    async fn idle(self: Arc<Self>, url: String, stop: CancellationToken) -> Result<()> {
+        let name = self.settings.connection_name.as_deref();
+        let supervisor = self.supervisor(&url, name, Role::Workers)?;
+        let (shared, stop) = (&self, &stop);
+        supervisor
+            .run(
+                stop,
+                move |conn| async move { shared.topology.declare(&conn).await },
+                move |_, ()| async move {
+                    stop.cancelled().await;
+                    Ok(())
+                },
+                || shared.reconnected(),
+            )
+            .await
+    }
+
+    /// One connection's session: `group`'s workers or its dead-letter reader, each
+    /// on a channel of its own, until one of them ends it.
     async fn session(
         self: &Arc<Self>,
         conn: &Connection,
+        group: &ConsumerGroup,
         shutdown: &CancellationToken,
         caution: &Caution,
         role: Role,
@@ -471,36 +548,33 @@ impl<S: InboxStore> Shared<S> {
         };
         if cautious {
             tracing::info!(
+                group = %group,
                 dead_letters = role == Role::DeadLetters,
-                "cautious session: one reader per queue, prefetch 1, until {} deliveries are settled",
+                "cautious session: one reader, prefetch 1, until {} deliveries are settled",
                 pace.relax.as_ref().map_or(0, |(n, _)| *n)
             );
         }
-        let workers = if cautious { 1 } else { self.settings.workers };
+        let halt = match self.halts.get(group) {
+            Some(halt) if !self.stats.is_halted(group) && !halt.is_cancelled() => halt,
+            _ => {
+                // A halted group: hold the connection until shutdown.
+                stop.cancelled().await;
+                return Ok(());
+            }
+        };
+        let tokens = || Tokens {
+            stop: stop.clone(),
+            halt: halt.clone(),
+        };
         let mut tasks = JoinSet::new();
-        for group in self.topology.groups() {
-            let Some(halt) = self.halts.get(group) else {
-                continue;
-            };
-            if self.stats.is_halted(group) || halt.is_cancelled() {
-                continue;
-            }
-            let tokens = || Tokens {
-                stop: stop.clone(),
-                halt: halt.clone(),
-            };
-            if role == Role::DeadLetters {
-                let channel = conn.create_channel().await?;
-                let reader = Arc::clone(self).dead_letter_reader(
-                    channel,
-                    group.clone(),
-                    tokens(),
-                    pace.clone(),
-                );
-                tasks.spawn(reader);
-                continue;
-            }
+        if role == Role::DeadLetters {
+            let channel = conn.create_channel().await?;
+            let reader =
+                Arc::clone(self).dead_letter_reader(channel, group.clone(), tokens(), pace.clone());
+            tasks.spawn(reader);
+        } else {
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+            let workers = if cautious { 1 } else { self.settings.workers };
             for worker in 0..workers {
                 let channel = conn.create_channel().await?;
                 let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
@@ -510,11 +584,6 @@ impl<S: InboxStore> Shared<S> {
                         .instrument(span),
                 );
             }
-        }
-        if tasks.is_empty() {
-            // Every group halted: hold the connection until shutdown.
-            stop.cancelled().await;
-            return Ok(());
         }
         let mut outcome = Ok(());
         while let Some(joined) = tasks.join_next().await {
@@ -1037,6 +1106,19 @@ impl Tokens {
 mod tests {
     use super::*;
     use crate::connect::config_error;
+
+    #[test]
+    fn each_connection_is_named_after_its_group_and_role() {
+        let group = ConsumerGroup::new("billing.daily-usage").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            Role::Workers.connection_name("usage_consumer", &group),
+            "usage_consumer (billing.daily-usage)"
+        );
+        assert_eq!(
+            Role::DeadLetters.connection_name("usage_consumer", &group),
+            "usage_consumer (billing.daily-usage dead letters)"
+        );
+    }
 
     #[test]
     fn settings_out_of_range_are_refused_by_name() {

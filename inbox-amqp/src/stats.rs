@@ -45,7 +45,8 @@ pub struct StatsSnapshot {
     pub requeued: u64,
     /// Batches handed to the store.
     pub batches: u64,
-    /// Connections re-established after a loss.
+    /// Connections re-established after a loss, summed over the consumer's
+    /// connections (two per consumer group).
     pub reconnects: u64,
     /// Retries per retry tier.
     pub retries_per_tier: BTreeMap<Duration, u64>,

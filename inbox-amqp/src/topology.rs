@@ -228,6 +228,24 @@ impl Topology {
     /// is a no-op; declaring over objects with other arguments is
     /// [`Error::TopologyConflict`], naming the object and the argument.
     pub async fn declare(&self, connection: &Connection) -> Result<()> {
+        self.declare_some(connection, |_| true).await
+    }
+
+    /// Declares the exchange and `group`'s queues and bindings only: what a
+    /// connection serving that group needs.
+    pub(crate) async fn declare_group(
+        &self,
+        connection: &Connection,
+        group: &ConsumerGroup,
+    ) -> Result<()> {
+        self.declare_some(connection, |g| g == group).await
+    }
+
+    async fn declare_some(
+        &self,
+        connection: &Connection,
+        wanted: impl Fn(&ConsumerGroup) -> bool,
+    ) -> Result<()> {
         let exchange = self.exchange();
         let channel = connection.create_channel().await?;
         channel
@@ -242,53 +260,65 @@ impl Topology {
             )
             .await
             .map_err(|e| conflict(&exchange, e))?;
-        for g in &self.groups {
-            let queue = self.queue(&g.group);
-            let dlq = self.dlq(&g.group);
-            let unreadable = self.unreadable(&g.group);
-
-            let mut parking = quorum();
-            self.expires(&mut parking);
-            declare_queue(connection, &unreadable, parking).await?;
-            declare_queue(connection, &dlq, self.dlq_arguments(&unreadable)).await?;
-
-            let mut args = quorum();
-            args.insert("x-dead-letter-exchange".into(), long(""));
-            args.insert("x-dead-letter-routing-key".into(), long(&dlq));
-            args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
-            args.insert("x-overflow".into(), long("reject-publish"));
-            args.insert(
-                "x-delivery-limit".into(),
-                AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
-            );
-            self.expires(&mut args);
-            declare_queue(connection, &queue, args).await?;
-
-            for tier in self.ladder.tiers() {
-                let name = format!("{queue}:retry:{}", RetryLadder::label(*tier));
-                let mut args = quorum();
-                let ttl = i64::try_from(tier.as_millis()).unwrap_or(i64::MAX);
-                args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
-                args.insert("x-dead-letter-exchange".into(), long(""));
-                args.insert("x-dead-letter-routing-key".into(), long(&queue));
-                args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
-                args.insert("x-overflow".into(), long("reject-publish"));
-                declare_queue(connection, &name, args).await?;
-            }
-
-            for message_type in &g.message_types {
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        exchange.as_str().into(),
-                        message_type.as_str().into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?;
-            }
+        for g in self.groups.iter().filter(|g| wanted(&g.group)) {
+            self.declare_group_queues(connection, &channel, g).await?;
         }
         close_channel(&channel, "declared").await;
+        Ok(())
+    }
+
+    /// One group's queues, tiers and bindings (on `channel`).
+    async fn declare_group_queues(
+        &self,
+        connection: &Connection,
+        channel: &lapin::Channel,
+        g: &GroupTopology,
+    ) -> Result<()> {
+        let exchange = self.exchange();
+        let queue = self.queue(&g.group);
+        let dlq = self.dlq(&g.group);
+        let unreadable = self.unreadable(&g.group);
+
+        let mut parking = quorum();
+        self.expires(&mut parking);
+        declare_queue(connection, &unreadable, parking).await?;
+        declare_queue(connection, &dlq, self.dlq_arguments(&unreadable)).await?;
+
+        let mut args = quorum();
+        args.insert("x-dead-letter-exchange".into(), long(""));
+        args.insert("x-dead-letter-routing-key".into(), long(&dlq));
+        args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+        args.insert("x-overflow".into(), long("reject-publish"));
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+        );
+        self.expires(&mut args);
+        declare_queue(connection, &queue, args).await?;
+
+        for tier in self.ladder.tiers() {
+            let name = format!("{queue}:retry:{}", RetryLadder::label(*tier));
+            let mut args = quorum();
+            let ttl = i64::try_from(tier.as_millis()).unwrap_or(i64::MAX);
+            args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+            args.insert("x-dead-letter-exchange".into(), long(""));
+            args.insert("x-dead-letter-routing-key".into(), long(&queue));
+            args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+            args.insert("x-overflow".into(), long("reject-publish"));
+            declare_queue(connection, &name, args).await?;
+        }
+
+        for message_type in &g.message_types {
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    exchange.as_str().into(),
+                    message_type.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
         Ok(())
     }
 }

@@ -6,10 +6,23 @@
 //! Everything a client library can send is published with lapin. What it cannot send
 //! (strings that are not UTF-8, tables nested thousands of levels deep) is written
 //! frame by frame by [`inbox_test_support::amqp::raw`]; those cases break lapin's own
-//! frame parser on the consumer's side (see `frames_*`). The table nested thousands
-//! of levels deep runs only with `INBOX_HOSTILE_FRAMES=1` (see [`frames_gate`]): it
-//! needs `RUST_MIN_STACK` in this process; the example consumer's process test
-//! (`examples/tests/hostile_frames_process.rs`) covers it by default.
+//! frame parser on the consumer's side (see `frames_*`), before any delivery reaches
+//! the runtime:
+//!
+//! - `parse_short_string` decodes with `String::from_utf8`, so a `message_id`, `type`
+//!   or header name that is not UTF-8 fails the frame parser, which fails the whole
+//!   connection; the consumer reconnects cautiously (prefetch 1) until the poison has
+//!   used up its delivery limits and is parked in `<group>:unreadable`. Each group's
+//!   workers and each `:dlq` reader have a connection of their own, so those losses
+//!   cost no other group and no other queue anything (the cross-group cases).
+//! - `parse_field_table` / `parse_value` recurse once per nesting level with no bound,
+//!   so a table nested a few thousand levels deep overflows the stack of lapin's I/O
+//!   thread and aborts the process unless `RUST_MIN_STACK` is large enough (see
+//!   `inbox_amqp::frame_parse_stack`). The standard library reads `RUST_MIN_STACK`
+//!   once, so that case runs in a child process of this test binary started with it
+//!   set ([`in_a_child_with_the_parse_stack`]); the example consumer's process test
+//!   (`examples/tests/hostile_frames_process.rs`) covers a table as deep as a frame
+//!   allows.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -659,24 +672,41 @@ async fn hostile_bodies_keys_types_and_headers_end_dead_lettered_and_cost_their_
     setup.cleanup().await;
 }
 
-/// The cases written frame by frame break lapin 4.12 / amq-protocol-types 10.6 on the
-/// consumer's side, before any delivery reaches the runtime:
-///
-/// - `parse_short_string` decodes with `String::from_utf8`, so a `message_id`, `type`
-///   or header name that is not UTF-8 fails the frame parser, which fails the whole
-///   connection; the consumer reconnects cautiously (prefetch 1) until the poison has
-///   used up its delivery limits and is parked in `<group>:unreadable`.
-/// - `parse_field_table` / `parse_value` recurse once per nesting level with no bound,
-///   so a table nested a few thousand levels deep overflows the stack of lapin's I/O
-///   thread and aborts the process unless `RUST_MIN_STACK` is large enough (see
-///   `inbox_amqp::frame_parse_stack`). That case runs with `INBOX_HOSTILE_FRAMES=1`
-///   only (set `RUST_MIN_STACK` too): this test process does not set it.
-fn frames_gate(case: &str) -> bool {
-    let on = std::env::var("INBOX_HOSTILE_FRAMES").is_ok_and(|v| v == "1");
-    if !on {
-        eprintln!("skipping {case}: set INBOX_HOSTILE_FRAMES=1 (it breaks lapin's frame parser)");
-    }
-    on
+/// Set in the child process [`in_a_child_with_the_parse_stack`] starts.
+const CHILD_MARKER: &str = "INBOX_HOSTILE_FRAMES_CHILD";
+
+/// Whether this process is the child [`in_a_child_with_the_parse_stack`] started.
+fn in_the_child() -> bool {
+    std::env::var_os(CHILD_MARKER).is_some()
+}
+
+/// Runs the test `name` of this test binary alone in a child process whose threads
+/// (lapin's I/O thread among them) get `inbox_amqp::frame_parse_stack()` bytes of
+/// stack, and fails unless the child passes; its output is echoed.
+fn in_a_child_with_the_parse_stack(name: &str) {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_MARKER, "1")
+        .env(
+            "RUST_MIN_STACK",
+            inbox_amqp::frame_parse_stack().to_string(),
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success(),
+        "{name} failed in its child ({}): {stdout}",
+        out.status
+    );
+    // Proof the child ran the test rather than filtering it out.
+    assert!(
+        stdout.contains("1 passed"),
+        "{name} did not run in its child: {stdout}"
+    );
 }
 
 /// Publishes `properties` raw between two valid neighbours, then runs the consumer:
@@ -851,9 +881,11 @@ async fn frames_a_header_name_that_is_not_utf8() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frames_a_table_nested_five_thousand_levels_deep() {
-    if !frames_gate("frames_a_table_nested_five_thousand_levels_deep") {
+#[test]
+fn frames_a_table_nested_five_thousand_levels_deep() {
+    const NAME: &str = "frames_a_table_nested_five_thousand_levels_deep";
+    if !in_the_child() {
+        in_a_child_with_the_parse_stack(NAME);
         return;
     }
     let props = raw::Properties {
@@ -861,10 +893,252 @@ async fn frames_a_table_nested_five_thousand_levels_deep() {
         message_type: Some(MESSAGE_TYPE.as_bytes().to_vec()),
         headers: Some(raw::table(&[(b"deep", raw::nested_table_value(5_000))])),
     };
-    raw_poison_between_neighbours(
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(raw_poison_between_neighbours(
         "a table nested 5,000 levels",
         props,
         Duration::from_secs(60),
-    )
+    ));
+}
+
+/// The group whose queues a poison reaches in the cross-group cases.
+const POISONED: &str = "hostile.poisoned";
+/// The group (or queue) a steady stream of valid messages goes to meanwhile.
+const STREAMED: &str = "hostile.streamed";
+
+/// What the consumer saw of one delivery, as its store was handed it.
+#[derive(Clone, Debug)]
+struct Seen {
+    group: String,
+    key: String,
+    /// Through the dead-letter reader (`:dlq`) rather than a worker.
+    dead_letter: bool,
+    redelivered: bool,
+    delivery_count: Option<u32>,
+}
+
+/// A store for two groups that applies everything and remembers each delivery it was
+/// handed; a batch takes 20 ms and a dead letter 5 ms, so a busy stream has
+/// deliveries in flight (received, not yet acked) when a connection is lost.
+#[derive(Default)]
+struct Recording {
+    seen: std::sync::Mutex<Vec<Seen>>,
+}
+
+impl Recording {
+    fn record(&self, group: &ConsumerGroup, e: &inbox_core::Envelope, dead_letter: bool) {
+        self.seen.lock().unwrap().push(Seen {
+            group: group.to_string(),
+            key: e.message_key.as_str().to_owned(),
+            dead_letter,
+            redelivered: e.redelivered,
+            delivery_count: e.delivery_count,
+        });
+    }
+
+    fn of_stream(&self) -> Vec<Seen> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|s| s.key.starts_with("stream-"))
+            .cloned()
+            .collect()
+    }
+}
+
+impl inbox_core::InboxStore for Recording {
+    fn process_batch(
+        &self,
+        group: &ConsumerGroup,
+        batch: &[inbox_core::Envelope],
+    ) -> inbox_core::Result<Vec<inbox_core::Decision>> {
+        std::thread::sleep(ms(20));
+        for e in batch {
+            self.record(group, e, false);
+        }
+        Ok(vec![inbox_core::Decision::Processed; batch.len()])
+    }
+
+    fn routes(&self) -> Vec<(ConsumerGroup, String)> {
+        [POISONED, STREAMED]
+            .map(|g| (ConsumerGroup::new(g).unwrap(), format!("{g}.event")))
+            .into()
+    }
+
+    fn dead_letter(
+        &self,
+        group: &ConsumerGroup,
+        envelope: &inbox_core::Envelope,
+        _: inbox_core::DeadLetterReason,
+        _: &str,
+    ) -> inbox_core::Result<inbox_core::DeadLetterOutcome> {
+        std::thread::sleep(ms(5));
+        self.record(group, envelope, true);
+        Ok(inbox_core::DeadLetterOutcome::Recorded)
+    }
+}
+
+/// Where a cross-group case puts its poison or its stream.
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    /// The group's queue, through the exchange.
+    Queue(&'static str),
+    /// The group's `:dlq`, straight through the default exchange.
+    Dlq(&'static str),
+}
+
+impl Target {
+    /// (exchange, routing key) that reach it.
+    fn address(self, topology: &Topology) -> (String, String) {
+        match self {
+            Target::Queue(group) => (topology.exchange(), format!("{group}.event")),
+            Target::Dlq(group) => (
+                String::new(),
+                topology.dlq(&ConsumerGroup::new(group).unwrap()),
+            ),
+        }
+    }
+}
+
+/// A poison whose header name is not UTF-8 (it fails lapin's parse of the frame and
+/// with it the connection) goes `poison`, while a steady stream of valid messages
+/// goes `stream` until the poison has used up every try and is parked in
+/// `hostile.poisoned:unreadable`: every stream message must reach the store exactly
+/// once, never redelivered (the poison's connection losses cost it nothing).
+async fn a_poison_costs_a_busy_stream_nothing(poison: Target, stream: Target) {
+    let Some(url) = amqp_url() else { return };
+    let store = Arc::new(Recording::default());
+    let topology = amqp::test_topology(&amqp::unique_prefix("x"), &[50, 100, 200])
+        .queue_expires(Duration::from_secs(300))
+        .delivery_limit(5)
+        .with_routes(inbox_core::InboxStore::routes(&*store));
+    let conn = amqp::connect(&url).await;
+    topology.declare(&conn).await.unwrap();
+    let consumer = Consumer::new(url.clone(), Arc::clone(&store), topology.clone()).with_settings(
+        ConsumerSettings::default()
+            .workers(2)
+            .prefetch(20)
+            .batch(10, ms(5))
+            .backoff(ms(50), ms(500))
+            .connection_name("hostile-groups-test"),
+    );
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+
+    let props = raw::Properties {
+        message_id: Some(b"raw-cross-group-poison".to_vec()),
+        message_type: Some(format!("{POISONED}.event").into_bytes()),
+        headers: Some(raw::table(&[(b"ten\xffant", raw::long_value(b"acme"))])),
+    };
+    let (exchange, key) = poison.address(&topology);
+    raw::publish(&url, &exchange, &key, &props, br#"{"case": "poison"}"#)
+        .await
+        .unwrap();
+
+    let channel = confirm_channel(&conn).await;
+    let (exchange, key) = stream.address(&topology);
+    let stream_type = match stream {
+        Target::Queue(g) | Target::Dlq(g) => format!("{g}.event"),
+    };
+    let unreadable = topology.unreadable(&ConsumerGroup::new(POISONED).unwrap());
+    let started = Instant::now();
+    let mut published = 0usize;
+    let mut parked = false;
+    // At least 100, and on until the poison is parked (or a minute has passed).
+    while (published < 100 || !parked) && started.elapsed() < Duration::from_secs(60) {
+        for _ in 0..10 {
+            published += 1;
+            let id = format!("stream-{published}");
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    key.as_str().into(),
+                    lapin::options::BasicPublishOptions::default(),
+                    b"{}",
+                    BasicProperties::default()
+                        .with_message_id(id.as_str().into())
+                        .with_type(stream_type.as_str().into())
+                        .with_delivery_mode(2),
+                )
+                .await
+                .unwrap();
+        }
+        wait_for_confirms(&channel).await;
+        parked = amqp::queue_depth(&conn, &unreadable).await == 1;
+        tokio::time::sleep(ms(100)).await;
+    }
+    let all_seen = amqp::eventually(Duration::from_secs(30), || {
+        store.of_stream().len() >= published
+    })
     .await;
+    let took = started.elapsed();
+    shutdown.cancel();
+    running
+        .await
+        .unwrap()
+        .expect("the consumer ends cleanly, it does not crash");
+    let stats = stats.snapshot();
+    topology.delete(&conn).await.unwrap();
+    let _ = conn.close(200, "done".into()).await;
+
+    let seen = store.of_stream();
+    eprintln!(
+        "poison {poison:?}, stream {stream:?}: {published} published, {} seen in {took:?}; {stats:?}",
+        seen.len()
+    );
+    assert!(parked, "the poison was never parked: {stats:?}");
+    assert!(all_seen, "{} of {published} seen: {stats:?}", seen.len());
+    let mut times: BTreeMap<&str, usize> = BTreeMap::new();
+    for s in &seen {
+        *times.entry(s.key.as_str()).or_default() += 1;
+    }
+    let again: Vec<_> = times.iter().filter(|(_, n)| **n > 1).collect();
+    let redelivered: Vec<_> = seen
+        .iter()
+        .filter(|s| s.redelivered || s.delivery_count.is_some())
+        .map(|s| (&s.key, s.redelivered, s.delivery_count))
+        .collect();
+    assert!(
+        again.is_empty() && redelivered.is_empty(),
+        "the poison cost the stream: {} of {published} seen more than once {again:?}; \
+         redelivered {redelivered:?}",
+        again.len()
+    );
+    assert_eq!(times.len(), published, "every stream message seen once");
+    let (group, through_dlq) = match stream {
+        Target::Queue(g) => (g, false),
+        Target::Dlq(g) => (g, true),
+    };
+    assert!(
+        seen.iter()
+            .all(|s| s.group == group && s.dead_letter == through_dlq),
+        "{seen:?}"
+    );
+}
+
+/// Each group's workers have a connection of their own: a poison in one group's
+/// queue never costs another group's deliveries a redelivery (nor, in the end, a
+/// dead letter at its delivery limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_a_poison_in_one_group_costs_another_group_nothing() {
+    a_poison_costs_a_busy_stream_nothing(Target::Queue(POISONED), Target::Queue(STREAMED)).await;
+}
+
+/// The `:dlq` reader has a connection of its own: a poison in the group's `:dlq`
+/// (tried there 50 times) never costs the group's own busy workers a redelivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_a_poison_in_the_dlq_costs_its_groups_workers_nothing() {
+    a_poison_costs_a_busy_stream_nothing(Target::Dlq(POISONED), Target::Queue(POISONED)).await;
+}
+
+/// Each group's `:dlq` reader has a connection of its own: a poison in one group's
+/// `:dlq` never costs another group's dead letters a redelivery (which, 50 times
+/// over, would park a readable dead letter in `:unreadable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_a_poison_in_one_dlq_costs_another_groups_dlq_nothing() {
+    a_poison_costs_a_busy_stream_nothing(Target::Dlq(POISONED), Target::Dlq(STREAMED)).await;
 }
