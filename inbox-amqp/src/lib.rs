@@ -28,8 +28,10 @@ mod relay;
 mod shutdown;
 mod stats;
 mod supervisor;
+mod tls;
 mod topology;
 
+pub use connect::connect;
 pub use consumer::{Consumer, ConsumerSettings};
 pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
 pub use error::{Error, Result};
@@ -37,5 +39,6 @@ pub use frames::{frame_parse_stack, FRAME_MAX};
 pub use relay::{Relay, RelaySettings, RelaySnapshot, RelayStats};
 pub use shutdown::{cancel_on_signals, shutdown_signal};
 pub use stats::{ConsumerStats, StatsSnapshot};
+pub use tls::{ca_cert_from_env, CA_CERT_ENV, TLS_BUILT};
 pub use tokio_util::sync::CancellationToken;
 pub use topology::Topology;
