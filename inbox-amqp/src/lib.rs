@@ -6,6 +6,11 @@
 //! never decides itself, and it never imports a database crate. [`Relay`] publishes an
 //! [`inbox_core::OutboxStore`] with publisher confirms.
 //!
+//! `amqps://` URLs need the feature `rustls` (off by default): TLS on rustls with
+//! *ring*, the system's root certificates and, for a broker with a private CA,
+//! [`ConsumerSettings::ca_cert`] / [`RelaySettings::ca_cert`]. Without it such a URL
+//! is [`Error::TlsUnavailable`] at once ([`TLS_BUILT`] tells the build).
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, Topology};
