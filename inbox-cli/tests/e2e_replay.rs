@@ -287,7 +287,9 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
         error.contains("TLS") && error.contains("UnknownIssuer"),
         "{report}"
     );
-    let seen = proxy.seen();
+    let seen = proxy
+        .seen_once(|seen| seen.handshakes + seen.failures.len() as u64 >= 2)
+        .await;
     assert_eq!((seen.handshakes, seen.failures.len()), (1, 1), "{seen:?}");
 
     shutdown.cancel();

@@ -107,6 +107,13 @@ impl TlsProxy {
         format!("amqps://{auth}localhost:{}/{path}", self.addr.port())
     }
 
+    /// What it saw once `settled` holds of it (the proxy learns a handshake's end
+    /// a moment after the client), or after 10 s what it saw then.
+    pub async fn seen_once(&self, settled: impl Fn(&Seen) -> bool) -> Seen {
+        crate::amqp::eventually(std::time::Duration::from_secs(10), || settled(&self.seen())).await;
+        self.seen()
+    }
+
     /// What it saw so far.
     pub fn seen(&self) -> Seen {
         Seen {

@@ -160,7 +160,7 @@ async fn consumer_and_relay_over_amqps_apply_every_event_once() {
 
     // Every connection spoke TLS from its first byte: the declaring one, the
     // consumer's two (group queues, dead letters) and the relay's.
-    let seen = world.proxy.seen();
+    let seen = world.proxy.seen_once(|seen| seen.handshakes >= 4).await;
     assert!(seen.failures.is_empty(), "{seen:?}");
     assert!(seen.handshakes >= 4, "{seen:?}");
     assert!(
@@ -226,7 +226,7 @@ async fn without_the_ca_or_with_another_the_connection_is_refused_at_once() {
     assert_tls_refused("connect", &err, password);
 
     // Nothing got past TLS: every connection was a TLS handshake that failed.
-    let seen = world.proxy.seen();
+    let seen = world.proxy.seen_once(|seen| seen.failures.len() >= 5).await;
     assert_eq!(seen.handshakes, 0, "{seen:?}");
     assert!(seen.failures.len() >= 5, "{seen:?}");
     assert!(
@@ -265,7 +265,7 @@ async fn a_wrong_password_over_amqps_is_not_printed() {
             }
         }
     }
-    let seen = world.proxy.seen();
+    let seen = world.proxy.seen_once(|seen| seen.handshakes >= 4).await;
     assert!(seen.handshakes >= 4, "TLS itself succeeded: {seen:?}");
 }
 
