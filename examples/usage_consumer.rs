@@ -8,7 +8,9 @@
 //! that cannot be reached, a conflicting topology).
 //!
 //! Environment: `DATABASE_URL` (required, `postgres://...`), `AMQP_URL` (default
-//! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_PREFIX` (optional prefix of the
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`; `amqps://...` with the feature `rustls` of
+//! `inbox-examples`), `AMQP_CA_CERT` (optional PEM file of CA certificates trusted for
+//! `amqps://` besides the system's roots), `INBOX_PREFIX` (optional prefix of the
 //! exchange and queue names), `INBOX_RETRY_LADDER` (the retry tiers, comma-separated
 //! durations such as `50ms,200ms`; default the framework's ladder),
 //! `INBOX_MAX_ATTEMPTS` (failures before a message is dead-lettered; default the
@@ -82,6 +84,15 @@ fn main() -> ExitCode {
     })
 }
 
+/// The consumer's settings: its connection's name, and the CA of `AMQP_CA_CERT`.
+fn consumer_settings() -> ConsumerSettings {
+    let settings = ConsumerSettings::default().connection_name("usage_consumer");
+    match inbox_amqp::ca_cert_from_env() {
+        Some(ca) => settings.ca_cert(ca),
+        None => settings,
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL must name the PostgreSQL database (postgres://...)")?;
@@ -141,8 +152,8 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     };
 
     let topology = Topology::new("billing")?.prefix(prefix)?.ladder(ladder);
-    let consumer = Consumer::new(amqp_url, Arc::new(store), topology)
-        .with_settings(ConsumerSettings::default().connection_name("usage_consumer"));
+    let consumer =
+        Consumer::new(amqp_url, Arc::new(store), topology).with_settings(consumer_settings());
     let stats = consumer.stats();
     println!("usage_consumer: consuming; stop with ctrl-c or SIGTERM");
     let consumed = consumer

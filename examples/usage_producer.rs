@@ -7,7 +7,9 @@
 //! (relative days), so a two-day rebuild window always holds data. Run
 //! `usage_consumer` beside it (same `DATABASE_URL`, `AMQP_URL`,
 //! `INBOX_PREFIX`) and its `daily_usage` ends equal to the ledger's sums: outbox ->
-//! broker -> inbox, every effect once.
+//! broker -> inbox, every effect once. `AMQP_URL` may be `amqps://...` with the
+//! feature `rustls` of `inbox-examples`; `AMQP_CA_CERT` names a PEM file of CA
+//! certificates the relay trusts besides the system's roots.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]).
@@ -62,8 +64,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("usage_producer: {events} ledger rows and events committed; relaying to {exchange}");
 
     let shutdown = cancel_on_signals(CancellationToken::new());
-    let relay = Relay::new(amqp_url, Arc::clone(&store))
-        .with_settings(RelaySettings::default().poll_interval(Duration::from_millis(200)));
+    let mut settings = RelaySettings::default().poll_interval(Duration::from_millis(200));
+    if let Some(ca) = inbox_amqp::ca_cert_from_env() {
+        settings = settings.ca_cert(ca);
+    }
+    let relay = Relay::new(amqp_url, Arc::clone(&store)).with_settings(settings);
     let stats = relay.stats();
     let relaying = tokio::spawn(relay.run(shutdown.clone()));
     loop {

@@ -4,6 +4,7 @@
 //! is in `supervisor`).
 
 use std::future::Future;
+use std::path::Path;
 use std::time::Duration;
 
 use lapin::types::LongString;
@@ -12,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use inbox_core::{exponential_backoff, redact_url};
 
+use crate::tls::Tls;
 use crate::{Error, Result};
 
 /// Why a session with the broker ended.
@@ -52,20 +54,30 @@ pub(crate) fn capped_frame_max(url: &str, cap: u32) -> Option<lapin::uri::AMQPUr
 /// finished `within` (a peer that accepts the connection and never answers would
 /// otherwise hold it forever: heartbeats only start after the handshake). The error
 /// keeps lapin's cause and hides the password.
-/// `frame_max`, when given, caps the frame size asked for (see [`capped_frame_max`]).
-pub(crate) async fn connect(
+/// `frame_max`, when given, caps the frame size asked for (see [`capped_frame_max`]);
+/// `tls` is how an `amqps://` URL's TLS is done (see [`Tls::for_url`]).
+pub(crate) async fn open(
     url: &str,
     name: Option<&str>,
     within: Duration,
     frame_max: Option<u32>,
+    tls: &Tls,
 ) -> Result<Connection> {
     let mut props = ConnectionProperties::default();
     if let Some(name) = name {
         props = props.with_connection_name(LongString::from(name));
     }
+    let uri = match frame_max {
+        Some(cap) => capped_frame_max(url, cap),
+        None => url.parse().ok(),
+    };
     let connecting = async {
-        match frame_max.and_then(|cap| capped_frame_max(url, cap)) {
-            Some(uri) => Connection::connect_uri(uri, props).await,
+        match uri {
+            Some(uri) => {
+                let runtime = lapin::runtime::default_runtime()?;
+                Connection::connect_uri_with_config(uri, props, tls.config(), runtime).await
+            }
+            // lapin's own parse error, quoted back (redacted below).
             None => Connection::connect(url, props).await,
         }
     };
@@ -76,6 +88,27 @@ pub(crate) async fn connect(
             after: within,
         }),
     }
+}
+
+/// The longest wait for a connection's AMQP handshake through [`connect`].
+const CONNECT_WITHIN: Duration = Duration::from_secs(30);
+
+/// Opens a connection to `url` by the rules the consumer and the relay connect by:
+/// `amqps://` needs this crate's feature `rustls` (else [`Error::TlsUnavailable`], at
+/// once), `ca_cert` is a PEM file of CA certificates trusted besides the system's
+/// roots (refused as [`Error::InvalidSetting`] when unusable, or with a plain
+/// `amqp://` URL), the handshake is given 30 s, and no error prints the URL's
+/// password. For tools that talk to the broker themselves (`inbox verify` does).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), inbox_amqp::Error> {
+/// let ca = inbox_amqp::ca_cert_from_env(); // AMQP_CA_CERT
+/// let conn = inbox_amqp::connect("amqps://app:secret@broker:5671/%2f", ca.as_deref()).await?;
+/// # drop(conn); Ok(()) }
+/// ```
+pub async fn connect(url: &str, ca_cert: Option<&Path>) -> Result<Connection> {
+    let tls = Tls::for_url(url, ca_cert)?;
+    open(url, None, CONNECT_WITHIN, None, &tls).await
 }
 
 /// The longest wait for the broker to acknowledge a goodbye (a cancel or a close). A
@@ -189,6 +222,12 @@ mod tests {
             ("amqp://guest:p%FFs3cret@127.0.0.1:1/%2f", "p%FFs3cret"),
             ("amqp://guest:at@s3cret@127.0.0.1:1/%2f", "at@s3cret"),
             ("amqps://guest:tls-s3cret@127.0.0.1:1/%2f", "tls-s3cret"),
+            (
+                "amqps://guest:tls-qu?es-s3cret@127.0.0.1:1/%2f",
+                "tls-qu?es-s3cret",
+            ),
+            ("amqps://guest:tls-p%40ss@127.0.0.1:1/%2f", "tls-p@ss"),
+            ("amqps:guest:tls-n0slash@127.0.0.1/%2f", "tls-n0slash"),
             ("http://guest:http-s3cret@127.0.0.1:1/", "http-s3cret"),
         ];
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -196,10 +235,17 @@ mod tests {
             .build()
             .unwrap_or_else(|e| panic!("runtime: {e}"));
         for (url, password) in cases {
-            let err = match runtime.block_on(connect(url, None, Duration::from_secs(5), None)) {
+            let err = match runtime.block_on(connect(url, None)) {
                 Ok(_) => panic!("connected to {}", redact_url(url)),
                 Err(err) => err,
             };
+            if !crate::TLS_BUILT && url.starts_with("amqps") {
+                assert!(matches!(err, Error::TlsUnavailable { .. }), "{err:?}");
+                for text in everything_printed(&err) {
+                    assert!(!text.contains(password), "{url}: {text}");
+                }
+                continue;
+            }
             assert!(matches!(err, Error::Connect { .. }), "{err:?}");
             for text in everything_printed(&err) {
                 assert!(!text.contains(password), "{url}: {text}");

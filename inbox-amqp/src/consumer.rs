@@ -1,4 +1,5 @@
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,6 +58,10 @@ pub struct ConsumerSettings {
     /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
     /// accepts the connection and never answers is then tried again after backoff.
     pub connect_timeout: Duration,
+    /// A PEM file of CA certificates trusted for an `amqps://` URL besides the
+    /// system's roots (a broker with a private CA); read and checked once when the
+    /// run starts (default none; see [`ca_cert_from_env`](crate::ca_cert_from_env)).
+    pub ca_cert: Option<PathBuf>,
 }
 
 impl Default for ConsumerSettings {
@@ -71,6 +76,7 @@ impl Default for ConsumerSettings {
             backoff_max: Duration::from_secs(5),
             connection_name: None,
             connect_timeout: Duration::from_secs(30),
+            ca_cert: None,
         }
     }
 }
@@ -117,6 +123,15 @@ impl ConsumerSettings {
     /// Sets the longest wait for a connection's AMQP handshake.
     pub fn connect_timeout(mut self, within: Duration) -> Self {
         self.connect_timeout = within;
+        self
+    }
+
+    /// Trusts the CA certificates of the PEM file at `path` for `amqps://`, besides
+    /// the system's roots. An unreadable file, one without a certificate, or a CA with
+    /// a plain `amqp://` URL stops the run at its start with
+    /// [`Error::InvalidSetting`] (`ca_cert`).
+    pub fn ca_cert(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_cert = Some(path.into());
         self
     }
 
@@ -501,7 +516,14 @@ impl<S: InboxStore> Shared<S> {
     ) -> Result<Supervisor<'a>> {
         let s = &self.settings;
         let backoff = (s.backoff_min, s.backoff_max);
-        let supervisor = Supervisor::new(url, name, s.connect_timeout, backoff, role.goodbye())?;
+        let supervisor = Supervisor::new(
+            url,
+            name,
+            s.connect_timeout,
+            backoff,
+            role.goodbye(),
+            s.ca_cert.as_deref(),
+        )?;
         Ok(supervisor.frame_max(FRAME_MAX))
     }
 

@@ -21,6 +21,24 @@ pub enum Error {
         /// How long the handshake was given.
         after: std::time::Duration,
     },
+    /// The TLS handshake with the broker of an `amqps://` URL failed: its certificate
+    /// is not trusted (`UnknownIssuer`: give its CA with `ca_cert`), is for another
+    /// name, or no protocol is common; rustls's reason is the source.
+    #[error("TLS with {url} failed")]
+    Tls {
+        /// The URL, password redacted.
+        url: String,
+        /// rustls's reason, as lapin reported it, passwords redacted.
+        #[source]
+        source: inbox_core::RedactedError,
+    },
+    /// An `amqps://` URL, in a build of this crate without TLS: refused before any
+    /// I/O (a client without TLS would speak plain AMQP to the TLS port and wait).
+    #[error("cannot connect to {url}: this build has no TLS; enable inbox-amqp's feature `rustls` for amqps:// URLs")]
+    TlsUnavailable {
+        /// The URL, password redacted.
+        url: String,
+    },
     /// A queue or exchange exists with other arguments than the ones declared.
     #[error("topology conflict on {name}: {detail}")]
     TopologyConflict {
@@ -74,10 +92,22 @@ impl Error {
 
     /// The error of a failed connection to `url`: neither the URL nor lapin's error
     /// (nor any cause below it) keeps a password of `url`.
+    /// A failed TLS handshake is [`Error::Tls`].
     pub(crate) fn connect(url: &str, source: &lapin::Error) -> Self {
-        Self::Connect {
-            url: inbox_core::redact_url(url),
-            source: inbox_core::RedactedError::new(source, url),
+        let (redacted, cause) = (
+            inbox_core::redact_url(url),
+            inbox_core::RedactedError::new(source, url),
+        );
+        if crate::tls::is_handshake_failure(source) {
+            Self::Tls {
+                url: redacted,
+                source: cause,
+            }
+        } else {
+            Self::Connect {
+                url: redacted,
+                source: cause,
+            }
         }
     }
 }

@@ -6,6 +6,11 @@
 //! never decides itself, and it never imports a database crate. [`Relay`] publishes an
 //! [`inbox_core::OutboxStore`] with publisher confirms.
 //!
+//! `amqps://` URLs need the feature `rustls` (off by default): TLS on rustls with
+//! *ring*, the system's root certificates and, for a broker with a private CA,
+//! [`ConsumerSettings::ca_cert`] / [`RelaySettings::ca_cert`]. Without it such a URL
+//! is [`Error::TlsUnavailable`] at once ([`TLS_BUILT`] tells the build).
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, Topology};
@@ -28,8 +33,10 @@ mod relay;
 mod shutdown;
 mod stats;
 mod supervisor;
+mod tls;
 mod topology;
 
+pub use connect::connect;
 pub use consumer::{Consumer, ConsumerSettings};
 pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
 pub use error::{Error, Result};
@@ -37,5 +44,6 @@ pub use frames::{frame_parse_stack, FRAME_MAX};
 pub use relay::{Relay, RelaySettings, RelaySnapshot, RelayStats};
 pub use shutdown::{cancel_on_signals, shutdown_signal};
 pub use stats::{ConsumerStats, StatsSnapshot};
+pub use tls::{ca_cert_from_env, CA_CERT_ENV, TLS_BUILT};
 pub use tokio_util::sync::CancellationToken;
 pub use topology::Topology;

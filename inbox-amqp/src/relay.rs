@@ -1,3 +1,4 @@
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +53,10 @@ pub struct RelaySettings {
     /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
     /// accepts the connection and never answers is then tried again after backoff.
     pub connect_timeout: Duration,
+    /// A PEM file of CA certificates trusted for an `amqps://` URL besides the
+    /// system's roots (a broker with a private CA); read and checked once when the
+    /// run starts (default none; see [`ca_cert_from_env`](crate::ca_cert_from_env)).
+    pub ca_cert: Option<PathBuf>,
 }
 
 impl Default for RelaySettings {
@@ -68,6 +73,7 @@ impl Default for RelaySettings {
             backoff_max: Duration::from_secs(5),
             connection_name: None,
             connect_timeout: Duration::from_secs(30),
+            ca_cert: None,
         }
     }
 }
@@ -126,6 +132,15 @@ impl RelaySettings {
     /// Sets the longest wait for a connection's AMQP handshake.
     pub fn connect_timeout(mut self, within: Duration) -> Self {
         self.connect_timeout = within;
+        self
+    }
+
+    /// Trusts the CA certificates of the PEM file at `path` for `amqps://`, besides
+    /// the system's roots. An unreadable file, one without a certificate, or a CA with
+    /// a plain `amqp://` URL stops the run at its start with
+    /// [`Error::InvalidSetting`] (`ca_cert`).
+    pub fn ca_cert(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_cert = Some(path.into());
         self
     }
 
@@ -299,6 +314,7 @@ impl<O: OutboxStore> Relay<O> {
             s.connect_timeout,
             (s.backoff_min, s.backoff_max),
             "relay stopping",
+            s.ca_cert.as_deref(),
         )?;
         let (relay, shutdown) = (&self, &shutdown);
         let span = tracing::info_span!("outbox.relay", relay = %s.relay_id);

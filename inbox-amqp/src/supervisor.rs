@@ -3,6 +3,7 @@
 //! connection politely, back off and reconnect until shutdown.
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::connect::SessionEnd;
-use crate::connect::{check_backoff, check_connect_timeout, close_connection, connect, pause};
+use crate::connect::{check_backoff, check_connect_timeout, close_connection, open, pause};
+use crate::tls::Tls;
 use crate::{Error, Result};
 
 /// How a supervisor connects and backs off.
@@ -31,22 +33,29 @@ pub(crate) struct Supervisor<'a> {
     goodbye: &'a str,
     /// The largest frame asked for, if capped.
     frame_max: Option<u32>,
+    /// How `amqps://` is done.
+    tls: Tls,
 }
 
 impl<'a> Supervisor<'a> {
     /// A supervisor of connections to `url` named `name`, each handshake given
     /// `connect_timeout`, reconnecting after `backoff` (min, max), closing with
-    /// `goodbye`; refused when the timeout or the backoff is out of range.
+    /// `goodbye`, trusting `ca_cert` for `amqps://` besides the system's roots;
+    /// refused when the timeout or the backoff is out of range, or when `url` and
+    /// `ca_cert` cannot make a connection (see [`Tls::for_url`]).
     pub(crate) fn new(
         url: &'a str,
         name: Option<&'a str>,
         connect_timeout: Duration,
         (backoff_min, backoff_max): (Duration, Duration),
         goodbye: &'a str,
+        ca_cert: Option<&Path>,
     ) -> Result<Self> {
         check_backoff(backoff_min, backoff_max)?;
         check_connect_timeout(connect_timeout)?;
+        let tls = Tls::for_url(url, ca_cert)?;
         Ok(Self {
+            tls,
             url,
             name,
             connect_timeout,
@@ -97,7 +106,7 @@ impl<'a> Supervisor<'a> {
                 return Ok(());
             }
             let connected = tokio::select! {
-                c = connect(self.url, self.name, self.connect_timeout, self.frame_max) => c,
+                c = open(self.url, self.name, self.connect_timeout, self.frame_max, &self.tls) => c,
                 () = shutdown.cancelled() => return Ok(()),
             };
             let conn = match connected {
@@ -172,7 +181,7 @@ mod tests {
     fn supervisor() -> Supervisor<'static> {
         let backoff = (Duration::from_millis(100), Duration::from_secs(5));
         let url = "amqp://127.0.0.1:1/%2f";
-        Supervisor::new(url, None, Duration::from_secs(1), backoff, "bye")
+        Supervisor::new(url, None, Duration::from_secs(1), backoff, "bye", None)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
@@ -181,7 +190,7 @@ mod tests {
         let s = Duration::from_secs(1);
         let url = "amqp://127.0.0.1:1/%2f";
         let refused = |timeout, backoff| {
-            let built = Supervisor::new(url, None, timeout, backoff, "bye");
+            let built = Supervisor::new(url, None, timeout, backoff, "bye", None);
             crate::connect::config_error(built.map(|_| ())).0
         };
         assert_eq!(refused(s, (2 * s, s)), "backoff");

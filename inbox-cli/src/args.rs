@@ -58,9 +58,14 @@ pub struct SelftestArgs {
     /// deployment's running relay publishes them); needs AMQP_URL.
     #[arg(long)]
     pub relay: bool,
-    /// The broker, for --relay (password never printed).
+    /// The broker, for --relay (password never printed); `amqps://` needs the
+    /// feature `rustls` of inbox-cli.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
+    /// A PEM file of CA certificates the --relay trusts for an `amqps://` broker
+    /// besides the system's roots.
+    #[arg(long, env = "AMQP_CA_CERT")]
+    pub ca_cert: Option<std::path::PathBuf>,
 }
 
 /// `dead-letters ...`.
@@ -198,8 +203,13 @@ pub enum ClaimCommand {
 #[derive(Clone, Debug, Default, Args)]
 pub struct VerifyArgs {
     /// The broker; with it, the topology is checked too (password never printed).
+    /// `amqps://` needs the feature `rustls` of inbox-cli.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
+    /// A PEM file of CA certificates trusted for an `amqps://` broker besides the
+    /// system's roots.
+    #[arg(long, env = "AMQP_CA_CERT")]
+    pub ca_cert: Option<std::path::PathBuf>,
     /// The topic exchange the groups are bound to (without the prefix); checked when set.
     #[arg(long, env = "INBOX_EXCHANGE")]
     pub exchange: Option<String>,

@@ -723,15 +723,11 @@ fn check_topology<C: StoreConnection>(
         .map_err(|e| e.to_string())?;
     let redact = |e: lapin::Error| redact_message(&e.to_string(), amqp_url);
     runtime.block_on(async {
-        let conn = lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default())
+        // The consumer's rules: `amqps://` with the feature `rustls`, the CA of
+        // --ca-cert / AMQP_CA_CERT, no password in any error.
+        let conn = inbox_amqp::connect(amqp_url, args.ca_cert.as_deref())
             .await
-            .map_err(|e| {
-                format!(
-                    "could not connect to the broker {}: {}",
-                    inbox_core::redact_url(amqp_url),
-                    redact(e)
-                )
-            })?;
+            .map_err(|e| format!("broker: {}", inbox_core::ErrorChain(&e)))?;
         if let Some(exchange) = &exchange {
             let channel = conn.create_channel().await.map_err(redact)?;
             channel

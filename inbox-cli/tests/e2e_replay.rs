@@ -19,6 +19,7 @@ use inbox_core::{
 };
 use inbox_diesel::{enqueue, DeadLetterFilter, Store, StoreConnection};
 use inbox_test_support::amqp::{self, amqp_url, eventually};
+use inbox_test_support::tls::{self, TlsProxy};
 use inbox_test_support::{
     unique_name, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn,
 };
@@ -258,6 +259,38 @@ async fn postgres_and_rabbitmq_replay_a_failure_group_once() {
             .contains("retry:75ms"),
         "{report}"
     );
+
+    // verify over amqps:// (a TLS listener of the test's own in front of the broker),
+    // trusting the test CA through AMQP_CA_CERT; without it, a TLS error.
+    let proxy = TlsProxy::start(amqp::host_port(&amqp_url)).await;
+    let verify_over_tls = |ca: Option<&std::path::Path>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_inbox"));
+        command
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", proxy.url_for(&amqp_url))
+            .env_remove("AMQP_CA_CERT")
+            .args(extra)
+            .args(["--json", "verify", "--retry-ladder", "50ms"]);
+        if let Some(ca) = ca {
+            command.env("AMQP_CA_CERT", ca);
+        }
+        command.output().unwrap()
+    };
+    let report = json(&verify_over_tls(Some(&tls::fixture("ca.pem"))));
+    assert_eq!(report["topology"], "ok", "{report}");
+    assert_eq!(report["queues_checked"].as_array().unwrap().len(), 8);
+    let untrusted = verify_over_tls(None);
+    assert_eq!(untrusted.status.code(), Some(3));
+    let report: Value = serde_json::from_slice(&untrusted.stdout).unwrap();
+    let error = report["topology_error"].as_str().unwrap();
+    assert!(
+        error.contains("TLS") && error.contains("UnknownIssuer"),
+        "{report}"
+    );
+    let seen = proxy
+        .seen_once(|seen| seen.handshakes + seen.failures.len() as u64 >= 2)
+        .await;
+    assert_eq!((seen.handshakes, seen.failures.len()), (1, 1), "{seen:?}");
 
     shutdown.cancel();
     consuming.await.unwrap().unwrap();

@@ -12,6 +12,7 @@ pub mod containers;
 pub mod metrics;
 pub mod services;
 pub mod spans;
+pub mod tls;
 
 pub use services::{services_required, services_skipped, Service};
 
