@@ -245,15 +245,20 @@ struct Cleanup {
     database: String,
     topologies: Mutex<Vec<Topology>>,
     children: Mutex<Vec<u32>>,
-    done: AtomicBool,
+    /// Held while cleaning up: a second caller waits for the first to finish.
+    done: Mutex<bool>,
+    /// Set by SIGINT or SIGTERM: whatever fails after it is the interruption.
+    interrupted: AtomicBool,
 }
 
 impl Cleanup {
     /// Kills what still runs, deletes the queues, drops the database. Runs once.
     fn run(&self, rt: &tokio::runtime::Handle) {
-        if self.done.swap(true, Ordering::SeqCst) {
+        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        if *done {
             return;
         }
+        *done = true;
         for pid in
             std::mem::take(&mut *self.children.lock().unwrap_or_else(PoisonError::into_inner))
         {
@@ -832,7 +837,8 @@ fn main() -> ExitCode {
         database: database.clone(),
         topologies: Mutex::new(Vec::new()),
         children: Mutex::new(Vec::new()),
-        done: AtomicBool::new(false),
+        done: Mutex::new(false),
+        interrupted: AtomicBool::new(false),
     });
     // SIGINT or SIGTERM: clean up, then exit as interrupted.
     {
@@ -840,6 +846,7 @@ fn main() -> ExitCode {
         let signalled = runtime.block_on(async { cancel_on_signals(CancellationToken::new()) });
         runtime.spawn(async move {
             signalled.cancelled().await;
+            cleanup.interrupted.store(true, Ordering::SeqCst);
             let rt = tokio::runtime::Handle::current();
             let _ = tokio::task::spawn_blocking(move || cleanup.run(&rt)).await;
             eprintln!("bench_scaleout: interrupted; database and queues removed");
@@ -850,6 +857,10 @@ fn main() -> ExitCode {
         bench(&admin_url, &amqp_url, &database, &cleanup, runtime.handle())
     }));
     cleanup.run(runtime.handle());
+    if cleanup.interrupted.load(Ordering::SeqCst) {
+        eprintln!("bench_scaleout: interrupted; database and queues removed");
+        return ExitCode::from(130);
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(_) => ExitCode::FAILURE,
@@ -1021,7 +1032,7 @@ fn print_report(counts: &[usize], runs: &BTreeMap<usize, Vec<RunReport>>) {
         }
         let seen: u64 = waits.values().sum();
         let mut waits: Vec<(&str, u64)> = waits.into_iter().collect();
-        waits.sort_by(|a, b| b.1.cmp(&a.1));
+        waits.sort_by_key(|w| std::cmp::Reverse(w.1));
         println!(
             "  {n} processes: {samples} samples, {:.1} backends busy or in a transaction per sample",
             seen as f64 / samples.max(1) as f64,
