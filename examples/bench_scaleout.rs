@@ -1045,20 +1045,25 @@ fn print_report(counts: &[usize], runs: &BTreeMap<usize, Vec<RunReport>>) {
         }
         // Totals over statements (the projection lock said even when nothing waited
         // on it: live batches take it shared).
-        let groups: [(&str, fn(&str) -> bool); 4] = [
-            ("Lock:advisory (the projection lock)", |w| {
-                w.starts_with("Lock:advisory")
-            }),
-            ("Lock:transactionid", |w| {
-                w.starts_with("Lock:transactionid")
-            }),
-            ("in COMMIT", |w| w.ends_with("in COMMIT")),
-            ("idle in transaction", |w| {
-                w.starts_with("idle in transaction")
-            }),
+        // (label, text, whether the text starts the entry or ends it)
+        let groups = [
+            ("Lock:advisory (the projection lock)", "Lock:advisory", true),
+            ("Lock:transactionid", "Lock:transactionid", true),
+            ("in COMMIT", "in COMMIT", false),
+            ("idle in transaction", "idle in transaction", true),
         ];
-        for (label, test) in groups {
-            let k: u64 = waits.iter().filter(|(w, _)| test(w)).map(|(_, k)| k).sum();
+        for (label, text, starts) in groups {
+            let k: u64 = waits
+                .iter()
+                .filter(|(w, _)| {
+                    if starts {
+                        w.starts_with(text)
+                    } else {
+                        w.ends_with(text)
+                    }
+                })
+                .map(|(_, k)| k)
+                .sum();
             println!("    {:>4.1}%  {label}, all statements", share(k));
         }
     }
