@@ -1,6 +1,6 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -18,7 +18,8 @@ use tracing::Instrument;
 
 use inbox_core::{
     check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
-    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, InboxStore, Tally, TransportAction,
+    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally,
+    TransportAction,
 };
 
 use crate::connect::{
@@ -55,6 +56,10 @@ pub struct ConsumerSettings {
     /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
     /// accepts the connection and never answers is then tried again after backoff.
     pub connect_timeout: Duration,
+    /// How often the store's recorded halts are read (default 5 s): a halted group
+    /// whose halt an operator lifted resumes within this, a group another consumer
+    /// halted halts, and a halt the store failed to record is written again.
+    pub halt_poll: Duration,
 }
 
 impl Default for ConsumerSettings {
@@ -69,6 +74,7 @@ impl Default for ConsumerSettings {
             backoff_max: Duration::from_secs(5),
             connection_name: None,
             connect_timeout: Duration::from_secs(30),
+            halt_poll: Duration::from_secs(5),
         }
     }
 }
@@ -118,6 +124,12 @@ impl ConsumerSettings {
         self
     }
 
+    /// Sets how often the store's recorded halts are read.
+    pub fn halt_poll(mut self, every: Duration) -> Self {
+        self.halt_poll = every;
+        self
+    }
+
     /// These settings, or [`Error::InvalidSetting`] naming the first one out of range; a
     /// consumer checks them again when it runs.
     pub fn checked(self) -> Result<Self> {
@@ -141,6 +153,13 @@ impl ConsumerSettings {
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
         check_connect_timeout(self.connect_timeout)?;
+        if self.halt_poll.is_zero() {
+            return Err(Error::invalid(
+                "halt_poll",
+                "a poll interval above zero",
+                "0ns",
+            ));
+        }
         Ok(())
     }
 }
@@ -158,20 +177,32 @@ impl ConsumerSettings {
 ///
 /// A `Stop` (a claim invariant violated) halts its consumer group only: the delivery
 /// is left unacked, the group's workers and dead-letter reader stop consuming and hold
-/// what they have until the consumer stops (then it goes back to the queue), an error
-/// is logged, the gauge `inbox_group_halted{group}` is set to 1 and
-/// [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group. The other
-/// groups keep consuming. A halted group stays halted across reconnects; it resumes
-/// when the consumer is started again (after the cause is fixed).
+/// what they have, an error is logged, the gauge `inbox_group_halted{group}` is set to
+/// 1, [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group, and the
+/// halt is recorded in the store ([`GroupHalts::record_halt`]). The other groups keep
+/// consuming. A halted group stays halted across reconnects and restarts: a consumer
+/// starts a group halted while its halt is recorded. A halt the store fails to record
+/// is logged and kept in memory (the group stays halted), and written again at every
+/// poll.
 ///
-/// The store is any [`InboxStore`], e.g. `inbox_diesel::Store`; it needs a broker:
+/// Every [`halt_poll`](ConsumerSettings::halt_poll) the consumer reads the recorded
+/// halts ([`GroupHalts::halted_groups`]). A group it halted whose halt is no longer
+/// recorded (an operator resumed it, e.g. `inbox groups resume <group>`) resumes
+/// without a restart: the held deliveries go back to the queue (they come back
+/// flagged redelivered and are processed afresh), new workers and the dead-letter
+/// reader start, the gauge goes back to 0 and `StatsSnapshot::halted` no longer names
+/// it. A group whose halt another consumer recorded halts here too. The other groups
+/// are never disturbed.
+///
+/// The store is any [`InboxStore`] that keeps halts ([`GroupHalts`]), e.g.
+/// `inbox_diesel::Store`; it needs a broker:
 ///
 /// ```no_run
 /// use std::{sync::Arc, time::Duration};
 /// use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
-/// use inbox_core::InboxStore;
+/// use inbox_core::{GroupHalts, InboxStore};
 ///
-/// async fn consume<S: InboxStore>(store: S) -> Result<(), inbox_amqp::Error> {
+/// async fn consume<S: InboxStore + GroupHalts>(store: S) -> Result<(), inbox_amqp::Error> {
 ///     let topology = Topology::new("billing")?; // the groups come from the store's routes
 ///     let settings = ConsumerSettings::default()
 ///         .workers(2)
@@ -201,9 +232,25 @@ struct Shared<S> {
     topology: Topology,
     settings: ConsumerSettings,
     stats: Arc<ConsumerStats>,
-    /// Per group, cancelled when it halts (for good: across sessions and both
-    /// connections).
-    halts: BTreeMap<ConsumerGroup, CancellationToken>,
+    /// Per group, its current run (across sessions and both connections): replaced
+    /// by a fresh one when the group resumes.
+    halts: BTreeMap<ConsumerGroup, Mutex<Arc<Run>>>,
+    /// Counts resumes: a session starts a resumed group's tasks when it changes.
+    resumes: tokio::sync::watch::Sender<u64>,
+}
+
+/// One run of a group, from its start (or resume) to its resume after a halt.
+#[derive(Default)]
+struct Run {
+    /// Cancelled when the group halts: its tasks stop consuming and hold what they
+    /// have.
+    halted: CancellationToken,
+    /// Cancelled when the group resumes: its halted tasks let go of what they held.
+    resumed: CancellationToken,
+    /// Why the group halted.
+    cause: OnceLock<ClaimInvariantViolated>,
+    /// Whether the store has the halt recorded (a resume is only noticed then).
+    recorded: AtomicBool,
 }
 
 /// The prefetch of a dead-letter queue's reader.
@@ -328,14 +375,14 @@ struct Retrying<'a> {
     span: &'a tracing::Span,
 }
 
-impl<S: InboxStore> Consumer<S> {
+impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// A consumer of every route of `store`, through `topology` (whose groups are
     /// completed from the store's routes).
     pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
         let topology = topology.with_routes(store.routes());
         let halts = topology
             .groups()
-            .map(|g| (g.clone(), CancellationToken::new()))
+            .map(|g| (g.clone(), Mutex::default()))
             .collect();
         Self {
             url: url.into(),
@@ -345,6 +392,7 @@ impl<S: InboxStore> Consumer<S> {
                 settings: ConsumerSettings::default(),
                 stats: Arc::default(),
                 halts,
+                resumes: tokio::sync::watch::Sender::new(0),
             }),
         }
     }
@@ -369,9 +417,11 @@ impl<S: InboxStore> Consumer<S> {
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
     /// are acked, channels and the connection close). A group whose store reports a
-    /// claim invariant violation halts; the others go on (see [`Consumer`]).
+    /// claim invariant violation halts; the others go on; a resumed group resumes (see
+    /// [`Consumer`]).
     ///
-    /// The first connection and the topology must succeed, so a misconfigured
+    /// The recorded halts are read first (a group halted there starts halted), then
+    /// the first connection and the topology must succeed, so a misconfigured
     /// consumer fails at startup; later losses reconnect with backoff.
     ///
     /// Two connections: one for the group queues' workers, one for the dead-letter
@@ -399,6 +449,8 @@ impl<S: InboxStore> Consumer<S> {
         };
         let groups = supervisor(name, "inbox consumer stopping")?;
         let dlqs = supervisor(dlq_name.as_deref(), "inbox dead-letter reader stopping")?;
+        // A restart does not resume a group whose halt is still recorded.
+        shared.poll_halts().await?;
         let stop = &shutdown.child_token();
         let reconnected = || {
             shared.stats.add(Counter::Reconnects, 1);
@@ -441,7 +493,19 @@ impl<S: InboxStore> Consumer<S> {
             stop.cancel();
             ran
         };
-        let (workers, readers) = tokio::join!(workers, readers);
+        let polls = async {
+            loop {
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(s.halt_poll) => {}
+                }
+                if let Err(err) = shared.poll_halts().await {
+                    tracing::warn!(error = %ErrorChain(&err), "reading the recorded halts failed; trying again at the next poll");
+                }
+            }
+        };
+        let (workers, readers, ()) = tokio::join!(workers, readers, polls);
         workers.and(readers)
     }
 }
@@ -455,7 +519,7 @@ enum Role {
     DeadLetters,
 }
 
-impl<S: InboxStore> Shared<S> {
+impl<S: InboxStore + GroupHalts> Shared<S> {
     async fn session(
         self: &Arc<Self>,
         conn: &Connection,
@@ -478,46 +542,63 @@ impl<S: InboxStore> Shared<S> {
         }
         let workers = if cautious { 1 } else { self.settings.workers };
         let mut tasks = JoinSet::new();
-        for group in self.topology.groups() {
-            let Some(halt) = self.halts.get(group) else {
-                continue;
-            };
-            if self.stats.is_halted(group) || halt.is_cancelled() {
-                continue;
-            }
-            let tokens = || Tokens {
-                stop: stop.clone(),
-                halt: halt.clone(),
-            };
-            if role == Role::DeadLetters {
-                let channel = conn.create_channel().await?;
-                let reader = Arc::clone(self).dead_letter_reader(
-                    channel,
-                    group.clone(),
-                    tokens(),
-                    pace.clone(),
-                );
-                tasks.spawn(reader);
-                continue;
-            }
-            metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
-            for worker in 0..workers {
-                let channel = conn.create_channel().await?;
-                let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
-                tasks.spawn(
-                    Arc::clone(self)
-                        .worker(channel, group.clone(), tokens(), pace.clone())
-                        .instrument(span),
-                );
-            }
-        }
-        if tasks.is_empty() {
-            // Every group halted: hold the connection until shutdown.
-            stop.cancelled().await;
-            return Ok(());
-        }
+        // Per group, the run whose tasks this session started: a group resumed since
+        // (a new run, not halted) gets tasks of its own, the other groups are left be.
+        let mut started: BTreeMap<&ConsumerGroup, Arc<Run>> = BTreeMap::new();
+        let mut resumes = self.resumes.subscribe();
         let mut outcome = Ok(());
-        while let Some(joined) = tasks.join_next().await {
+        loop {
+            if !stop.is_cancelled() {
+                resumes.borrow_and_update();
+                for group in self.topology.groups() {
+                    let Some(run) = self.run_of(group) else {
+                        continue;
+                    };
+                    let fresh = started.get(group).is_none_or(|r| !Arc::ptr_eq(r, &run));
+                    if !fresh || self.stats.is_halted(group) || run.halted.is_cancelled() {
+                        continue;
+                    }
+                    started.insert(group, Arc::clone(&run));
+                    let tokens = || Tokens {
+                        stop: stop.clone(),
+                        halt: Arc::clone(&run),
+                    };
+                    if role == Role::DeadLetters {
+                        let channel = conn.create_channel().await?;
+                        let reader = Arc::clone(self).dead_letter_reader(
+                            channel,
+                            group.clone(),
+                            tokens(),
+                            pace.clone(),
+                        );
+                        tasks.spawn(reader);
+                        continue;
+                    }
+                    metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+                    for worker in 0..workers {
+                        let channel = conn.create_channel().await?;
+                        let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
+                        tasks.spawn(
+                            Arc::clone(self)
+                                .worker(channel, group.clone(), tokens(), pace.clone())
+                                .instrument(span),
+                        );
+                    }
+                }
+            }
+            let joined = tokio::select! {
+                joined = tasks.join_next(), if !tasks.is_empty() => joined,
+                // Every group halted (or the session ends): hold the connection until
+                // a group resumes or the session ends.
+                () = stop.cancelled(), if tasks.is_empty() => return outcome,
+                changed = resumes.changed(), if !stop.is_cancelled() => {
+                    if changed.is_err() {
+                        stop.cancel();
+                    }
+                    continue;
+                }
+            };
+            let Some(joined) = joined else { continue };
             let ended = joined.unwrap_or_else(|err| {
                 Err(SessionEnd::Fatal(Error::TaskFailed {
                     task: "consumer worker",
@@ -544,7 +625,6 @@ impl<S: InboxStore> Shared<S> {
                 }
             }
         }
-        outcome
     }
 
     async fn worker(
@@ -577,7 +657,7 @@ impl<S: InboxStore> Shared<S> {
             let first = tokio::select! {
                 biased;
                 () = tokens.stop.cancelled() => break,
-                () = tokens.halt.cancelled() => break,
+                () = tokens.halt.halted.cancelled() => break,
                 next = consumer.next() => next,
             };
             let mut batch = match first {
@@ -616,18 +696,119 @@ impl<S: InboxStore> Shared<S> {
         Ok(())
     }
 
-    /// Halts a consumer group (once): logged, counted, and its tasks told.
-    fn halt_group(
+    /// The group's current run.
+    fn run_of(&self, group: &ConsumerGroup) -> Option<Arc<Run>> {
+        let cell = self.halts.get(group)?;
+        Some(Arc::clone(
+            &cell.lock().unwrap_or_else(PoisonError::into_inner),
+        ))
+    }
+
+    /// Halts a consumer group's run (once): logged, counted, its tasks told, and the
+    /// halt recorded in the store. A halt the store fails to record stays halted
+    /// here, and the next poll writes it again.
+    async fn halt_group(&self, group: &ConsumerGroup, cause: &ClaimInvariantViolated, run: &Run) {
+        self.halt_run(
+            group,
+            cause,
+            run,
+            "halted; the other groups go on; fix the cause, then resume it (inbox groups resume)",
+        );
+        self.record_halt(group, cause, run).await;
+    }
+
+    /// Marks `run` halted for `cause` and tells its tasks.
+    fn halt_run(
         &self,
         group: &ConsumerGroup,
         cause: &ClaimInvariantViolated,
-        halt: &CancellationToken,
+        run: &Run,
+        why: &str,
     ) {
+        let _ = run.cause.set(cause.clone());
         if self.stats.halt(group, cause.to_string()) {
-            tracing::error!(group = %group, %cause, "consumer group halted; the other groups go on; restart the consumer once the cause is fixed");
+            tracing::error!(group = %group, %cause, "consumer group {why}");
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
         }
-        halt.cancel();
+        run.halted.cancel();
+    }
+
+    /// Writes `run`'s halt to the store; remembers whether it is recorded.
+    async fn record_halt(&self, group: &ConsumerGroup, cause: &ClaimInvariantViolated, run: &Run) {
+        let store = Arc::clone(&self.store);
+        let c = cause.clone();
+        match tokio::task::spawn_blocking(move || store.record_halt(&c)).await {
+            Ok(Ok(())) => run.recorded.store(true, Ordering::SeqCst),
+            Ok(Err(err)) => {
+                tracing::error!(group = %group, error = %ErrorChain(&err), "recording the halt failed; the group stays halted and the halt is written again at the next poll");
+            }
+            Err(err) => {
+                tracing::error!(group = %group, error = %err, "recording the halt failed; the group stays halted and the halt is written again at the next poll");
+            }
+        }
+    }
+
+    /// Reads the recorded halts and acts on them: a halt this consumer could not
+    /// record is written again; a group recorded halted halts; a group this consumer
+    /// halted, whose halt was recorded and is gone now, resumes.
+    async fn poll_halts(&self) -> Result<()> {
+        // Taken before the read: only a halt recorded before it can be found lifted.
+        let before: Vec<(&ConsumerGroup, Arc<Run>, bool)> = self
+            .halts
+            .keys()
+            .filter_map(|g| {
+                let run = self.run_of(g)?;
+                let recorded = run.halted.is_cancelled() && run.recorded.load(Ordering::SeqCst);
+                Some((g, run, recorded))
+            })
+            .collect();
+        for (group, run, recorded) in &before {
+            if let (false, Some(cause)) = (*recorded, run.cause.get()) {
+                self.record_halt(group, cause, run).await;
+            }
+        }
+        let store = Arc::clone(&self.store);
+        let halted = tokio::task::spawn_blocking(move || store.halted_groups())
+            .await
+            .map_err(|source| Error::TaskFailed {
+                task: "store",
+                source,
+            })?
+            .map_err(Error::Store)?;
+        let halted: BTreeMap<&ConsumerGroup, &ClaimInvariantViolated> =
+            halted.iter().map(|c| (&c.group, c)).collect();
+        for (group, run, recorded) in before {
+            match halted.get(group) {
+                Some(cause) if !run.halted.is_cancelled() => {
+                    run.recorded.store(true, Ordering::SeqCst);
+                    self.halt_run(group, cause, &run, "halted: its halt is recorded; resume it once the cause is fixed (inbox groups resume)");
+                }
+                None if recorded => self.resume(group, &run),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Resumes a halted group: a fresh run replaces `run`, whose tasks let go of what
+    /// they held (it goes back to the queue), and the sessions start the new run's
+    /// tasks.
+    fn resume(&self, group: &ConsumerGroup, run: &Arc<Run>) {
+        let Some(cell) = self.halts.get(group) else {
+            return;
+        };
+        {
+            let mut current = cell.lock().unwrap_or_else(PoisonError::into_inner);
+            if !Arc::ptr_eq(&current, run) {
+                return;
+            }
+            *current = Arc::default();
+        }
+        self.stats.resume(group);
+        metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+        tracing::info!(group = %group, "consumer group resumed: its halt is no longer recorded");
+        run.resumed.cancel();
+        self.resumes.send_modify(|n| *n += 1);
     }
 
     /// Hands a batch to the store, then carries out its decisions: acks, retry
@@ -700,7 +881,7 @@ impl<S: InboxStore> Shared<S> {
             .await?;
         self.settle(channel, &deliveries, &actions).await?;
         if let Some(cause) = halt {
-            self.halt_group(group, &cause, &tokens.halt);
+            self.halt_group(group, &cause, &tokens.halt).await;
         }
         Ok(())
     }
@@ -927,7 +1108,7 @@ impl<S: InboxStore> Shared<S> {
             let next = tokio::select! {
                 biased;
                 () = tokens.stop.cancelled() => break,
-                () = tokens.halt.cancelled() => break,
+                () = tokens.halt.halted.cancelled() => break,
                 next = consumer.next() => next,
             };
             let d = match next {
@@ -965,7 +1146,7 @@ impl<S: InboxStore> Shared<S> {
                         tokio::select! {
                             biased;
                             () = tokens.stop.cancelled() => break None,
-                            () = tokens.halt.cancelled() => break None,
+                            () = tokens.halt.halted.cancelled() => break None,
                             () = tokio::time::sleep(backoff) => {}
                         }
                         backoff = exponential_backoff(backoff, 1, self.settings.backoff_max);
@@ -1019,16 +1200,19 @@ impl<S: InboxStore> Shared<S> {
 struct Tokens {
     /// The session ends (shutdown or a lost connection).
     stop: CancellationToken,
-    /// The task's group halts.
-    halt: CancellationToken,
+    /// The task's run of its group: it halts, and later resumes.
+    halt: Arc<Run>,
 }
 
 impl Tokens {
     /// A halted group's task keeps its channel, and so its unacked deliveries, until
-    /// the session ends.
+    /// the group resumes or the session ends.
     async fn hold_while_halted(&self) {
-        if self.halt.is_cancelled() {
-            self.stop.cancelled().await;
+        if self.halt.halted.is_cancelled() {
+            tokio::select! {
+                () = self.stop.cancelled() => {}
+                () = self.halt.resumed.cancelled() => {}
+            }
         }
     }
 }

@@ -631,11 +631,26 @@ async fn a_message_without_a_type_property_keeps_its_type_through_a_retry_tier()
 
 /// A store that decides by the key's prefix (`stop-`: a claim invariant violated,
 /// `retry-`: retry in 50 ms unless it came back from a retry tier, else processed) and
-/// remembers every (group, key) it saw: the transport's side of each decision, without
-/// a database.
+/// remembers every (group, key) it saw, and the halts it was told of: the transport's
+/// side of each decision, without a database.
 #[derive(Default)]
 struct Scripted {
     seen: std::sync::Mutex<Vec<(String, String)>>,
+    halts: std::sync::Mutex<BTreeMap<ConsumerGroup, inbox_core::ClaimInvariantViolated>>,
+}
+
+impl inbox_core::GroupHalts for Scripted {
+    fn record_halt(&self, cause: &inbox_core::ClaimInvariantViolated) -> inbox_core::Result<()> {
+        let mut halts = self.halts.lock().unwrap();
+        halts
+            .entry(cause.group.clone())
+            .or_insert_with(|| cause.clone());
+        Ok(())
+    }
+
+    fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        Ok(self.halts.lock().unwrap().values().cloned().collect())
+    }
 }
 
 const HALTING: &str = "scripted.halting";
