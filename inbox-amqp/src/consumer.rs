@@ -913,7 +913,8 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
                 }
                 TransportAction::HoldAndStop(cause) => {
                     tracing::error!(parent: span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
-                    halt = Some(cause);
+                    // The first cause is the one recorded (and the one to fix).
+                    halt.get_or_insert(cause);
                     Action::Hold
                 }
             };

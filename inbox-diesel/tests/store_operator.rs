@@ -759,10 +759,17 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     assert_eq!(halted.len(), 1, "{halted:?}");
     let h = &halted[0];
     assert_eq!(
-        (h.consumer_group.as_str(), h.message_key.as_str(), h.detail.as_str()),
+        (
+            h.consumer_group.as_str(),
+            h.message_key.as_str(),
+            h.detail.as_str()
+        ),
         (FAILING, "k-1", "a phantom conflict")
     );
-    assert_eq!(h.halted_at, Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap());
+    assert_eq!(
+        h.halted_at,
+        Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap()
+    );
     assert_eq!(store.halted_groups().unwrap(), [first.clone()]);
     assert_eq!(store.operator_stats().unwrap().halted, halted);
     // Another group is not touched by either.
