@@ -143,7 +143,11 @@ fn halted_groups(db: &Db) {
     );
     let bad = inbox(db, &["groups", "resume", "Billing Audit"]);
     assert_eq!(code(&bad), 2);
-    assert!(stderr(&bad).contains("invalid consumer group"), "{}", stderr(&bad));
+    assert!(
+        stderr(&bad).contains("invalid consumer group"),
+        "{}",
+        stderr(&bad)
+    );
     let none = inbox(db, &["groups", "list"]);
     assert_eq!(stdout(&none), "(none)\n0 halted groups\n");
     let stats = stdout(&inbox(db, &["stats"]));
