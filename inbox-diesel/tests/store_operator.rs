@@ -770,7 +770,7 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
         h.halted_at,
         Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap()
     );
-    assert_eq!(store.halted_groups().unwrap(), [first.clone()]);
+    assert_eq!(store.halted_groups().unwrap(), [first]);
     assert_eq!(store.operator_stats().unwrap().halted, halted);
     // Another group is not touched by either.
     assert!(!store.resume_group(BYSTANDER).unwrap());
