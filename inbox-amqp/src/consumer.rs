@@ -1246,5 +1246,7 @@ mod tests {
         assert_eq!(refused(inverted), found("backoff", "9ms..1ms"));
         let no_wait = ConsumerSettings::default().connect_timeout(Duration::ZERO);
         assert_eq!(refused(no_wait), found("connect_timeout", "0ns"));
+        let no_poll = ConsumerSettings::default().halt_poll(Duration::ZERO);
+        assert_eq!(refused(no_poll), found("halt_poll", "0ns"));
     }
 }
