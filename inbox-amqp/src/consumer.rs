@@ -420,9 +420,11 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// claim invariant violation halts; the others go on; a resumed group resumes (see
     /// [`Consumer`]).
     ///
-    /// The recorded halts are read first (a group halted there starts halted), then
-    /// the first connection and the topology must succeed, so a misconfigured
-    /// consumer fails at startup; later losses reconnect with backoff.
+    /// The recorded halts are read first (a group halted there starts halted; a store
+    /// that cannot be read is [`Error::Store`]), then the first connection and the
+    /// topology must succeed, so a misconfigured consumer fails at startup; later
+    /// losses reconnect with backoff, and a failed read of the halts at a poll is
+    /// logged and tried again at the next.
     ///
     /// Two connections: one for the group queues' workers, one for the dead-letter
     /// queues' readers, so that a message in a `:dlq` that cannot even be parsed never
