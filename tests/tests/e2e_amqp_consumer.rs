@@ -643,6 +643,8 @@ struct Scripted {
     record_failures: std::sync::atomic::AtomicUsize,
     /// The cause is fixed: `stop-` keys are processed.
     fixed: std::sync::atomic::AtomicBool,
+    /// Reading the recorded halts fails.
+    halts_unreadable: std::sync::atomic::AtomicBool,
 }
 
 impl inbox_core::GroupHalts for Scripted {
@@ -665,6 +667,14 @@ impl inbox_core::GroupHalts for Scripted {
     }
 
     fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        if self
+            .halts_unreadable
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(inbox_core::Error::Store(Box::new(std::io::Error::other(
+                "the halts are unreadable (scripted)",
+            ))));
+        }
         Ok(self.halts.lock().unwrap().values().cloned().collect())
     }
 }
@@ -941,6 +951,28 @@ async fn a_halt_the_store_fails_to_record_stays_halted_until_written_then_resume
     running.await.unwrap().unwrap();
     assert_eq!(queue_depth(&conn, &topology.queue(&group)).await, 0);
     topology.delete(&conn).await.unwrap();
+}
+
+/// A consumer that cannot read the recorded halts does not start (it would resume a
+/// halted group): `Consumer::run` fails with the store's error, before connecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_halts_cannot_be_read_fails_at_startup() {
+    let Some(setup) = Setup::new() else { return };
+    let store = Arc::new(Scripted {
+        halts_unreadable: true.into(),
+        ..Scripted::default()
+    });
+    let consumer = Consumer::new(setup.url.clone(), store, setup.topology.clone());
+    // The timeout only keeps a consumer that wrongly started from hanging the test.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run(CancellationToken::new()),
+    )
+    .await
+    .expect("the consumer ends at startup");
+    let err = ran.unwrap_err();
+    assert!(matches!(err, inbox_amqp::Error::Store(_)), "{err}");
+    assert!(err.to_string().contains("store error"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
