@@ -9,7 +9,8 @@ use clap::{Args, Subcommand};
 use inbox_core::{AuditReport, DriftRow, RebuildReport};
 use inbox_diesel::{Store, StoreConnection};
 
-/// The projection commands (`usage_ops audit|rebuild <projection> --days N [--json]`).
+/// The projection commands (`usage_ops audit|rebuild <projection> --days N`; the
+/// binary's global `--json` picks the output).
 #[derive(Clone, Debug, Subcommand)]
 pub enum ProjectionCommand {
     /// Compare a window of a projection with its recomputation from the ledger and
@@ -28,18 +29,20 @@ pub struct WindowArgs {
     /// The window: today (UTC) and the N-1 days before it.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=3660))]
     pub days: u32,
-    /// Print the report as one JSON object (stable field names) instead of text.
-    #[arg(long)]
-    pub json: bool,
 }
 
 impl ProjectionCommand {
-    /// Runs the command on `store`; returns what to print on stdout.
-    pub fn run<C: StoreConnection>(&self, store: &Store<C>) -> Result<String, inbox_diesel::Error> {
+    /// Runs the command on `store`; returns what to print on stdout: the report as one
+    /// JSON object (stable field names) when `json`, else as text.
+    pub fn run<C: StoreConnection>(
+        &self,
+        store: &Store<C>,
+        json: bool,
+    ) -> Result<String, inbox_diesel::Error> {
         match self {
             Self::Audit(args) => {
                 let report = store.rebuilder(&args.projection)?.audit(args.days)?;
-                Ok(if args.json {
+                Ok(if json {
                     to_json(&report)
                 } else {
                     audit_text(&report)
@@ -47,7 +50,7 @@ impl ProjectionCommand {
             }
             Self::Rebuild(args) => {
                 let report = store.rebuilder(&args.projection)?.rebuild(args.days)?;
-                Ok(if args.json {
+                Ok(if json {
                     to_json(&report)
                 } else {
                     rebuild_text(&report)

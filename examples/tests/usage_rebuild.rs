@@ -441,3 +441,47 @@ fn usage_ops_reports_and_refuses_clearly() {
         );
     }
 }
+
+/// `usage_ops` mounts the inbox's operator commands beside its own, under one global
+/// `--json`: they run through the real binary with `inbox`'s documents and exit codes.
+#[test]
+fn usage_ops_mounts_the_inbox_commands() {
+    let Some(base) = database_url() else { return };
+    let schema = Schema::new(&base);
+    // The operator commands never migrate: before the inbox's tables exist, exit 3.
+    let out = usage_ops(&schema.url, &["stats"]);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The projection's store migrates (and finds no ledger yet).
+    let out = usage_ops(&schema.url, &["audit", "daily_usage", "--days", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let list = json(&usage_ops(&schema.url, &["dead-letters", "list", "--json"]));
+    assert_eq!(list["dead_letters"], serde_json::json!([]), "{list}");
+    assert_eq!(
+        (list["offset"].as_u64(), list["limit"].as_u64()),
+        (Some(0), Some(50))
+    );
+    let halted = json(&usage_ops(&schema.url, &["--json", "groups", "list"]));
+    assert_eq!(halted, serde_json::json!({ "halted": [] }));
+    let stats = json(&usage_ops(&schema.url, &["--json", "stats"]));
+    assert!(stats["outbox"]["backlog"].is_u64(), "{stats}");
+    let out = usage_ops(&schema.url, &["--json", "dead-letters", "show", "7"]);
+    assert_eq!(out.status.code(), Some(4));
+    let out = usage_ops(&schema.url, &["groups", "resume", "billing.daily-usage"]);
+    assert_eq!(out.status.code(), Some(4));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("consumer group billing.daily-usage is not halted"),
+        "{stderr}"
+    );
+    // Its own commands take the global --json in either place.
+    let audit = usage_ops(
+        &schema.url,
+        &["--json", "audit", "daily_usage", "--days", "1"],
+    );
+    assert_eq!(audit.status.code(), Some(1), "still no ledger");
+}

@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -19,7 +19,8 @@ use tracing::Instrument;
 
 use inbox_core::{
     check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
-    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, InboxStore, Tally, TransportAction,
+    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally,
+    TransportAction,
 };
 
 use crate::connect::{
@@ -62,6 +63,10 @@ pub struct ConsumerSettings {
     /// system's roots (a broker with a private CA); read and checked once when the
     /// run starts (default none; see [`ca_cert_from_env`](crate::ca_cert_from_env)).
     pub ca_cert: Option<PathBuf>,
+    /// How often the store's recorded halts are read (default 5 s): a halted group
+    /// whose halt an operator lifted resumes within this, a group another consumer
+    /// halted halts, and a halt the store failed to record is written again.
+    pub halt_poll: Duration,
 }
 
 impl Default for ConsumerSettings {
@@ -77,6 +82,7 @@ impl Default for ConsumerSettings {
             connection_name: None,
             connect_timeout: Duration::from_secs(30),
             ca_cert: None,
+            halt_poll: Duration::from_secs(5),
         }
     }
 }
@@ -135,6 +141,12 @@ impl ConsumerSettings {
         self
     }
 
+    /// Sets how often the store's recorded halts are read.
+    pub fn halt_poll(mut self, every: Duration) -> Self {
+        self.halt_poll = every;
+        self
+    }
+
     /// These settings, or [`Error::InvalidSetting`] naming the first one out of range; a
     /// consumer checks them again when it runs.
     pub fn checked(self) -> Result<Self> {
@@ -158,6 +170,13 @@ impl ConsumerSettings {
         }
         check_backoff(self.backoff_min, self.backoff_max)?;
         check_connect_timeout(self.connect_timeout)?;
+        if self.halt_poll.is_zero() {
+            return Err(Error::invalid(
+                "halt_poll",
+                "a poll interval above zero",
+                "0ns",
+            ));
+        }
         Ok(())
     }
 }
@@ -176,20 +195,32 @@ impl ConsumerSettings {
 ///
 /// A `Stop` (a claim invariant violated) halts its consumer group only: the delivery
 /// is left unacked, the group's workers and dead-letter reader stop consuming and hold
-/// what they have until the consumer stops (then it goes back to the queue), an error
-/// is logged, the gauge `inbox_group_halted{group}` is set to 1 and
-/// [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group. The other
-/// groups keep consuming. A halted group stays halted across reconnects; it resumes
-/// when the consumer is started again (after the cause is fixed).
+/// what they have, an error is logged, the gauge `inbox_group_halted{group}` is set to
+/// 1, [`StatsSnapshot::halted`](crate::StatsSnapshot::halted) names the group, and the
+/// halt is recorded in the store ([`GroupHalts::record_halt`]). The other groups keep
+/// consuming. A halted group stays halted across reconnects and restarts: a consumer
+/// starts a group halted while its halt is recorded. A halt the store fails to record
+/// is logged and kept in memory (the group stays halted), and written again at every
+/// poll.
 ///
-/// The store is any [`InboxStore`], e.g. `inbox_diesel::Store`; it needs a broker:
+/// Every [`halt_poll`](ConsumerSettings::halt_poll) the consumer reads the recorded
+/// halts ([`GroupHalts::halted_groups`]). A group it halted whose halt is no longer
+/// recorded (an operator resumed it, e.g. `inbox groups resume <group>`) resumes
+/// without a restart: the held deliveries go back to the queue (they come back
+/// flagged redelivered and are processed afresh), new workers and the dead-letter
+/// reader start, the gauge goes back to 0 and `StatsSnapshot::halted` no longer names
+/// it. A group whose halt another consumer recorded halts here too. The other groups
+/// are never disturbed.
+///
+/// The store is any [`InboxStore`] that keeps halts ([`GroupHalts`]), e.g.
+/// `inbox_diesel::Store`; it needs a broker:
 ///
 /// ```no_run
 /// use std::{sync::Arc, time::Duration};
 /// use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
-/// use inbox_core::InboxStore;
+/// use inbox_core::{GroupHalts, InboxStore};
 ///
-/// async fn consume<S: InboxStore>(store: S) -> Result<(), inbox_amqp::Error> {
+/// async fn consume<S: InboxStore + GroupHalts>(store: S) -> Result<(), inbox_amqp::Error> {
 ///     let topology = Topology::new("billing")?; // the groups come from the store's routes
 ///     let settings = ConsumerSettings::default()
 ///         .workers(2)
@@ -219,9 +250,25 @@ struct Shared<S> {
     topology: Topology,
     settings: ConsumerSettings,
     stats: Arc<ConsumerStats>,
-    /// Per group, cancelled when it halts (for good: across sessions and both of
-    /// its connections).
-    halts: BTreeMap<ConsumerGroup, CancellationToken>,
+    /// Per group, its current run (across sessions and both connections): replaced
+    /// by a fresh one when the group resumes.
+    halts: BTreeMap<ConsumerGroup, Mutex<Arc<Run>>>,
+    /// Counts resumes: a session starts a resumed group's tasks when it changes.
+    resumes: tokio::sync::watch::Sender<u64>,
+}
+
+/// One run of a group, from its start (or resume) to its resume after a halt.
+#[derive(Default)]
+struct Run {
+    /// Cancelled when the group halts: its tasks stop consuming and hold what they
+    /// have.
+    halted: CancellationToken,
+    /// Cancelled when the group resumes: its halted tasks let go of what they held.
+    resumed: CancellationToken,
+    /// Why the group halted.
+    cause: OnceLock<ClaimInvariantViolated>,
+    /// Whether the store has the halt recorded (a resume is only noticed then).
+    recorded: AtomicBool,
 }
 
 /// The prefetch of a dead-letter queue's reader.
@@ -346,14 +393,14 @@ struct Retrying<'a> {
     span: &'a tracing::Span,
 }
 
-impl<S: InboxStore> Consumer<S> {
+impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// A consumer of every route of `store`, through `topology` (whose groups are
     /// completed from the store's routes).
     pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
         let topology = topology.with_routes(store.routes());
         let halts = topology
             .groups()
-            .map(|g| (g.clone(), CancellationToken::new()))
+            .map(|g| (g.clone(), Mutex::default()))
             .collect();
         Self {
             url: url.into(),
@@ -363,6 +410,7 @@ impl<S: InboxStore> Consumer<S> {
                 settings: ConsumerSettings::default(),
                 stats: Arc::default(),
                 halts,
+                resumes: tokio::sync::watch::Sender::new(0),
             }),
         }
     }
@@ -387,10 +435,14 @@ impl<S: InboxStore> Consumer<S> {
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
     /// are acked, channels and connections close). A group whose store reports a
-    /// claim invariant violation halts; the others go on (see [`Consumer`]).
+    /// claim invariant violation halts; the others go on; a resumed group resumes (see
+    /// [`Consumer`]).
     ///
-    /// The first connection and the topology must succeed, so a misconfigured
-    /// consumer fails at startup; later losses reconnect with backoff.
+    /// The recorded halts are read first (a group halted there starts halted; a store
+    /// that cannot be read is [`Error::Store`]), then the first connection and the
+    /// topology must succeed, so a misconfigured consumer fails at startup; later
+    /// losses reconnect with backoff, and a failed read of the halts at a poll is
+    /// logged and tried again at the next.
     ///
     /// Two connections per consumer group: one for its workers, one for its
     /// dead-letter queue's reader. A delivery the client cannot parse fails the whole
@@ -407,6 +459,8 @@ impl<S: InboxStore> Consumer<S> {
         let shared = &self.shared;
         shared.settings.check()?;
         warn_on_small_stack(std::env::var("RUST_MIN_STACK").ok().as_deref());
+        // A restart does not resume a group whose halt is still recorded.
+        shared.poll_halts().await?;
         let stop = shutdown.child_token();
         let mut connections = JoinSet::new();
         for group in shared.topology.groups() {
@@ -430,21 +484,37 @@ impl<S: InboxStore> Consumer<S> {
         if connections.is_empty() {
             connections.spawn(Arc::clone(shared).idle(self.url.clone(), stop.clone()));
         }
-        let mut ran = Ok(());
-        while let Some(joined) = connections.join_next().await {
-            let ended = joined.unwrap_or_else(|source| {
-                Err(Error::TaskFailed {
-                    task: "consumer connection",
-                    source,
-                })
-            });
-            // A connection's supervisor ends at the shutdown or fatally: either way
-            // the others end too, and the first error is the consumer's.
-            stop.cancel();
-            if let (Err(err), true) = (ended, ran.is_ok()) {
-                ran = Err(err);
+        let polls = async {
+            loop {
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(shared.settings.halt_poll) => {}
+                }
+                if let Err(err) = shared.poll_halts().await {
+                    tracing::warn!(error = %ErrorChain(&err), "reading the recorded halts failed; trying again at the next poll");
+                }
             }
-        }
+        };
+        let joins = async {
+            let mut ran = Ok(());
+            while let Some(joined) = connections.join_next().await {
+                let ended = joined.unwrap_or_else(|source| {
+                    Err(Error::TaskFailed {
+                        task: "consumer connection",
+                        source,
+                    })
+                });
+                // A connection's supervisor ends at the shutdown or fatally: either
+                // way the others end too, and the first error is the consumer's.
+                stop.cancel();
+                if let (Err(err), true) = (ended, ran.is_ok()) {
+                    ran = Err(err);
+                }
+            }
+            ran
+        };
+        let (ran, ()) = tokio::join!(joins, polls);
         ran
     }
 }
@@ -477,7 +547,7 @@ impl Role {
     }
 }
 
-impl<S: InboxStore> Shared<S> {
+impl<S: InboxStore + GroupHalts> Shared<S> {
     /// Supervises `group`'s connection for `role` until `stop` is cancelled or it
     /// ends fatally: connect, declare the group's topology, run sessions, reconnect.
     /// Its caution is its own: a poison makes only this connection's next session
@@ -576,39 +646,72 @@ impl<S: InboxStore> Shared<S> {
                 pace.relax.as_ref().map_or(0, |(n, _)| *n)
             );
         }
-        let halt = match self.halts.get(group) {
-            Some(halt) if !self.stats.is_halted(group) && !halt.is_cancelled() => halt,
-            _ => {
-                // A halted group: hold the connection until shutdown.
-                stop.cancelled().await;
-                return Ok(());
-            }
-        };
-        let tokens = || Tokens {
-            stop: stop.clone(),
-            halt: halt.clone(),
+        let workers = match role {
+            Role::Workers if !cautious => self.settings.workers,
+            _ => 1,
         };
         let mut tasks = JoinSet::new();
-        if role == Role::DeadLetters {
-            let channel = conn.create_channel().await?;
-            let reader =
-                Arc::clone(self).dead_letter_reader(channel, group.clone(), tokens(), pace.clone());
-            tasks.spawn(reader);
-        } else {
-            metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
-            let workers = if cautious { 1 } else { self.settings.workers };
-            for worker in 0..workers {
-                let channel = conn.create_channel().await?;
-                let span = tracing::info_span!("inbox.amqp.worker", group = %group, worker);
-                tasks.spawn(
-                    Arc::clone(self)
-                        .worker(channel, group.clone(), tokens(), pace.clone())
-                        .instrument(span),
-                );
-            }
-        }
+        // The run whose tasks this session started: once the group resumed (a new
+        // run, not halted) it gets tasks of its own; while it is halted, none.
+        let mut started: Option<Arc<Run>> = None;
+        let mut resumes = self.resumes.subscribe();
         let mut outcome = Ok(());
-        while let Some(joined) = tasks.join_next().await {
+        loop {
+            if !stop.is_cancelled() {
+                resumes.borrow_and_update();
+                if let Some(run) = self.run_of(group) {
+                    let fresh = started.as_ref().is_none_or(|r| !Arc::ptr_eq(r, &run));
+                    if fresh && !self.stats.is_halted(group) && !run.halted.is_cancelled() {
+                        started = Some(Arc::clone(&run));
+                        let tokens = || Tokens {
+                            stop: stop.clone(),
+                            halt: Arc::clone(&run),
+                        };
+                        if role == Role::Workers {
+                            metrics::gauge!("inbox_group_halted", "group" => group.to_string())
+                                .set(0.0);
+                        }
+                        for worker in 0..workers {
+                            let channel = conn.create_channel().await?;
+                            let task = Arc::clone(self);
+                            match role {
+                                Role::DeadLetters => {
+                                    let reader = task.dead_letter_reader(
+                                        channel,
+                                        group.clone(),
+                                        tokens(),
+                                        pace.clone(),
+                                    );
+                                    tasks.spawn(reader);
+                                }
+                                Role::Workers => {
+                                    let span = tracing::info_span!(
+                                        "inbox.amqp.worker",
+                                        group = %group,
+                                        worker
+                                    );
+                                    let worker =
+                                        task.worker(channel, group.clone(), tokens(), pace.clone());
+                                    tasks.spawn(worker.instrument(span));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            let joined = tokio::select! {
+                joined = tasks.join_next(), if !tasks.is_empty() => joined,
+                // Every group halted (or the session ends): hold the connection until
+                // a group resumes or the session ends.
+                () = stop.cancelled(), if tasks.is_empty() => return outcome,
+                changed = resumes.changed(), if !stop.is_cancelled() => {
+                    if changed.is_err() {
+                        stop.cancel();
+                    }
+                    continue;
+                }
+            };
+            let Some(joined) = joined else { continue };
             let ended = joined.unwrap_or_else(|err| {
                 Err(SessionEnd::Fatal(Error::TaskFailed {
                     task: "consumer worker",
@@ -635,7 +738,6 @@ impl<S: InboxStore> Shared<S> {
                 }
             }
         }
-        outcome
     }
 
     async fn worker(
@@ -668,7 +770,7 @@ impl<S: InboxStore> Shared<S> {
             let first = tokio::select! {
                 biased;
                 () = tokens.stop.cancelled() => break,
-                () = tokens.halt.cancelled() => break,
+                () = tokens.halt.halted.cancelled() => break,
                 next = consumer.next() => next,
             };
             let mut batch = match first {
@@ -707,18 +809,119 @@ impl<S: InboxStore> Shared<S> {
         Ok(())
     }
 
-    /// Halts a consumer group (once): logged, counted, and its tasks told.
-    fn halt_group(
+    /// The group's current run.
+    fn run_of(&self, group: &ConsumerGroup) -> Option<Arc<Run>> {
+        let cell = self.halts.get(group)?;
+        Some(Arc::clone(
+            &cell.lock().unwrap_or_else(PoisonError::into_inner),
+        ))
+    }
+
+    /// Halts a consumer group's run (once): logged, counted, its tasks told, and the
+    /// halt recorded in the store. A halt the store fails to record stays halted
+    /// here, and the next poll writes it again.
+    async fn halt_group(&self, group: &ConsumerGroup, cause: &ClaimInvariantViolated, run: &Run) {
+        self.halt_run(
+            group,
+            cause,
+            run,
+            "halted; the other groups go on; fix the cause, then resume it (inbox groups resume)",
+        );
+        self.record_halt(group, cause, run).await;
+    }
+
+    /// Marks `run` halted for `cause` and tells its tasks.
+    fn halt_run(
         &self,
         group: &ConsumerGroup,
         cause: &ClaimInvariantViolated,
-        halt: &CancellationToken,
+        run: &Run,
+        why: &str,
     ) {
+        let _ = run.cause.set(cause.clone());
         if self.stats.halt(group, cause.to_string()) {
-            tracing::error!(group = %group, %cause, "consumer group halted; the other groups go on; restart the consumer once the cause is fixed");
+            tracing::error!(group = %group, %cause, "consumer group {why}");
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
         }
-        halt.cancel();
+        run.halted.cancel();
+    }
+
+    /// Writes `run`'s halt to the store; remembers whether it is recorded.
+    async fn record_halt(&self, group: &ConsumerGroup, cause: &ClaimInvariantViolated, run: &Run) {
+        let store = Arc::clone(&self.store);
+        let c = cause.clone();
+        match tokio::task::spawn_blocking(move || store.record_halt(&c)).await {
+            Ok(Ok(())) => run.recorded.store(true, Ordering::SeqCst),
+            Ok(Err(err)) => {
+                tracing::error!(group = %group, error = %ErrorChain(&err), "recording the halt failed; the group stays halted and the halt is written again at the next poll");
+            }
+            Err(err) => {
+                tracing::error!(group = %group, error = %err, "recording the halt failed; the group stays halted and the halt is written again at the next poll");
+            }
+        }
+    }
+
+    /// Reads the recorded halts and acts on them: a halt this consumer could not
+    /// record is written again; a group recorded halted halts; a group this consumer
+    /// halted, whose halt was recorded and is gone now, resumes.
+    async fn poll_halts(&self) -> Result<()> {
+        // Taken before the read: only a halt recorded before it can be found lifted.
+        let before: Vec<(&ConsumerGroup, Arc<Run>, bool)> = self
+            .halts
+            .keys()
+            .filter_map(|g| {
+                let run = self.run_of(g)?;
+                let recorded = run.halted.is_cancelled() && run.recorded.load(Ordering::SeqCst);
+                Some((g, run, recorded))
+            })
+            .collect();
+        for (group, run, recorded) in &before {
+            if let (false, Some(cause)) = (*recorded, run.cause.get()) {
+                self.record_halt(group, cause, run).await;
+            }
+        }
+        let store = Arc::clone(&self.store);
+        let halted = tokio::task::spawn_blocking(move || store.halted_groups())
+            .await
+            .map_err(|source| Error::TaskFailed {
+                task: "store",
+                source,
+            })?
+            .map_err(Error::Store)?;
+        let halted: BTreeMap<&ConsumerGroup, &ClaimInvariantViolated> =
+            halted.iter().map(|c| (&c.group, c)).collect();
+        for (group, run, recorded) in before {
+            match halted.get(group) {
+                Some(cause) if !run.halted.is_cancelled() => {
+                    run.recorded.store(true, Ordering::SeqCst);
+                    self.halt_run(group, cause, &run, "halted: its halt is recorded; resume it once the cause is fixed (inbox groups resume)");
+                }
+                None if recorded => self.resume(group, &run),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Resumes a halted group: a fresh run replaces `run`, whose tasks let go of what
+    /// they held (it goes back to the queue), and the sessions start the new run's
+    /// tasks.
+    fn resume(&self, group: &ConsumerGroup, run: &Arc<Run>) {
+        let Some(cell) = self.halts.get(group) else {
+            return;
+        };
+        {
+            let mut current = cell.lock().unwrap_or_else(PoisonError::into_inner);
+            if !Arc::ptr_eq(&current, run) {
+                return;
+            }
+            *current = Arc::default();
+        }
+        self.stats.resume(group);
+        metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+        tracing::info!(group = %group, "consumer group resumed: its halt is no longer recorded");
+        run.resumed.cancel();
+        self.resumes.send_modify(|n| *n += 1);
     }
 
     /// Hands a batch to the store, then carries out its decisions: acks, retry
@@ -791,7 +994,7 @@ impl<S: InboxStore> Shared<S> {
             .await?;
         self.settle(channel, &deliveries, &actions).await?;
         if let Some(cause) = halt {
-            self.halt_group(group, &cause, &tokens.halt);
+            self.halt_group(group, &cause, &tokens.halt).await;
         }
         Ok(())
     }
@@ -823,7 +1026,8 @@ impl<S: InboxStore> Shared<S> {
                 }
                 TransportAction::HoldAndStop(cause) => {
                     tracing::error!(parent: span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
-                    halt = Some(cause);
+                    // The first cause is the one recorded (and the one to fix).
+                    halt.get_or_insert(cause);
                     Action::Hold
                 }
             };
@@ -1018,7 +1222,7 @@ impl<S: InboxStore> Shared<S> {
             let next = tokio::select! {
                 biased;
                 () = tokens.stop.cancelled() => break,
-                () = tokens.halt.cancelled() => break,
+                () = tokens.halt.halted.cancelled() => break,
                 next = consumer.next() => next,
             };
             let d = match next {
@@ -1056,7 +1260,7 @@ impl<S: InboxStore> Shared<S> {
                         tokio::select! {
                             biased;
                             () = tokens.stop.cancelled() => break None,
-                            () = tokens.halt.cancelled() => break None,
+                            () = tokens.halt.halted.cancelled() => break None,
                             () = tokio::time::sleep(backoff) => {}
                         }
                         backoff = exponential_backoff(backoff, 1, self.settings.backoff_max);
@@ -1110,16 +1314,19 @@ impl<S: InboxStore> Shared<S> {
 struct Tokens {
     /// The session ends (shutdown or a lost connection).
     stop: CancellationToken,
-    /// The task's group halts.
-    halt: CancellationToken,
+    /// The task's run of its group: it halts, and later resumes.
+    halt: Arc<Run>,
 }
 
 impl Tokens {
     /// A halted group's task keeps its channel, and so its unacked deliveries, until
-    /// the session ends.
+    /// the group resumes or the session ends.
     async fn hold_while_halted(&self) {
-        if self.halt.is_cancelled() {
-            self.stop.cancelled().await;
+        if self.halt.halted.is_cancelled() {
+            tokio::select! {
+                () = self.stop.cancelled() => {}
+                () = self.halt.resumed.cancelled() => {}
+            }
         }
     }
 }
@@ -1165,5 +1372,7 @@ mod tests {
         assert_eq!(refused(inverted), found("backoff", "9ms..1ms"));
         let no_wait = ConsumerSettings::default().connect_timeout(Duration::ZERO);
         assert_eq!(refused(no_wait), found("connect_timeout", "0ns"));
+        let no_poll = ConsumerSettings::default().halt_poll(Duration::ZERO);
+        assert_eq!(refused(no_poll), found("halt_poll", "0ns"));
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! [`Topology`] declares a topic exchange and, per consumer group, a quorum queue, a
 //! ladder of retry-tier queues and a dead-letter queue. [`Consumer`] consumes every
-//! group of an [`inbox_core::InboxStore`] and carries out the store's decisions: it
+//! group of an [`inbox_core::InboxStore`] (that keeps halts: [`inbox_core::GroupHalts`])
+//! and carries out the store's decisions: it
 //! never decides itself, and it never imports a database crate. [`Relay`] publishes an
 //! [`inbox_core::OutboxStore`] with publisher confirms.
 //!
@@ -14,7 +15,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, Topology};
-//! # async fn run<S: inbox_core::InboxStore>(store: S) -> Result<(), inbox_amqp::Error> {
+//! # async fn run<S: inbox_core::InboxStore + inbox_core::GroupHalts>(store: S) -> Result<(), inbox_amqp::Error> {
 //! let topology = Topology::new("billing")?;
 //! let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", Arc::new(store), topology);
 //! consumer.run(cancel_on_signals(CancellationToken::new())).await

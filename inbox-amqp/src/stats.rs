@@ -50,8 +50,8 @@ pub struct StatsSnapshot {
     pub reconnects: u64,
     /// Retries per retry tier.
     pub retries_per_tier: BTreeMap<Duration, u64>,
-    /// The consumer groups that halted, each with why (see
-    /// [`Consumer`](crate::Consumer)).
+    /// The consumer groups halted now, each with why; a group that resumed is no
+    /// longer named (see [`Consumer`](crate::Consumer)).
     pub halted: BTreeMap<String, String>,
 }
 
@@ -116,6 +116,14 @@ impl ConsumerStats {
                 true
             }
         }
+    }
+
+    /// Forgets that `group` halted (it resumed).
+    pub(crate) fn resume(&self, group: &ConsumerGroup) {
+        self.halted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(group.as_str());
     }
 
     /// Whether `group` halted.

@@ -29,7 +29,11 @@ pub enum Command {
     /// Claims: show one key's, redrive failed ones whose retry copy was lost.
     #[command(subcommand)]
     Claims(ClaimCommand),
-    /// Claims by status per group, retries, dead letters, the outbox backlog.
+    /// Consumer groups halted by a claim invariant violation: list, resume.
+    #[command(subcommand)]
+    Groups(GroupCommand),
+    /// Claims by status per group, retries, dead letters, the outbox backlog, halted
+    /// groups.
     Stats,
     /// Checks the database schema and, with AMQP_URL, the broker topology.
     Verify(VerifyArgs),
@@ -196,6 +200,20 @@ pub enum ClaimCommand {
         /// Confirms the redrive.
         #[arg(long)]
         yes: bool,
+    },
+}
+
+/// `groups ...`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum GroupCommand {
+    /// Lists the halted consumer groups: when, the message key, what was violated.
+    List,
+    /// Resumes a halted consumer group (fix the cause first): its running consumers
+    /// resume at their next halt poll, without a restart. Exits 4 when the group is
+    /// not halted.
+    Resume {
+        /// The consumer group.
+        group: String,
     },
 }
 

@@ -14,7 +14,7 @@
 //!
 //! #[derive(Subcommand)]
 //! enum OpsCommand {
-//!     /// The inbox's own commands: dead-letters, claims, stats, verify, purge.
+//!     /// The inbox's own commands: dead-letters, claims, groups, stats, verify, ...
 //!     #[command(flatten)]
 //!     Inbox(inbox_cli::Command),
 //!     /// A command of your own.
@@ -40,8 +40,8 @@ mod run;
 mod selftest;
 
 pub use args::{
-    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, PurgeArgs, SelftestArgs,
-    StatusArg, VerifyArgs,
+    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,
+    SelftestArgs, StatusArg, VerifyArgs,
 };
 pub use run::{run, run_with, Failure};
 
@@ -55,7 +55,7 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// The schema (or, for `verify`, the topology) does not match what the inbox needs.
     pub const SCHEMA: u8 = 3;
-    /// No dead letter of that id, no claim of that key.
+    /// No dead letter of that id, no claim of that key, no halt of that group.
     pub const NOT_FOUND: u8 = 4;
     /// A replay refused: the letter's reason is not replayable, or it is discarded.
     pub const REFUSED: u8 = 5;

@@ -2,7 +2,8 @@
 
 use clap::Parser;
 
-/// Operator commands for a transactional inbox: dead letters, claims, stats, verify, purge.
+/// Operator commands for a transactional inbox: dead letters, claims, halted groups, stats,
+/// verify, purge, selftest.
 #[derive(Debug, Parser)]
 #[command(name = "inbox", version)]
 struct Cli {

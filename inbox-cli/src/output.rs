@@ -3,7 +3,9 @@
 use std::fmt::Write as _;
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use inbox_diesel::{ClaimRecord, DeadLetterDetails, DeadLetterEntry, FailureGroup, OperatorStats};
+use inbox_diesel::{
+    ClaimRecord, DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
+};
 use serde_json::{json, Value};
 
 /// Columns padded to their widest cell.
@@ -256,9 +258,11 @@ pub(crate) fn stats_json(s: &OperatorStats) -> Value {
             |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason, "count": l.count }),
         )
         .collect();
+    let halted: Vec<Value> = s.halted.iter().map(halt_json).collect();
     json!({
         "at": time_json(Some(s.at)),
         "groups": groups,
+        "halted": halted,
         "dead_letters": letters,
         "outbox": {
             "backlog": s.outbox_backlog,
@@ -303,8 +307,13 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
         .oldest_unpublished_age
         .map_or_else(|| "-".to_owned(), |d| format!("{:.1}s", d.as_secs_f64()));
     format!(
-        "claims\n{}\npending dead letters\n{}\noutbox: {} unpublished (oldest {age}), {} dead\n",
+        "claims\n{}\n{}pending dead letters\n{}\noutbox: {} unpublished (oldest {age}), {} dead\n",
         claims.render(&format!("{} groups", s.groups.len())),
+        if s.halted.is_empty() {
+            String::new()
+        } else {
+            format!("halted groups\n{}\n", halts_text(&s.halted))
+        },
         letters.render(&format!(
             "{} pending dead letters",
             s.dead_letters.iter().map(|l| l.count).sum::<u64>()
@@ -312,4 +321,26 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
         s.outbox_backlog,
         s.dead_outbox_rows
     )
+}
+
+pub(crate) fn halt_json(h: &HaltedGroup) -> Value {
+    json!({
+        "consumer_group": h.consumer_group,
+        "message_key": h.message_key,
+        "detail": h.detail,
+        "halted_at": time_json(Some(h.halted_at)),
+    })
+}
+
+pub(crate) fn halts_text(halted: &[HaltedGroup]) -> String {
+    let mut table = Table::new(["HALTED_GROUP", "HALTED_AT", "KEY", "DETAIL"]);
+    for h in halted {
+        table.row([
+            h.consumer_group.clone(),
+            time(h.halted_at),
+            h.message_key.clone(),
+            first_line(Some(&h.detail)),
+        ]);
+    }
+    table.render(&format!("{} halted groups", halted.len()))
 }

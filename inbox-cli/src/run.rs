@@ -13,8 +13,8 @@ use inbox_diesel::{
 use serde_json::{json, Value};
 
 use crate::args::{
-    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, PurgeArgs, StatusArg,
-    VerifyArgs,
+    ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,
+    StatusArg, VerifyArgs,
 };
 use crate::exit;
 use crate::output::{self, Table};
@@ -134,6 +134,7 @@ fn on_store<C: StoreConnection>(
     match command {
         Command::DeadLetters(cmd) => dead_letters(global, &store, &target, cmd, out),
         Command::Claims(cmd) => claims(global, &store, &target, cmd, out),
+        Command::Groups(cmd) => groups(global, &store, cmd, out),
         Command::Stats => stats(global, &store, out),
         Command::Purge(args) => purge(global, &store, args, out),
         Command::Selftest(args) => crate::selftest::run(global, &store, args, out),
@@ -560,6 +561,50 @@ fn claims<C: StoreConnection>(
                     report.affected, report.matched, report.skipped
                 ),
             )
+        }
+    }
+}
+
+fn groups<C: StoreConnection>(
+    global: &GlobalArgs,
+    store: &Store<C>,
+    command: &GroupCommand,
+    out: &mut dyn Write,
+) -> Outcome {
+    match command {
+        GroupCommand::List => {
+            let halted = store.list_halted_groups().map_err(failed)?;
+            if global.json {
+                let rows: Vec<Value> = halted.iter().map(output::halt_json).collect();
+                return print_json(out, &json!({ "halted": rows }));
+            }
+            print(out, output::halts_text(&halted))
+        }
+        GroupCommand::Resume { group } => {
+            ConsumerGroup::new(group).map_err(|e| Failure::new(exit::USAGE, e.to_string()))?;
+            let resumed = store.resume_group(group).map_err(failed)?;
+            if global.json {
+                print_json(out, &json!({ "consumer_group": group, "resumed": resumed }))?;
+            } else if resumed {
+                print(
+                    out,
+                    format!(
+                        "resumed consumer group {group}: its consumers resume at their next halt poll\n"
+                    ),
+                )?;
+            }
+            if !resumed {
+                let failure = Failure::new(
+                    exit::NOT_FOUND,
+                    format!("consumer group {group} is not halted"),
+                );
+                return Err(if global.json {
+                    failure.reported()
+                } else {
+                    failure
+                });
+            }
+            Ok(())
         }
     }
 }

@@ -84,9 +84,78 @@ fn seed<F: Fixture>(fx: &F) {
         store.process_batch(&g, &[usage("ok-1", 2)]).unwrap(),
         [Decision::DeadLettered(DeadLetterReason::KeyCollision)]
     );
+    // A consumer halted another group (as it records a `Stop`).
+    inbox_core::GroupHalts::record_halt(
+        &store,
+        &inbox_core::ClaimInvariantViolated {
+            group: group(HALTED),
+            key: inbox_core::MessageKey::new("k-9").unwrap(),
+            detail: "insert conflicted but no row exists".to_owned(),
+        },
+    )
+    .unwrap();
+}
+
+/// The group [`seed`] leaves halted.
+const HALTED: &str = "billing.audit";
+
+/// `groups list`, `groups resume` and the halted groups in `stats`.
+fn halted_groups(db: &Db) {
+    let list = inbox(db, &["groups", "list"]);
+    assert_eq!(code(&list), 0, "{}", stderr(&list));
+    let text = stdout(&list);
+    assert!(text.starts_with("HALTED_GROUP "), "{text}");
+    assert!(
+        text.contains("billing.audit") && text.contains("k-9"),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("1 halted groups"), "{text}");
+    let list = json(&inbox(db, &["--json", "groups", "list"]));
+    let halted = list["halted"].as_array().unwrap();
+    assert_eq!(halted.len(), 1, "{list}");
+    assert_eq!(halted[0]["consumer_group"], HALTED);
+    assert_eq!(halted[0]["message_key"], "k-9");
+    assert_eq!(halted[0]["detail"], "insert conflicted but no row exists");
+    assert!(halted[0]["halted_at"].is_string(), "{list}");
+    let stats = json(&inbox(db, &["--json", "stats"]));
+    assert_eq!(stats["halted"], list["halted"]);
+    let stats = stdout(&inbox(db, &["stats"]));
+    assert!(stats.contains("halted groups\nHALTED_GROUP"), "{stats}");
+
+    let resume = inbox(db, &["groups", "resume", HALTED]);
+    assert_eq!(code(&resume), 0, "{}", stderr(&resume));
+    assert_eq!(
+        stdout(&resume),
+        "resumed consumer group billing.audit: its consumers resume at their next halt poll\n"
+    );
+    let again = inbox(db, &["groups", "resume", HALTED]);
+    assert_eq!(code(&again), 4);
+    assert_eq!(stdout(&again), "");
+    assert_eq!(
+        stderr(&again),
+        "inbox: consumer group billing.audit is not halted\n"
+    );
+    let again = inbox(db, &["--json", "groups", "resume", HALTED]);
+    assert_eq!(code(&again), 4);
+    assert_eq!(
+        json(&again),
+        serde_json::json!({ "consumer_group": HALTED, "resumed": false })
+    );
+    let bad = inbox(db, &["groups", "resume", "Billing Audit"]);
+    assert_eq!(code(&bad), 2);
+    assert!(
+        stderr(&bad).contains("invalid consumer group"),
+        "{}",
+        stderr(&bad)
+    );
+    let none = inbox(db, &["groups", "list"]);
+    assert_eq!(stdout(&none), "(none)\n0 halted groups\n");
+    let stats = stdout(&inbox(db, &["stats"]));
+    assert!(!stats.contains("halted groups"), "{stats}");
 }
 
 fn scenario(db: &Db) {
+    halted_groups(db);
     // Human list: a header, the rows, a summary.
     let list = inbox(db, &["dead-letters", "list"]);
     assert_eq!(code(&list), 0, "{}", stderr(&list));

@@ -90,7 +90,7 @@ pub use rebuild::{
 pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
 pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
-pub use store::{DeadLetterOutcome, InboxStore};
+pub use store::{DeadLetterOutcome, GroupHalts, InboxStore};
 pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::{redact_message, redact_url, RedactedError};

@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use crate::{ConsumerGroup, DeadLetterReason, Decision, Envelope, Result};
+use crate::{ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, Envelope, Result};
 
 /// A store that decides, per delivery, what a transport must do.
 ///
@@ -73,5 +73,31 @@ impl<S: InboxStore + ?Sized> InboxStore for Arc<S> {
         detail: &str,
     ) -> Result<DeadLetterOutcome> {
         (**self).dead_letter(group, envelope, reason, detail)
+    }
+}
+
+/// Where a store keeps its consumer groups' halts, so that a halt outlives the process
+/// that saw it and an operator can lift it.
+///
+/// A transport that halts a group on [`Decision::Stop`] records the halt here, starts
+/// a group halted while its halt is recorded, and resumes a group once its halt is no
+/// longer recorded (an operator resumed it). There is no default: a store either keeps
+/// halts or is not one of these.
+pub trait GroupHalts: Send + Sync + 'static {
+    /// Records that `cause.group` halted because of `cause`. A group halted already
+    /// keeps its first record (the first cause is the one to fix).
+    fn record_halt(&self, cause: &ClaimInvariantViolated) -> Result<()>;
+
+    /// Every group halted now, each with the cause it was recorded with.
+    fn halted_groups(&self) -> Result<Vec<ClaimInvariantViolated>>;
+}
+
+impl<S: GroupHalts + ?Sized> GroupHalts for Arc<S> {
+    fn record_halt(&self, cause: &ClaimInvariantViolated) -> Result<()> {
+        (**self).record_halt(cause)
+    }
+
+    fn halted_groups(&self) -> Result<Vec<ClaimInvariantViolated>> {
+        (**self).halted_groups()
     }
 }

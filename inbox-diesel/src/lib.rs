@@ -66,9 +66,9 @@ pub use idempotency::{
 };
 pub use operator::{
     replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
-    DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, LetterCount,
-    LetterStatus, OperatorStats, PurgeReport, RedriveFilter, ReplayOutcome, ReplayTarget,
-    CANARY_GROUP, CANARY_MESSAGE_TYPE,
+    DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, HaltedGroup,
+    LetterCount, LetterStatus, OperatorStats, PurgeReport, RedriveFilter, ReplayOutcome,
+    ReplayTarget, CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
 use inbox_core::{
-    relay_in_process, Clock, DeadLetterReason, Decision, Envelope, InProcessTransport, ManualClock,
-    MessageKey, RetryPolicy, REPLAY_GROUP_HEADER,
+    relay_in_process, ClaimInvariantViolated, Clock, DeadLetterReason, Decision, Envelope,
+    GroupHalts, InProcessTransport, ManualClock, MessageKey, RetryPolicy, REPLAY_GROUP_HEADER,
 };
 use inbox_diesel::{
     BulkReport, ClaimStatus, DeadLetterFilter, DiscardOutcome, Error, LetterStatus, RedriveFilter,
@@ -528,6 +528,14 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
         "{err}"
     );
     fx.execute("CREATE TABLE inbox_canary (run_id TEXT, seq INTEGER, sent_at TEXT, arrived_at TEXT, arrivals INTEGER, PRIMARY KEY (run_id, seq))");
+    fx.execute("DROP TABLE inbox_group_halts");
+    let err = fx.builder().run_migrations(false).build().unwrap_err();
+    assert!(
+        matches!(&err, Error::OperatorSchema { expected, found, .. }
+            if expected == "table inbox_group_halts with column consumer_group" && found.starts_with("no such table")),
+        "{err}"
+    );
+    fx.execute("CREATE TABLE inbox_group_halts (consumer_group TEXT PRIMARY KEY, message_key TEXT, detail TEXT, halted_at TEXT)");
     fx.execute("ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(
@@ -726,7 +734,64 @@ fn gauges_show_backlog_unprocessed_age_failure_groups_and_replays<F: Fixture>(fx
     );
 }
 
+fn violation(group_name: &str, key: &str, detail: &str) -> ClaimInvariantViolated {
+    ClaimInvariantViolated {
+        group: group(group_name),
+        key: MessageKey::new(key).unwrap(),
+        detail: detail.to_owned(),
+    }
+}
+
+/// A halt is recorded once (the first cause stays), listed, shown in the stats, and
+/// resumed once; a group that is not halted says so, a bad name is refused by name.
+fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
+    let s = scene(fx);
+    let store = &s.store;
+    assert!(store.list_halted_groups().unwrap().is_empty());
+    assert!(!store.resume_group(FAILING).unwrap(), "not halted yet");
+    let first = violation(FAILING, "k-1", "a phantom conflict");
+    store.record_halt(&first).unwrap();
+    s.clock.advance(Duration::from_secs(60));
+    store
+        .record_halt(&violation(FAILING, "k-2", "another one"))
+        .unwrap();
+    let halted = store.list_halted_groups().unwrap();
+    assert_eq!(halted.len(), 1, "{halted:?}");
+    let h = &halted[0];
+    assert_eq!(
+        (
+            h.consumer_group.as_str(),
+            h.message_key.as_str(),
+            h.detail.as_str()
+        ),
+        (FAILING, "k-1", "a phantom conflict")
+    );
+    assert_eq!(
+        h.halted_at,
+        Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap()
+    );
+    assert_eq!(store.halted_groups().unwrap(), [first]);
+    assert_eq!(store.operator_stats().unwrap().halted, halted);
+    // Another group is not touched by either.
+    assert!(!store.resume_group(BYSTANDER).unwrap());
+    assert_eq!(store.list_halted_groups().unwrap(), halted);
+    assert!(store.resume_group(FAILING).unwrap());
+    assert!(!store.resume_group(FAILING).unwrap(), "resumed already");
+    assert!(store.list_halted_groups().unwrap().is_empty());
+    assert!(store.halted_groups().unwrap().is_empty());
+    assert!(store.operator_stats().unwrap().halted.is_empty());
+    // Halted again after the resume: a new record, with the new cause.
+    let again = violation(FAILING, "k-3", "once more");
+    store.record_halt(&again).unwrap();
+    assert_eq!(store.halted_groups().unwrap(), [again]);
+    assert!(matches!(
+        store.resume_group("Not A Group"),
+        Err(Error::Core(inbox_core::Error::InvalidConsumerGroup(_)))
+    ));
+}
+
 on_both_backends!(
+    a_halt_is_recorded_listed_and_resumed_once,
     gauges_show_backlog_unprocessed_age_failure_groups_and_replays,
     a_letter_of_another_payload_never_takes_the_claim,
     replays_reach_the_failing_group_alone_and_apply_once,

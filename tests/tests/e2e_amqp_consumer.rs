@@ -631,11 +631,52 @@ async fn a_message_without_a_type_property_keeps_its_type_through_a_retry_tier()
 
 /// A store that decides by the key's prefix (`stop-`: a claim invariant violated,
 /// `retry-`: retry in 50 ms unless it came back from a retry tier, else processed) and
-/// remembers every (group, key) it saw: the transport's side of each decision, without
-/// a database.
+/// remembers every (group, key) it saw, and the halts it was told of: the transport's
+/// side of each decision, without a database.
 #[derive(Default)]
 struct Scripted {
     seen: std::sync::Mutex<Vec<(String, String)>>,
+    halts: std::sync::Mutex<BTreeMap<ConsumerGroup, inbox_core::ClaimInvariantViolated>>,
+    /// Its groups, when not [`HALTING`] and [`GOING_ON`].
+    groups: Option<[&'static str; 2]>,
+    /// Recording a halt fails this many more times.
+    record_failures: std::sync::atomic::AtomicUsize,
+    /// The cause is fixed: `stop-` keys are processed.
+    fixed: std::sync::atomic::AtomicBool,
+    /// Reading the recorded halts fails.
+    halts_unreadable: std::sync::atomic::AtomicBool,
+}
+
+impl inbox_core::GroupHalts for Scripted {
+    fn record_halt(&self, cause: &inbox_core::ClaimInvariantViolated) -> inbox_core::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let failing = self
+            .record_failures
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            return Err(inbox_core::Error::Store(Box::new(std::io::Error::other(
+                "the store is down (scripted)",
+            ))));
+        }
+        let mut halts = self.halts.lock().unwrap();
+        halts
+            .entry(cause.group.clone())
+            .or_insert_with(|| cause.clone());
+        Ok(())
+    }
+
+    fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        if self
+            .halts_unreadable
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(inbox_core::Error::Store(Box::new(std::io::Error::other(
+                "the halts are unreadable (scripted)",
+            ))));
+        }
+        Ok(self.halts.lock().unwrap().values().cloned().collect())
+    }
 }
 
 const HALTING: &str = "scripted.halting";
@@ -664,7 +705,8 @@ impl inbox_core::InboxStore for Scripted {
             .map(|e| {
                 let key = e.message_key.as_str();
                 seen.push((group.to_string(), key.to_owned()));
-                if key.starts_with("stop-") {
+                if key.starts_with("stop-") && !self.fixed.load(std::sync::atomic::Ordering::SeqCst)
+                {
                     Decision::Stop(ClaimInvariantViolated {
                         group: group.clone(),
                         key: e.message_key.clone(),
@@ -682,7 +724,8 @@ impl inbox_core::InboxStore for Scripted {
     }
 
     fn routes(&self) -> Vec<(ConsumerGroup, String)> {
-        [HALTING, GOING_ON]
+        self.groups
+            .unwrap_or([HALTING, GOING_ON])
             .map(|g| (ConsumerGroup::new(g).unwrap(), format!("{g}.event")))
             .into()
     }
@@ -835,6 +878,101 @@ async fn a_stop_halts_its_group_holds_its_delivery_and_the_other_groups_go_on() 
         .copied();
     assert_eq!(halted_gauge, Some(1.0));
     topology.delete(&conn).await.unwrap();
+}
+
+/// A halt the store fails to record keeps its group halted (it never resumes for a
+/// record that is not there) and is written at a later poll; once the record is gone
+/// the group resumes: the gauge back to 0, the stats no longer naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halt_the_store_fails_to_record_stays_halted_until_written_then_resumes() {
+    const RESUMING: &str = "scripted.resuming";
+    const BESIDE: &str = "scripted.beside";
+    let Some(setup) = Setup::new() else { return };
+    let gauges = gauges();
+    let store = Arc::new(Scripted {
+        groups: Some([RESUMING, BESIDE]),
+        record_failures: 2.into(),
+        ..Scripted::default()
+    });
+    let consumer = Consumer::new(
+        setup.url.clone(),
+        Arc::clone(&store),
+        setup.topology.clone(),
+    )
+    .with_settings(
+        ConsumerSettings::default()
+            .workers(1)
+            .prefetch(20)
+            .batch(10, ms(5))
+            .halt_poll(ms(50)),
+    );
+    let topology = consumer.topology().clone();
+    let conn = amqp::connect(&setup.url).await;
+    topology.declare(&conn).await.unwrap();
+    let exchange = topology.exchange();
+    publish_keys(&setup, &exchange, RESUMING, &["stop-1"]).await;
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    let group = ConsumerGroup::new(RESUMING).unwrap();
+    let gauge = || {
+        gauges
+            .lock()
+            .unwrap()
+            .get(&format!("inbox_group_halted{{group={RESUMING}}}"))
+            .copied()
+    };
+    let recorded = eventually(Duration::from_secs(20), || {
+        store.halts.lock().unwrap().contains_key(&group)
+    })
+    .await;
+    assert!(recorded, "{:?}", stats.snapshot());
+    assert_eq!(
+        store.seen(RESUMING),
+        ["stop-1"],
+        "never resumed while its halt was not recorded"
+    );
+    assert!(stats.snapshot().halted.contains_key(RESUMING));
+    assert_eq!(gauge(), Some(1.0));
+
+    // Fixed and resumed: the held delivery comes back and is processed.
+    store.fixed.store(true, std::sync::atomic::Ordering::SeqCst);
+    store.halts.lock().unwrap().clear();
+    publish_keys(&setup, &exchange, BESIDE, &["b-1"]).await;
+    let resumed = eventually(Duration::from_secs(20), || {
+        let s = stats.snapshot();
+        s.halted.is_empty() && s.processed == 2
+    })
+    .await;
+    assert!(resumed, "{:?}", stats.snapshot());
+    assert_eq!(store.seen(RESUMING), ["stop-1", "stop-1"]);
+    assert_eq!(gauge(), Some(0.0));
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(queue_depth(&conn, &topology.queue(&group)).await, 0);
+    topology.delete(&conn).await.unwrap();
+}
+
+/// A consumer that cannot read the recorded halts does not start (it would resume a
+/// halted group): `Consumer::run` fails with the store's error, before connecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_halts_cannot_be_read_fails_at_startup() {
+    let Some(setup) = Setup::new() else { return };
+    let store = Arc::new(Scripted {
+        halts_unreadable: true.into(),
+        ..Scripted::default()
+    });
+    let consumer = Consumer::new(setup.url.clone(), store, setup.topology.clone());
+    // The timeout only keeps a consumer that wrongly started from hanging the test.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run(CancellationToken::new()),
+    )
+    .await
+    .expect("the consumer ends at startup");
+    let err = ran.unwrap_err();
+    assert!(matches!(err, inbox_amqp::Error::Store(_)), "{err}");
+    assert!(err.to_string().contains("store error"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -62,6 +62,16 @@ impl InboxStore for Flaky {
     }
 }
 
+impl inbox_core::GroupHalts for Flaky {
+    fn record_halt(&self, cause: &inbox_core::ClaimInvariantViolated) -> inbox_core::Result<()> {
+        inbox_core::GroupHalts::record_halt(&*self.inner, cause)
+    }
+
+    fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        inbox_core::GroupHalts::halted_groups(&*self.inner)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_keeps_the_broker_dead_letter_until_it_is_recorded() {
     let Some(url) = amqp_url() else { return };

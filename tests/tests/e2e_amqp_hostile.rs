@@ -927,6 +927,7 @@ struct Seen {
 #[derive(Default)]
 struct Recording {
     seen: std::sync::Mutex<Vec<Seen>>,
+    halts: std::sync::Mutex<Vec<inbox_core::ClaimInvariantViolated>>,
 }
 
 impl Recording {
@@ -978,6 +979,18 @@ impl inbox_core::InboxStore for Recording {
         std::thread::sleep(ms(5));
         self.record(group, envelope, true);
         Ok(inbox_core::DeadLetterOutcome::Recorded)
+    }
+}
+
+/// It never stops a group; halts are kept in memory like any store's.
+impl inbox_core::GroupHalts for Recording {
+    fn record_halt(&self, cause: &inbox_core::ClaimInvariantViolated) -> inbox_core::Result<()> {
+        self.halts.lock().unwrap().push(cause.clone());
+        Ok(())
+    }
+
+    fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        Ok(self.halts.lock().unwrap().clone())
     }
 }
 

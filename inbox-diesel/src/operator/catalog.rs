@@ -1,7 +1,7 @@
 //! What `verify_schema` checks of the operator migration's objects: outbox rows unique
 //! by (message_key, replay_seq), and nothing unique on the key alone (a replay keeps
 //! the original key, and would be refused); the dead-letter columns replays and
-//! discards write.
+//! discards write; the canary and group-halt tables.
 
 use diesel::result::QueryResult;
 
@@ -29,6 +29,9 @@ pub struct OperatorCatalog {
     pub canary_table: String,
     /// Columns of `inbox_canary`.
     pub canary_columns: Vec<String>,
+    pub halt_table: String,
+    /// Columns of `inbox_group_halts`.
+    pub halt_columns: Vec<String>,
 }
 
 /// Reads the catalog; per backend.
@@ -130,6 +133,19 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
                 &catalog.canary_table,
                 &format!("table inbox_canary with column {column}"),
                 if catalog.canary_columns.is_empty() {
+                    "no such table (were the migrations run?)".to_owned()
+                } else {
+                    "no such column (were the migrations run?)".to_owned()
+                },
+            ));
+        }
+    }
+    for column in ["consumer_group", "message_key", "detail", "halted_at"] {
+        if !catalog.halt_columns.iter().any(|c| c == column) {
+            return Err(mismatch(
+                &catalog.halt_table,
+                &format!("table inbox_group_halts with column {column}"),
+                if catalog.halt_columns.is_empty() {
                     "no such table (were the migrations run?)".to_owned()
                 } else {
                     "no such column (were the migrations run?)".to_owned()

@@ -1,5 +1,6 @@
 //! The operator API: dead letters listed, shown, grouped by failure, replayed through
-//! the outbox to their group alone, discarded; failed claims redriven; stats.
+//! the outbox to their group alone, discarded; failed claims redriven; halted consumer
+//! groups listed and resumed; stats.
 //!
 //! Every write is one short transaction decided by a guarded statement, never by a
 //! read before it: a second or concurrent replay of the same letter finds the claim no
@@ -9,6 +10,7 @@ mod canary;
 mod catalog;
 mod fingerprint;
 mod gauges;
+mod halts;
 pub(crate) mod ops;
 mod reasons;
 pub(crate) mod tables;
@@ -24,6 +26,7 @@ use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
 
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use catalog::{check as check_schema, CatalogOps, OperatorCatalog, UniqueIndex};
+pub use halts::HaltedGroup;
 pub(crate) use ops::{operator_ops, OperatorOps};
 pub use reasons::replay_refusal;
 
@@ -405,6 +408,9 @@ pub struct OperatorStats {
     pub oldest_unpublished_age: Option<Duration>,
     /// Outbox rows whose last publication attempt failed.
     pub dead_outbox_rows: u64,
+    /// The halted consumer groups, by name (see
+    /// [`resume_group`](Store::resume_group)).
+    pub halted: Vec<HaltedGroup>,
     /// When the figures were read (the store's clock).
     pub at: DateTime<Utc>,
 }
@@ -834,9 +840,10 @@ impl<C: StoreConnection> Store<C> {
 
     /// Claims by status per group, retries due and waiting, the oldest pending retry,
     /// pending dead letters by group and reason, the outbox backlog, its oldest
-    /// unpublished row's age, and dead outbox rows.
+    /// unpublished row's age, dead outbox rows, and the halted consumer groups.
     pub fn operator_stats(&self) -> Result<OperatorStats> {
         let now = self.clock().now();
+        let halted = self.list_halted_groups()?;
         let mut conn = self.connection()?;
         let raw = C::op_stats(&mut conn, now)?;
         let mut groups: BTreeMap<String, GroupStats> = BTreeMap::new();
@@ -888,6 +895,7 @@ impl<C: StoreConnection> Store<C> {
                 .oldest_unpublished
                 .map(|at| (now - at).to_std().unwrap_or(Duration::ZERO)),
             dead_outbox_rows: count(raw.dead_outbox),
+            halted,
             at: now,
         })
     }

@@ -206,7 +206,22 @@ pub trait OperatorOps: Sized {
     /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
     #[doc(hidden)]
     fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
+
+    /// Records a group's halt unless one is recorded; returns whether it wrote one.
+    #[doc(hidden)]
+    fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool>;
+
+    /// Every recorded halt, by group.
+    #[doc(hidden)]
+    fn op_halts(conn: &mut Self) -> QueryResult<Vec<HaltRow>>;
+
+    /// Deletes a group's halt; returns how many rows it deleted (0 or 1).
+    #[doc(hidden)]
+    fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize>;
 }
+
+/// A recorded halt: (group, message key, detail, halted at).
+pub(crate) type HaltRow = (String, String, String, DateTime<Utc>);
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
@@ -725,6 +740,34 @@ macro_rules! operator_ops {
                     .order(seq)
                     .select((seq, sent_at, arrived_at, arrivals))
                     .load(conn)
+            }
+
+            fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool> {
+                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
+                let written = diesel::insert_into(inbox_group_halts)
+                    .values((
+                        consumer_group.eq(&halt.0),
+                        message_key.eq(&halt.1),
+                        detail.eq(&halt.2),
+                        halted_at.eq(halt.3),
+                    ))
+                    .on_conflict(consumer_group)
+                    .do_nothing()
+                    .execute(conn)?;
+                Ok(written == 1)
+            }
+
+            fn op_halts(conn: &mut Self) -> QueryResult<Vec<HaltRow>> {
+                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
+                inbox_group_halts
+                    .order(consumer_group)
+                    .select((consumer_group, message_key, detail, halted_at))
+                    .load(conn)
+            }
+
+            fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize> {
+                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
+                diesel::delete(inbox_group_halts.filter(consumer_group.eq(group))).execute(conn)
             }
         }
     };

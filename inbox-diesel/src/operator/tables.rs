@@ -41,6 +41,17 @@ macro_rules! operator_tables {
         diesel::table! {
             use diesel::sql_types::*;
 
+            inbox_group_halts (consumer_group) {
+                consumer_group -> Text,
+                message_key -> Text,
+                detail -> Text,
+                halted_at -> $ts,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
             #[sql_name = "outbox_messages"]
             op_outbox (id) {
                 id -> BigInt,

@@ -8,8 +8,8 @@ use diesel::sql_types::{Array, Bool, Nullable, Text};
 use chrono::{DateTime, Utc};
 
 use crate::operator::ops::{
-    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats,
-    Redrivable,
+    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, HaltRow, Letter, NewReplay, OperatorOps,
+    RawStats, Redrivable,
 };
 use crate::operator::{CatalogOps, DeadLetterFilter, LetterStatus, OperatorCatalog, UniqueIndex};
 
@@ -59,6 +59,7 @@ impl CatalogOps for diesel::PgConnection {
         let outbox_columns = columns(conn, "outbox_messages")?;
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
         let canary_columns = columns(conn, "inbox_canary")?;
+        let halt_columns = columns(conn, "inbox_group_halts")?;
         let indexes: Vec<PgIndex> = diesel::sql_query(format!(
             "SELECT ic.relname::text AS name, (i.indpred IS NOT NULL) AS is_partial, \
                     ARRAY(SELECT a.attname::text \
@@ -89,6 +90,8 @@ impl CatalogOps for diesel::PgConnection {
             dead_letter_columns: dead_letter_columns.into_iter().map(|c| c.name).collect(),
             canary_table: format!("{schema}.inbox_canary"),
             canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
+            halt_table: format!("{schema}.inbox_group_halts"),
+            halt_columns: halt_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }

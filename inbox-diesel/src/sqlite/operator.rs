@@ -8,8 +8,8 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use chrono::{DateTime, Utc};
 
 use crate::operator::ops::{
-    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats,
-    Redrivable,
+    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, HaltRow, Letter, NewReplay, OperatorOps,
+    RawStats, Redrivable,
 };
 use crate::operator::{CatalogOps, DeadLetterFilter, LetterStatus, OperatorCatalog, UniqueIndex};
 
@@ -47,6 +47,7 @@ impl CatalogOps for diesel::SqliteConnection {
         let outbox_columns = columns(conn, "outbox_messages")?;
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
         let canary_columns = columns(conn, "inbox_canary")?;
+        let halt_columns = columns(conn, "inbox_group_halts")?;
         let rows: Vec<SqliteIndex> = diesel::sql_query(
             "SELECT name, partial AS is_partial FROM pragma_index_list('outbox_messages') \
              WHERE \"unique\" = 1 ORDER BY name",
@@ -76,6 +77,8 @@ impl CatalogOps for diesel::SqliteConnection {
             dead_letter_columns: dead_letter_columns.into_iter().map(|c| c.name).collect(),
             canary_table: "main.inbox_canary".to_owned(),
             canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
+            halt_table: "main.inbox_group_halts".to_owned(),
+            halt_columns: halt_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }

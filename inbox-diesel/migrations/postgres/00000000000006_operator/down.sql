@@ -1,3 +1,4 @@
+DROP TABLE inbox_group_halts;
 DROP TABLE inbox_canary;
 DROP INDEX inbox_claims_failed;
 DROP INDEX inbox_dead_letters_recent;

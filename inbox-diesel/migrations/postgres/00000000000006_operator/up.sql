@@ -26,3 +26,13 @@ CREATE TABLE inbox_canary (
     arrivals    INTEGER     NOT NULL,
     PRIMARY KEY (run_id, seq)
 );
+
+-- A consumer group halted by a claim invariant violation (a `Stop`), until an operator
+-- resumes it: the consumer writes the row when the group halts, starts the group
+-- halted while the row exists, and resumes it once the row is gone.
+CREATE TABLE inbox_group_halts (
+    consumer_group  TEXT        NOT NULL PRIMARY KEY,
+    message_key     TEXT        NOT NULL,
+    detail          TEXT        NOT NULL,
+    halted_at       TIMESTAMPTZ NOT NULL
+);
