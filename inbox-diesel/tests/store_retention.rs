@@ -526,8 +526,12 @@ fn a_purge_batch_never_walks_again_over_what_earlier_batches_deleted() {
     reader.batch_execute("ROLLBACK").unwrap();
     assert_eq!(deleted, 30_000);
     let (first, last) = (per_batch[0], per_batch[per_batch.len() - 1]);
+    // Each batch touches a few buffers per row it deletes (about 4,000 here);
+    // walking again over the rows deleted before adds their heap pages (about 17 more
+    // per batch of 1,000 here, some 500 by the last batch). The last batch may touch
+    // at most 1% more than the first.
     assert!(
-        last <= 2 * first,
+        last * 100 <= first * 101,
         "buffers per batch grew with the rows deleted before it: first {first}, last {last}, \
          all {per_batch:?}"
     );
