@@ -305,11 +305,10 @@ async fn main() {
     .expect("pre-fill");
     conn.batch_execute("VACUUM ANALYZE inbox_claims")
         .expect("vacuum");
-    let size: Value = diesel::sql_query(
-        "SELECT pg_size_pretty(pg_total_relation_size('inbox_claims')) AS value",
-    )
-    .get_result(&mut conn)
-    .expect("size");
+    let size: Value =
+        diesel::sql_query("SELECT pg_size_pretty(pg_total_relation_size('inbox_claims')) AS value")
+            .get_result(&mut conn)
+            .expect("size");
     println!(
         "{rows} done claims older than the {WINDOW_DAYS}-day window ({}) in {:.1?}; \
          {events} deliveries per scenario, {workers} workers, batch {batch}, \

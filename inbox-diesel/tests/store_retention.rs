@@ -436,11 +436,21 @@ fn the_claim_purge_reads_the_retention_index_never_the_whole_table() {
         index.text
     );
 
-    // The planner's own choice (enable_seqscan as the server has it), for a first
-    // batch and for a later one (starting where the previous stopped).
+    assert_plan_reads_index(
+        &mut conn,
+        PurgeTarget::DoneClaims,
+        "inbox_claims",
+        "inbox_claims_done",
+    );
+}
+
+/// The planner's own choice (enable_seqscan as the server has it) for `target`'s
+/// purge statement, for a first batch and for a later one (starting where the
+/// previous stopped): an index scan of `index`, no sequential scan of `table`.
+fn assert_plan_reads_index(conn: &mut PgConnection, target: PurgeTarget, table: &str, index: &str) {
     conn.batch_execute(&format!(
-        "PREPARE purge (timestamptz, bigint, timestamptz) AS {}",
-        inbox_diesel::pg_purge_statement(PurgeTarget::DoneClaims)
+        "DEALLOCATE ALL; PREPARE purge (timestamptz, bigint, timestamptz) AS {}",
+        inbox_diesel::pg_purge_statement(target)
     ))
     .unwrap();
     for from in ["NULL", "'2026-01-01 00:01:00+00'"] {
@@ -448,31 +458,68 @@ fn the_claim_purge_reads_the_retention_index_never_the_whole_table() {
             "EXPLAIN (FORMAT JSON) EXECUTE purge('{}', 1000, {from})",
             cutoff().to_rfc3339()
         ))
-        .get_result(&mut conn)
+        .get_result(conn)
         .unwrap();
         let json: serde_json::Value = serde_json::from_str(&plan.text).unwrap();
         let mut all = Vec::new();
         nodes(&json[0]["Plan"], &mut all);
-        let on_claims: Vec<&serde_json::Value> = all
+        let on_table: Vec<&serde_json::Value> = all
             .into_iter()
-            .filter(|n| n["Relation Name"] == "inbox_claims")
+            .filter(|n| n["Relation Name"] == table)
             .collect();
         assert!(
-            on_claims.iter().all(|n| n["Node Type"] != "Seq Scan"),
-            "a sequential scan of inbox_claims: {}",
+            on_table.iter().all(|n| n["Node Type"] != "Seq Scan"),
+            "a sequential scan of {table}: {}",
             plan.text
         );
         assert!(
-            on_claims.iter().any(|n| {
+            on_table.iter().any(|n| {
                 matches!(
                     n["Node Type"].as_str(),
                     Some("Index Scan" | "Index Only Scan")
-                ) && n["Index Name"] == "inbox_claims_done"
+                ) && n["Index Name"] == index
             }),
-            "no index scan of inbox_claims_done: {}",
+            "no index scan of {index}: {}",
             plan.text
         );
     }
+}
+
+#[test]
+fn the_outbox_and_letter_purges_read_their_indexes_never_the_whole_table() {
+    let Some(fx) = PgFixture::new() else { return };
+    let _store = fx.open(fx.builder());
+    // Old rows, a fifth unpublished (or a quarter pending), and recent ones.
+    fx.execute(
+        "INSERT INTO outbox_messages (message_key, exchange, routing_key, message_type,
+             payload, headers, created_at, available_at, published_at)
+         SELECT 'row-' || i, 'billing', 'usage', 'usage.recorded', '\\x00', '{}', t, t,
+             CASE WHEN i % 5 = 0 THEN NULL ELSE t END
+         FROM generate_series(1, 150000) i,
+              LATERAL (SELECT CASE WHEN i % 4 = 0 THEN '2026-03-01'::timestamptz
+                  ELSE '2026-01-01'::timestamptz END + i * interval '1 ms' AS t) at;
+         INSERT INTO inbox_dead_letters (consumer_group, message_key, message_type, payload,
+             headers, attempts, reason, dead_lettered_at, discarded_at)
+         SELECT 'billing.daily-usage', 'letter-' || i, 'usage.recorded', '\\x00', '{}', 1,
+             'permanent', t, CASE WHEN i % 4 = 0 THEN NULL ELSE t END
+         FROM generate_series(1, 150000) i,
+              LATERAL (SELECT CASE WHEN i % 3 = 0 THEN '2026-03-01'::timestamptz
+                  ELSE '2026-01-01'::timestamptz END + i * interval '1 ms' AS t) at;
+         ANALYZE outbox_messages; ANALYZE inbox_dead_letters;",
+    );
+    let mut conn = fx.connect();
+    assert_plan_reads_index(
+        &mut conn,
+        PurgeTarget::PublishedOutboxRows,
+        "outbox_messages",
+        "outbox_messages_published",
+    );
+    assert_plan_reads_index(
+        &mut conn,
+        PurgeTarget::DiscardedDeadLetters,
+        "inbox_dead_letters",
+        "inbox_dead_letters_discarded",
+    );
 }
 
 #[derive(QueryableByName)]
