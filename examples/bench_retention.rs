@@ -167,7 +167,7 @@ impl Bench {
     async fn scenario(&mut self, name: &str, seed: u64, purge: bool) -> (f64, Option<Purged>) {
         let topology = Topology::new("bench")
             .expect("topology")
-            .prefix(&format!("{}.{name}.", self.schema))
+            .prefix(format!("{}.{name}.", self.schema))
             .expect("prefix");
         let consumer = Consumer::new(self.amqp_url.clone(), Arc::clone(&self.store), topology)
             .with_settings(
