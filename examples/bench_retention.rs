@@ -22,7 +22,8 @@
 //!
 //! Environment: `DATABASE_URL`, `AMQP_URL` as for the tests; `BENCH_RETENTION_ROWS`,
 //! `BENCH_EVENTS`, `BENCH_ROUNDS` (3), `BENCH_WORKERS` (4), `BENCH_BATCH` (100),
-//! `BENCH_PURGE_BATCH` (1,000), `BENCH_SETTLE_MS` (1,000).
+//! `BENCH_PURGE_BATCH` (1,000), `BENCH_PURGE_PAUSE_MS` (0: a pause between purge
+//! batches, the pacing a purge under load can choose), `BENCH_SETTLE_MS` (1,000).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -92,6 +93,7 @@ struct Purged {
 
 /// Deletes old claims in bounded batches until `stop` (or nothing is left).
 fn purger(url: &str, schema: &str, batch: usize, stop: &AtomicBool, before: u64) -> Purged {
+    let pause = Duration::from_millis(env_or("BENCH_PURGE_PAUSE_MS", 0));
     let mut conn = connect(url, Some(schema));
     let cutoff = Utc::now() - chrono::Duration::days(WINDOW_DAYS);
     let started = Instant::now();
@@ -114,6 +116,9 @@ fn purger(url: &str, schema: &str, batch: usize, stop: &AtomicBool, before: u64)
             break;
         }
         from = done.resume_from;
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
     }
     purged.elapsed = started.elapsed();
     purged
