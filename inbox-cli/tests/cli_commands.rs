@@ -385,7 +385,7 @@ fn sqlite_session() {
     };
     scenario(&db);
     // A schema the store cannot work with: exit 3, for verify and every other command.
-    fx.execute("DROP INDEX inbox_dead_letters_recent; ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
+    fx.execute("DROP INDEX inbox_dead_letters_recent; DROP INDEX inbox_dead_letters_discarded; ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
     let verify = inbox(&db, &["--json", "verify"]);
     assert_eq!(code(&verify), 3);
     assert_eq!(json(&verify)["schema"], "error");

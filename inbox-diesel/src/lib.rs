@@ -74,13 +74,15 @@ pub use outbox::{
     enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,
     MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
 };
+#[doc(hidden)] // the plan tests read PostgreSQL's purge statement
+pub use pg::retention::purge_statement as pg_purge_statement;
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use rebuild::{
     RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT, DEFAULT_LOCK_TRIES,
     DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
 };
-pub use retention::Retention;
-pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow};
+pub use retention::{purge_batch, Retention, PURGE_LOCK_CLASS};
+pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow, PurgeBatch, PurgeTarget};
 pub use store::{Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT};
 pub use tls::init_tls;
 pub use url::{redact, Backend};

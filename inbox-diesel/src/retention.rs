@@ -4,11 +4,10 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use diesel::result::QueryResult;
 use inbox_core::delta;
 
 use crate::backend::StoreConnection;
-use crate::{Error, Result, Store};
+use crate::{Error, PurgeBatch, PurgeTarget, Result, Store};
 
 /// How long published outbox rows and `done` claims are kept.
 ///
@@ -74,32 +73,93 @@ impl Retention {
     }
 }
 
+/// PostgreSQL: the first key of the purge lock, `pg_try_advisory_xact_lock(
+/// PURGE_LOCK_CLASS, '<table>'::regclass::oid::int4)`, whose second key is the purged
+/// table's oid (`inbox_claims`, `outbox_messages` or `inbox_dead_letters` of the
+/// store's schema). Each purge batch tries it and stops when another purge holds it;
+/// an operator can hold it (`SELECT pg_advisory_lock(...)`) to pause purges of a table.
+pub const PURGE_LOCK_CLASS: i32 = 0x696e_6278;
+
+/// Deletes one bounded batch of `target`'s rows older than `cutoff` in the caller's
+/// transaction: at most `limit` rows, oldest first, starting at `from` (the previous
+/// batch's [`PurgeBatch::resume_from`]; `None` for a purge's first batch). The
+/// store's `purge_*` methods loop over it, one transaction per batch; call it
+/// yourself to pace a purge (a pause between batches) or to run it in a transaction
+/// of your own.
+///
+/// On PostgreSQL, rows another transaction holds (a consumer's running batch, a
+/// relay) are skipped and left for a later purge, never waited for; and a batch first
+/// tries the table's purge lock (a transaction-level advisory lock), so one purge of
+/// each kind runs at a time: when another purge holds it, the batch deletes nothing
+/// and says [`busy`](PurgeBatch::busy). Call it inside a transaction: the lock is
+/// held until that transaction ends.
+///
+/// ```no_run
+/// use chrono::{Duration, Utc};
+/// use diesel::Connection;
+/// use inbox_diesel::{purge_batch, PurgeTarget};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = diesel::PgConnection::establish("postgres://postgres@127.0.0.1/test")?;
+/// let cutoff = Utc::now() - Duration::days(30);
+/// let mut from = None;
+/// loop {
+///     let batch = conn.transaction(|conn| {
+///         purge_batch(conn, PurgeTarget::DoneClaims, cutoff, 1000, from)
+///     })?;
+///     if batch.busy || batch.deleted < 1000 {
+///         break;
+///     }
+///     from = batch.resume_from;
+///     std::thread::sleep(std::time::Duration::from_millis(50)); // leave room for consumers
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub fn purge_batch<C: StoreConnection>(
+    conn: &mut C,
+    target: PurgeTarget,
+    cutoff: DateTime<Utc>,
+    limit: usize,
+    from: Option<DateTime<Utc>>,
+) -> Result<PurgeBatch> {
+    if limit == 0 {
+        return Err(Error::invalid("batch", "at least 1 row", 0));
+    }
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    Ok(C::purge_batch(conn, target, cutoff, limit, from)?)
+}
+
 impl<C: StoreConnection> Store<C> {
     /// Deletes outbox rows published longer ago than `retention.published()`, at most
     /// `batch` rows per transaction, until a batch deletes fewer; returns how many.
     ///
-    /// On PostgreSQL rows locked by another transaction are skipped (the next purge
-    /// takes them), so a purge never waits for a relay.
+    /// Concurrency as for [`purge_done_claims`](Self::purge_done_claims): on
+    /// PostgreSQL rows a relay holds are skipped (the next purge takes them), and a
+    /// second purge of published rows while one runs returns at once.
     pub fn purge_published(&self, retention: &Retention, batch: usize) -> Result<u64> {
-        self.purge(retention.published, batch, C::purge_published)
+        self.purge(PurgeTarget::PublishedOutboxRows, retention.published, batch)
     }
 
     /// Deletes `done` claims last changed longer ago than `retention.done_claims()`, at
     /// most `batch` rows per transaction, until a batch deletes fewer; returns how
     /// many. Failed, started and dead claims are kept.
     ///
-    /// On PostgreSQL claims locked by a running batch are skipped (the next purge
-    /// takes them), so a purge never waits for, or deadlocks with, a consumer.
+    /// Each batch reads its rows from the retention index, oldest first, starting
+    /// where the previous batch stopped (see [`purge_batch`]). On PostgreSQL claims
+    /// locked by a running batch are skipped (the next purge takes them), so a purge
+    /// never waits for, or deadlocks with, a consumer; and one purge of claims runs
+    /// at a time per schema: a purge that finds another one running (another
+    /// instance) stops at once and returns what it deleted so far (usually 0), the
+    /// running one taking the rest. Run on several instances at once, purges never
+    /// delete a row twice and never scan behind each other.
     pub fn purge_done_claims(&self, retention: &Retention, batch: usize) -> Result<u64> {
-        self.purge(retention.done_claims, batch, C::purge_done_claims)
+        self.purge(PurgeTarget::DoneClaims, retention.done_claims, batch)
     }
 
-    fn purge(
-        &self,
-        window: Duration,
-        batch: usize,
-        delete: fn(&mut C, DateTime<Utc>, i64) -> QueryResult<usize>,
-    ) -> Result<u64> {
+    /// The purge loop: one cutoff, one transaction per batch, each batch starting
+    /// where the previous one stopped; it ends at a batch that deletes fewer than
+    /// `batch` rows or finds another purge of the kind running.
+    pub(crate) fn purge(&self, target: PurgeTarget, window: Duration, batch: usize) -> Result<u64> {
         if batch == 0 {
             return Err(Error::invalid("batch", "at least 1 row", 0));
         }
@@ -107,15 +167,18 @@ impl<C: StoreConnection> Store<C> {
         let Some(cutoff) = self.clock().now().checked_sub_signed(delta(window)) else {
             return Ok(0); // a window reaching before the calendar: nothing is that old
         };
-        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
         let mut total = 0u64;
+        let mut from = None;
         loop {
-            let deleted = C::write_transaction(&mut *conn, |conn| delete(conn, cutoff, limit))?;
-            total += deleted as u64;
-            if deleted < batch {
+            let done = C::write_transaction(&mut *conn, |conn| {
+                purge_batch(conn, target, cutoff, batch, from)
+            })?;
+            total += done.deleted;
+            if done.busy || done.deleted < batch as u64 {
                 return Ok(total);
             }
+            from = done.resume_from;
         }
     }
 }

@@ -359,3 +359,32 @@ pub(crate) fn dead_row(t: DeadTuple) -> DeadOutboxRow {
         dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
     }
 }
+
+/// What a retention purge deletes: each kind has its own table, timestamp and
+/// index, and purges of different kinds never wait for each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PurgeTarget {
+    /// Outbox rows published before the cutoff (by `published_at`).
+    PublishedOutboxRows,
+    /// `done` claims last changed before the cutoff (by `updated_at`).
+    DoneClaims,
+    /// Dead letters discarded before the cutoff (by `discarded_at`).
+    DiscardedDeadLetters,
+}
+
+/// What one bounded purge batch did (see [`purge_batch`](crate::purge_batch)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PurgeBatch {
+    /// Rows deleted.
+    pub deleted: u64,
+    /// The newest timestamp among the deleted rows: the next batch of the same purge
+    /// starts there, so it never walks again over what this one deleted. `None`
+    /// when nothing was deleted.
+    pub resume_from: Option<DateTime<Utc>>,
+    /// PostgreSQL: another purge of the same kind held the table's purge lock, so
+    /// this batch deleted nothing and the other purge takes the rows. Always false
+    /// on SQLite.
+    pub busy: bool,
+}

@@ -8,7 +8,7 @@ use inbox_core::{ClaimKey, ConsumerGroup, OutboxRow, UnreadableRow};
 
 use crate::rows::{
     ClaimRecord, ClaimRow, DeadLetter, DeadOutboxRow, FailureUpdate, NewDeadLetter, NewOutbox,
-    Stored,
+    PurgeBatch, PurgeTarget, Stored,
 };
 use crate::ClaimStatus;
 
@@ -123,13 +123,18 @@ pub trait OutboxOps: Sized {
     fn revive_outbox(conn: &mut Self, ids: &[i64], now: DateTime<Utc>) -> QueryResult<usize>;
 }
 
-/// The retention statements every backend runs.
+/// The retention statement every backend runs.
 pub trait RetentionOps: Sized {
-    /// Deletes up to `limit` rows published before `cutoff`, oldest first.
-    fn purge_published(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
-
-    /// Deletes up to `limit` done claims last updated before `cutoff`, oldest first.
-    fn purge_done_claims(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
+    /// Deletes up to `limit` rows of `target` older than `cutoff`, oldest first,
+    /// starting at `from` (the previous batch's `resume_from`), in the caller's
+    /// transaction. Rows another transaction holds are skipped, never waited for.
+    fn purge_batch(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+        limit: i64,
+        from: Option<DateTime<Utc>>,
+    ) -> QueryResult<PurgeBatch>;
 }
 
 /// How a claim upsert meets a row already under its claim key.

@@ -929,31 +929,11 @@ impl<C: StoreConnection> Store<C> {
     }
 
     /// Deletes dead letters discarded longer than `window` ago, at most `batch` per
-    /// transaction, until a batch deletes fewer; returns how many.
+    /// transaction, until a batch deletes fewer; returns how many. Concurrency as for
+    /// [`purge_done_claims`](Self::purge_done_claims): on PostgreSQL one purge of
+    /// discarded letters runs at a time per schema, a second one returns at once.
     pub fn purge_discarded_dead_letters(&self, window: Duration, batch: usize) -> Result<u64> {
-        if batch == 0 {
-            return Err(Error::InvalidSetting {
-                setting: "batch",
-                expected: "at least 1 row",
-                found: "0".to_owned(),
-            });
-        }
-        let now = self.clock().now();
-        let Some(cutoff) = now.checked_sub_signed(delta(window)) else {
-            return Ok(0);
-        };
-        let limit = as_limit(batch);
-        let mut conn = self.connection()?;
-        let mut total = 0u64;
-        loop {
-            let deleted = C::write_transaction(&mut *conn, |conn| {
-                C::op_purge_discarded(conn, cutoff, limit)
-            })?;
-            total += deleted as u64;
-            if deleted < batch {
-                return Ok(total);
-            }
-        }
+        self.purge(crate::PurgeTarget::DiscardedDeadLetters, window, batch)
     }
 
     /// Runs the operator migration's checks (see `verify_schema`).

@@ -188,11 +188,6 @@ pub trait OperatorOps: Sized {
         discarded_before: DateTime<Utc>,
     ) -> QueryResult<(i64, i64, i64)>;
 
-    /// Deletes up to `limit` dead letters discarded before `cutoff`; returns how many.
-    #[doc(hidden)]
-    fn op_purge_discarded(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64)
-        -> QueryResult<usize>;
-
     /// Records an arrival of a canary message.
     #[doc(hidden)]
     fn op_record_canary(
@@ -690,24 +685,6 @@ macro_rules! operator_ops {
                         .first(conn)?
                 };
                 Ok((published, done, discarded))
-            }
-
-            fn op_purge_discarded(
-                conn: &mut Self,
-                cutoff: DateTime<Utc>,
-                limit: i64,
-            ) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                let ids: Vec<i64> = op_dead_letters
-                    .filter(discarded_at.lt(cutoff))
-                    .order((discarded_at, id))
-                    .limit(limit)
-                    .select(id)
-                    .load(conn)?;
-                if ids.is_empty() {
-                    return Ok(0);
-                }
-                diesel::delete(op_dead_letters.filter(id.eq_any(&ids))).execute(conn)
             }
 
             fn op_record_canary(

@@ -11,7 +11,7 @@ mod listen;
 mod operator;
 mod outbox;
 mod rebuild;
-mod retention;
+pub(crate) mod retention;
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;

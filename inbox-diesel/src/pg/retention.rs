@@ -1,40 +1,130 @@
-//! PostgreSQL's retention statements: bounded deletes of published outbox rows and
-//! `done` claims.
+//! PostgreSQL's retention statements: bounded deletes of published outbox rows,
+//! `done` claims and discarded dead letters.
+//!
+//! Three rules keep a purge cheap and safe on a table of tens of millions of rows
+//! while consumers write to it and other instances purge too:
+//!
+//! - the rows come from the partial index of their timestamp, oldest first, `LIMIT`
+//!   rows per batch (never a scan of the table);
+//! - each batch starts at the newest timestamp the previous batch deleted: until
+//!   vacuum runs, deleted rows stay in the index, and a batch that started from the
+//!   oldest row again would walk over every row the purge has deleted so far;
+//! - `FOR UPDATE SKIP LOCKED`: a row a running batch or relay holds is left for the
+//!   next purge, so a purge never waits for (or deadlocks with) a consumer; and a
+//!   transaction-level advisory lock per table lets one purge of a kind run at a
+//!   time: a second one (another instance) finds it held and stops at once instead
+//!   of scanning behind the first.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::BigInt;
+use diesel::sql_types::{BigInt, Bool, Nullable, Timestamptz};
 use diesel::{PgConnection, QueryResult};
 
+use crate::rows::{PurgeBatch, PurgeTarget};
 use crate::statements::RetentionOps;
+use crate::PURGE_LOCK_CLASS;
 
-// SKIP LOCKED: a purge never waits for (or deadlocks with) a relay or a batch.
-const PURGE_PUBLISHED: &str = "\
-    DELETE FROM outbox_messages WHERE id IN ( \
-        SELECT id FROM outbox_messages \
-        WHERE published_at IS NOT NULL AND published_at < $1 \
-        ORDER BY published_at LIMIT $2 \
-        FOR UPDATE SKIP LOCKED)";
+/// One purge statement: `$1` the cutoff, `$2` the limit, `$3` where the previous
+/// batch stopped (NULL for the first). Rows are deleted by the `ctid`s the locking
+/// read returned: they are locked, so they cannot have moved.
+macro_rules! purge_sql {
+    ($table:literal, $at:literal, $keep:literal) => {
+        concat!(
+            "WITH gone AS (DELETE FROM ",
+            $table,
+            " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ",
+            $table,
+            " WHERE ",
+            $keep,
+            " AND ",
+            $at,
+            " < $1 AND ",
+            $at,
+            " >= COALESCE($3, '-infinity'::timestamptz) ORDER BY ",
+            $at,
+            " LIMIT $2 FOR UPDATE SKIP LOCKED)) RETURNING ",
+            $at,
+            " AS at) SELECT count(*) AS deleted, max(at) AS last FROM gone"
+        )
+    };
+}
 
-const PURGE_DONE_CLAIMS: &str = "\
-    DELETE FROM inbox_claims WHERE (message_key, consumer_group) IN ( \
-        SELECT message_key, consumer_group FROM inbox_claims \
-        WHERE status = 'done' AND updated_at < $1 \
-        ORDER BY updated_at LIMIT $2 \
-        FOR UPDATE SKIP LOCKED)";
+/// The statement that deletes one batch of `target` (see [`purge_sql`]); public,
+/// hidden, for the tests that read its plan.
+#[doc(hidden)]
+pub fn purge_statement(target: PurgeTarget) -> &'static str {
+    match target {
+        PurgeTarget::PublishedOutboxRows => {
+            purge_sql!(
+                "outbox_messages",
+                "published_at",
+                "published_at IS NOT NULL"
+            )
+        }
+        PurgeTarget::DoneClaims => purge_sql!("inbox_claims", "updated_at", "status = 'done'"),
+        PurgeTarget::DiscardedDeadLetters => purge_sql!(
+            "inbox_dead_letters",
+            "discarded_at",
+            "discarded_at IS NOT NULL"
+        ),
+    }
+}
+
+/// The purge lock of `target`'s table, tried, never waited for.
+fn lock_statement(target: PurgeTarget) -> &'static str {
+    match target {
+        PurgeTarget::PublishedOutboxRows => {
+            "SELECT pg_try_advisory_xact_lock($1, 'outbox_messages'::regclass::oid::int4) AS held"
+        }
+        PurgeTarget::DoneClaims => {
+            "SELECT pg_try_advisory_xact_lock($1, 'inbox_claims'::regclass::oid::int4) AS held"
+        }
+        PurgeTarget::DiscardedDeadLetters => {
+            "SELECT pg_try_advisory_xact_lock($1, 'inbox_dead_letters'::regclass::oid::int4) AS held"
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct Held {
+    #[diesel(sql_type = Bool)]
+    held: bool,
+}
+
+#[derive(QueryableByName)]
+struct Deleted {
+    #[diesel(sql_type = BigInt)]
+    deleted: i64,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    last: Option<DateTime<Utc>>,
+}
 
 impl RetentionOps for PgConnection {
-    fn purge_published(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize> {
-        diesel::sql_query(PURGE_PUBLISHED)
-            .bind::<diesel::sql_types::Timestamptz, _>(cutoff)
+    fn purge_batch(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+        limit: i64,
+        from: Option<DateTime<Utc>>,
+    ) -> QueryResult<PurgeBatch> {
+        let lock: Held = diesel::sql_query(lock_statement(target))
+            .bind::<diesel::sql_types::Integer, _>(PURGE_LOCK_CLASS)
+            .get_result(conn)?;
+        if !lock.held {
+            return Ok(PurgeBatch {
+                busy: true,
+                ..PurgeBatch::default()
+            });
+        }
+        let done: Deleted = diesel::sql_query(purge_statement(target))
+            .bind::<Timestamptz, _>(cutoff)
             .bind::<BigInt, _>(limit)
-            .execute(conn)
-    }
-
-    fn purge_done_claims(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize> {
-        diesel::sql_query(PURGE_DONE_CLAIMS)
-            .bind::<diesel::sql_types::Timestamptz, _>(cutoff)
-            .bind::<BigInt, _>(limit)
-            .execute(conn)
+            .bind::<Nullable<Timestamptz>, _>(from)
+            .get_result(conn)?;
+        Ok(PurgeBatch {
+            deleted: u64::try_from(done.deleted).unwrap_or(0),
+            resume_from: done.last,
+            busy: false,
+        })
     }
 }

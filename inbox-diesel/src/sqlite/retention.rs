@@ -1,37 +1,97 @@
-//! SQLite's retention statements: bounded deletes of published outbox rows and
-//! `done` claims.
+//! SQLite's retention statements: bounded deletes of published outbox rows, `done`
+//! claims and discarded dead letters.
+//!
+//! The same rows as PostgreSQL's, oldest first from the timestamp's partial index,
+//! each batch starting where the previous one stopped. SQLite has one writer: every
+//! batch is an immediate transaction, so two purges (or a purge and a consumer) take
+//! turns batch by batch, and a row deleted by one is not there for the other; there
+//! are no row locks to skip and no dead rows left in the index.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::BigInt;
+use diesel::sql_types::{BigInt, Nullable, TimestamptzSqlite};
 use diesel::{QueryResult, SqliteConnection};
 
+use crate::rows::{PurgeBatch, PurgeTarget};
 use crate::statements::RetentionOps;
 
-const PURGE_PUBLISHED: &str = "\
-    DELETE FROM outbox_messages WHERE id IN ( \
-        SELECT id FROM outbox_messages \
-        WHERE published_at IS NOT NULL AND published_at < ?1 \
-        ORDER BY published_at LIMIT ?2)";
+/// One purge statement: `?1` the cutoff, `?2` the limit, `?3` where the previous
+/// batch stopped (NULL for the first).
+macro_rules! purge_sql {
+    ($table:literal, $key:literal, $columns:literal, $at:literal, $keep:literal) => {
+        concat!(
+            "DELETE FROM ",
+            $table,
+            " WHERE ",
+            $key,
+            " IN (SELECT ",
+            $columns,
+            " FROM ",
+            $table,
+            " WHERE ",
+            $keep,
+            " AND ",
+            $at,
+            " < ?1 AND (?3 IS NULL OR ",
+            $at,
+            " >= ?3) ORDER BY ",
+            $at,
+            " LIMIT ?2) RETURNING ",
+            $at,
+            " AS at"
+        )
+    };
+}
 
-const PURGE_DONE_CLAIMS: &str = "\
-    DELETE FROM inbox_claims WHERE (message_key, consumer_group) IN ( \
-        SELECT message_key, consumer_group FROM inbox_claims \
-        WHERE status = 'done' AND updated_at < ?1 \
-        ORDER BY updated_at LIMIT ?2)";
+fn purge_statement(target: PurgeTarget) -> &'static str {
+    match target {
+        PurgeTarget::PublishedOutboxRows => purge_sql!(
+            "outbox_messages",
+            "id",
+            "id",
+            "published_at",
+            "published_at IS NOT NULL"
+        ),
+        PurgeTarget::DoneClaims => purge_sql!(
+            "inbox_claims",
+            "(message_key, consumer_group)",
+            "message_key, consumer_group",
+            "updated_at",
+            "status = 'done'"
+        ),
+        PurgeTarget::DiscardedDeadLetters => purge_sql!(
+            "inbox_dead_letters",
+            "id",
+            "id",
+            "discarded_at",
+            "discarded_at IS NOT NULL"
+        ),
+    }
+}
+
+#[derive(QueryableByName)]
+struct Deleted {
+    #[diesel(sql_type = TimestamptzSqlite)]
+    at: DateTime<Utc>,
+}
 
 impl RetentionOps for SqliteConnection {
-    fn purge_published(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize> {
-        diesel::sql_query(PURGE_PUBLISHED)
-            .bind::<diesel::sql_types::TimestamptzSqlite, _>(cutoff)
+    fn purge_batch(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+        limit: i64,
+        from: Option<DateTime<Utc>>,
+    ) -> QueryResult<PurgeBatch> {
+        let gone: Vec<Deleted> = diesel::sql_query(purge_statement(target))
+            .bind::<TimestamptzSqlite, _>(cutoff)
             .bind::<BigInt, _>(limit)
-            .execute(conn)
-    }
-
-    fn purge_done_claims(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize> {
-        diesel::sql_query(PURGE_DONE_CLAIMS)
-            .bind::<diesel::sql_types::TimestamptzSqlite, _>(cutoff)
-            .bind::<BigInt, _>(limit)
-            .execute(conn)
+            .bind::<Nullable<TimestamptzSqlite>, _>(from)
+            .load(conn)?;
+        Ok(PurgeBatch {
+            deleted: gone.len() as u64,
+            resume_from: gone.iter().map(|d| d.at).max(),
+            busy: false,
+        })
     }
 }

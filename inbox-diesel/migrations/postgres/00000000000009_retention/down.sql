@@ -1,0 +1,1 @@
+DROP INDEX inbox_dead_letters_discarded;
