@@ -398,6 +398,8 @@ impl Leftovers {
         if !pending.schemas.is_empty() {
             match PgConnection::establish(&self.db_url) {
                 Ok(mut conn) => {
+                    // A session left out of the termination must not hang the exit.
+                    let _ = conn.batch_execute("SET lock_timeout = '10s'");
                     let _ = diesel::sql_query(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                          WHERE application_name = $1 AND pid <> pg_backend_pid()",
