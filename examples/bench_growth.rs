@@ -9,8 +9,9 @@
 //! from their own definitions afterwards (the claim key's as full as random inserts
 //! leave it), then `VACUUM (ANALYZE)`s it.
 //!
-//! It then runs two runtime scenarios of `bench_consume` (the same code, from
-//! `inbox_examples::bench`): batch size 1, and batches with the folding projection.
+//! It then runs two of the runtime scenarios `bench_consume` measures, with the same
+//! handlers and consumer settings (`inbox_examples::bench::RuntimeScenario`): batch
+//! size 1, and batches with the folding projection.
 //! Each runs once on an empty claims table (a fresh schema) and once on the full one,
 //! interleaved within a round (empty, full; the next round full, empty), on the same
 //! deliveries (a new set of keys each round, so the full table never sees a key
@@ -25,8 +26,9 @@
 //!
 //! Environment: `DATABASE_URL`, `AMQP_URL`; `BENCH_GROWTH_ROWS` (10,000,000),
 //! `BENCH_GROWTH_DISK_CHECK=off` (skip the free-space check, for a server whose data
-//! directory is elsewhere), `BENCH_ROUNDS` (3), `BENCH_EVENTS` (deliveries per
-//! scenario run, 20,000), `BENCH_WORKERS` (4), `BENCH_BATCH` (100), `BENCH_SETTLE_MS`.
+//! directory is elsewhere), `BENCH_ONLY` (`single`, `fold` or both, comma separated),
+//! `BENCH_ROUNDS` (3), `BENCH_EVENTS` (deliveries per scenario run, 20,000),
+//! `BENCH_WORKERS` (4), `BENCH_BATCH` (100), `BENCH_SETTLE_MS` (1000).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -429,6 +431,26 @@ async fn main() {
     let events: usize = env_or("BENCH_EVENTS", 20_000);
     let workers: usize = env_or("BENCH_WORKERS", 4);
     let batch = batch_size();
+    let scenarios: Vec<(&str, &str)> = match std::env::var("BENCH_ONLY") {
+        Err(_) => SCENARIOS.to_vec(),
+        Ok(only) => {
+            let names: Vec<&str> = only.split(',').map(str::trim).collect();
+            if let Some(bad) = names
+                .iter()
+                .find(|n| !SCENARIOS.iter().any(|(name, _)| name == *n))
+            {
+                eprintln!(
+                    "bench_growth: BENCH_ONLY={only:?}: expected a comma list of single, fold; \
+                     found {bad:?}"
+                );
+                std::process::exit(2);
+            }
+            SCENARIOS
+                .into_iter()
+                .filter(|(name, _)| names.contains(name))
+                .collect()
+        }
+    };
     let run = format!("growth_{}", std::process::id());
     let leftovers = Leftovers::new(&db_url, &amqp_url, &run);
     let _remove = RemoveOnDrop(leftovers.clone());
@@ -498,7 +520,7 @@ async fn main() {
     let mut blocks: BTreeMap<(&str, bool), Blocks> = BTreeMap::new();
     let mut delivered = 0u64;
     for round in 0..rounds {
-        for (s, (name, _)) in SCENARIOS.iter().enumerate() {
+        for (s, (name, _)) in scenarios.iter().enumerate() {
             // The same deliveries on both tables, new keys every time.
             let deliveries = Deliveries::generate(events, 4_000 + (round * 2 + s) as u64);
             // Empty first in even rounds, full first in odd ones.
@@ -545,13 +567,10 @@ async fn main() {
 
     println!();
     println!(
-        "{:<38} {:>14} {:>14}   {}",
-        "scenario (median of rounds)",
-        "empty: del/s",
-        "full: del/s",
-        "full / empty within a round: median (range)"
+        "{:<38} {:>14} {:>14}   full / empty within a round: median (range)",
+        "scenario (median of rounds)", "empty: del/s", "full: del/s",
     );
-    for (name, label) in SCENARIOS {
+    for &(name, label) in &scenarios {
         let empty = &rates[&(name, false)];
         let full = &rates[&(name, true)];
         let ratios: Vec<f64> = full.iter().zip(empty).map(|(f, e)| f / e).collect();
@@ -570,8 +589,8 @@ async fn main() {
         "{:<46} {:>10} {:>10} {:>10} {:>10}",
         "scenario, table", "heap hit", "heap read", "index hit", "index read"
     );
-    let per_side = (delivered / SCENARIOS.len() as u64).max(1) as f64;
-    for (name, label) in SCENARIOS {
+    let per_side = (delivered / scenarios.len() as u64).max(1) as f64;
+    for &(name, label) in &scenarios {
         for side in [false, true] {
             let b = blocks[&(name, side)];
             println!(

@@ -75,6 +75,23 @@ fn it_refuses_to_start_without_disk_room() {
 }
 
 #[test]
+fn an_unknown_scenario_is_refused_naming_it() {
+    let out = bench()
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env("BENCH_ONLY", "fold,rt_fold")
+        .output()
+        .unwrap();
+    let printed = printed(&out);
+    assert_eq!(out.status.code(), Some(2), "{printed}");
+    assert!(
+        printed.contains(
+            "BENCH_ONLY=\"fold,rt_fold\": expected a comma list of single, fold; found \"rt_fold\""
+        ),
+        "{printed}"
+    );
+}
+
+#[test]
 fn a_panic_after_the_prefill_drops_its_schemas() {
     let Some((db, _)) = urls() else { return };
     // The first scenario cannot reach the broker and panics.
