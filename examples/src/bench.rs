@@ -1,7 +1,25 @@
-//! What the benchmark binaries share: their settings from the environment.
+//! What the benchmark binaries share: their settings from the environment, the
+//! runtime's consume scenarios, and the removal of what a run created.
 
+use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::{Connection as _, PgConnection};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_core::{
+    ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RedactedError,
+    RetryPolicy,
+};
+use inbox_diesel::Store;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+use crate::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 
 /// `DATABASE_URL` and `AMQP_URL`, or the local services the tests use.
 pub fn service_urls() -> (String, String) {
@@ -143,7 +161,25 @@ pub async fn publish_workload(
     Ok(())
 }
 
-/// The median of `values` (0 when empty).
+// The runtime scenarios, as functions a benchmark runs against a schema of its own
+// (`bench_growth` runs them against an empty and a large claims table in turn).
+/// Deliveries per batch (`BENCH_BATCH`, default 100); a consumer's prefetch is twice that.
+pub fn batch_size() -> usize {
+    env_or("BENCH_BATCH", 100)
+}
+
+/// Twice the batch size, at most `u16::MAX`.
+pub fn prefetch() -> u16 {
+    u16::try_from(2 * batch_size()).unwrap_or(u16::MAX)
+}
+
+/// Pause after filling a queue (`BENCH_SETTLE_MS`, default 1000): the broker keeps
+/// writing what it just confirmed for a while.
+pub fn settle() -> Duration {
+    Duration::from_millis(env_or("BENCH_SETTLE_MS", 1000))
+}
+
+/// The median of `values` (0 for none).
 pub fn median(mut values: Vec<f64>) -> f64 {
     if values.is_empty() {
         return 0.0;
@@ -183,6 +219,424 @@ pub fn with_database(url: &str, database: &str) -> String {
         Some(query) => format!("{server}/{database}?{query}"),
         None => format!("{server}/{database}"),
     }
+}
+
+
+/// The usage events of one run and the order they are published in: 10% duplicates,
+/// every 10th unique event coming again a little later, as `bench_consume` sends them.
+pub struct Deliveries {
+    /// The unique events and their keys.
+    pub workload: Workload,
+    /// Indexes into `workload.events`, in publishing order.
+    pub order: Vec<usize>,
+}
+
+impl Deliveries {
+    /// `events` deliveries drawn from `seed` (another seed, other keys).
+    pub fn generate(events: usize, seed: u64) -> Self {
+        let unique = (events * 10 / 11).max(1);
+        let workload = Workload::generate(unique, 0, seed);
+        let mut order: Vec<usize> = Vec::with_capacity(events);
+        for i in 0..unique {
+            order.push(i);
+            if i % 10 == 5 && order.len() < events {
+                order.push(i.saturating_sub(3));
+            }
+        }
+        while order.len() < events {
+            order.push(order.len() % unique);
+        }
+        Self { workload, order }
+    }
+
+    /// Publishes every delivery to `exchange` / `routing_key` with confirms, then
+    /// waits [`settle`].
+    pub async fn fill(&self, conn: &Connection, exchange: &str, routing_key: &str) {
+        let channel = conn.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        for &i in &self.order {
+            let (key, event) = &self.workload.events[i];
+            let body = serde_json::to_vec(event).expect("json");
+            channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default()
+                        .with_message_id(key.as_str().into())
+                        .with_type(MESSAGE_TYPE.into())
+                        .with_delivery_mode(2),
+                )
+                .await
+                .expect("publish");
+        }
+        let returned = channel.wait_for_confirms().await.expect("confirms");
+        assert!(returned.is_empty(), "unroutable during fill");
+        let _ = channel.close(200, "filled".into()).await;
+        tokio::time::sleep(settle()).await;
+    }
+}
+
+/// The projection without a fold: one upsert per event. `serialized`: batches take
+/// the projection lock exclusively, since events of concurrent batches hit the same
+/// rows in any order; one event per transaction cannot deadlock.
+pub struct PerEvent {
+    group: ConsumerGroup,
+    serialized: bool,
+}
+
+impl PerEvent {
+    /// The handler of group [`GROUP`].
+    pub fn new(serialized: bool) -> Self {
+        Self {
+            group: ConsumerGroup::new(GROUP).expect("group"),
+            serialized,
+        }
+    }
+}
+
+impl Handler<PgConnection> for PerEvent {
+    type Message = UsageRecorded;
+
+    fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+
+    fn message_type(&self) -> &str {
+        MESSAGE_TYPE
+    }
+
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: UsageRecorded,
+        _: &MessageContext<'_>,
+    ) -> Result<(), HandlerError> {
+        conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+        Ok(())
+    }
+
+    fn lock(&self) -> Option<ProjectionLock> {
+        self.serialized
+            .then(|| ProjectionLock::serialized("daily_usage"))
+    }
+}
+
+/// A runtime scenario: the consumer's settings and where it writes.
+pub struct RuntimeScenario<'a> {
+    /// The PostgreSQL URL.
+    pub db_url: &'a str,
+    /// The AMQP URL.
+    pub amqp_url: &'a str,
+    /// An existing schema; the store migrates it and creates `daily_usage` in it.
+    pub schema: &'a str,
+    /// The queue and exchange name prefix (unique per run).
+    pub prefix: &'a str,
+    /// Consumer workers.
+    pub workers: usize,
+    /// Deliveries per batch (1: the plain case).
+    pub batch: usize,
+    /// The folding projection ([`DailyUsage`]) rather than [`PerEvent`].
+    pub fold: bool,
+}
+
+impl RuntimeScenario<'_> {
+    /// The store and consumer of this scenario.
+    pub fn consumer(&self) -> (Arc<Store<PgConnection>>, Consumer<Store<PgConnection>>) {
+        let mut builder = Store::<PgConnection>::builder(self.db_url.to_owned())
+            .schema(self.schema)
+            .pool_size(self.workers as u32 + 1);
+        builder = if self.fold {
+            builder.handler(DailyUsage::new(RetryPolicy::default()))
+        } else {
+            builder.handler(PerEvent::new(self.batch > 1))
+        };
+        let store = builder.build().expect("store");
+        store
+            .connection()
+            .expect("conn")
+            .create_daily_usage()
+            .expect("table");
+        let store = Arc::new(store);
+        let topology = Topology::new("bench")
+            .expect("topology")
+            .prefix(self.prefix)
+            .expect("prefix");
+        let consumer = Consumer::new(self.amqp_url.to_owned(), Arc::clone(&store), topology)
+            .with_settings(
+                ConsumerSettings::default()
+                    .workers(self.workers)
+                    .prefetch(prefetch())
+                    .batch(self.batch, Duration::from_millis(5)),
+            );
+        (store, consumer)
+    }
+
+    /// Declares the topology (recorded in `leftovers` until deleted), fills the queue
+    /// with `deliveries`, consumes them all and checks every unique event was applied
+    /// exactly once; deliveries per second from the first batch to the last decision.
+    pub async fn run(&self, deliveries: &Deliveries, leftovers: &Leftovers) -> f64 {
+        let (store, consumer) = self.consumer();
+        let conn = Connection::connect(self.amqp_url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, self.amqp_url)));
+        let topology = consumer.topology().clone();
+        leftovers.add_topology(self.prefix, &topology);
+        topology.declare(&conn).await.expect("declare");
+        deliveries
+            .fill(&conn, &topology.exchange(), MESSAGE_TYPE)
+            .await;
+
+        let stats = consumer.stats();
+        let total = deliveries.order.len() as u64;
+        let shutdown = CancellationToken::new();
+        let running = tokio::spawn(consumer.run(shutdown.clone()));
+        // The clock starts when the first batch is handed over: connecting and
+        // declaring are startup, not throughput.
+        while stats.snapshot().received == 0 {
+            tokio::task::yield_now().await;
+        }
+        let started = Instant::now();
+        loop {
+            let s = stats.snapshot();
+            let decided = s.processed + s.duplicates;
+            if decided >= total {
+                break;
+            }
+            // Poll rarely while far from the end: a quarter of the time the rest
+            // should take at the pace so far, between 1 and 20 ms.
+            let left = started
+                .elapsed()
+                .mul_f64((total - decided) as f64 / decided.max(1) as f64);
+            let poll = (left / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
+            tokio::time::sleep(poll).await;
+        }
+        let elapsed = started.elapsed();
+        shutdown.cancel();
+        running.await.expect("join").expect("consumer");
+        let s = stats.snapshot();
+        assert_eq!(
+            s.processed as usize,
+            deliveries.workload.events.len(),
+            "{}: {s:?}",
+            self.schema
+        );
+        let found = store
+            .connection()
+            .expect("conn")
+            .daily_totals()
+            .expect("totals");
+        assert_eq!(
+            found,
+            deliveries.workload.expected_totals(),
+            "{}: totals",
+            self.schema
+        );
+        topology.delete(&conn).await.expect("delete topology");
+        leftovers.forget_topology(self.prefix);
+        total as f64 / elapsed.as_secs_f64()
+    }
+}
+
+/// What a benchmark has created on the shared servers (schemas, a topology), removed
+/// by [`Leftovers::remove_all`]: on drop of a [`RemoveOnDrop`] (the normal end and a
+/// panic) and on Ctrl-C or SIGTERM ([`remove_on_signal`]).
+///
+/// Every connection the benchmark opens carries `application_name` (see
+/// [`Leftovers::url`]), so that the removal can end the benchmark's own sessions
+/// first: a statement still running (a long prefill) would otherwise hold its locks
+/// until it noticed its client was gone.
+pub struct Leftovers {
+    db_url: String,
+    amqp_url: String,
+    application: String,
+    pending: Mutex<Pending>,
+}
+
+#[derive(Default)]
+struct Pending {
+    schemas: Vec<String>,
+    topologies: BTreeMap<String, Topology>,
+}
+
+impl Leftovers {
+    /// The leftovers of the run named `application` (`[a-z0-9_]`).
+    pub fn new(db_url: &str, amqp_url: &str, application: &str) -> Arc<Self> {
+        let separator = if db_url.contains('?') { '&' } else { '?' };
+        Arc::new(Self {
+            db_url: format!("{db_url}{separator}application_name={application}"),
+            amqp_url: amqp_url.to_owned(),
+            application: application.to_owned(),
+            pending: Mutex::new(Pending::default()),
+        })
+    }
+
+    /// The database URL every connection of the run uses (with its `application_name`).
+    pub fn url(&self) -> &str {
+        &self.db_url
+    }
+
+    /// Creates `schema` (dropping one of that name first) and records it for removal;
+    /// a connection whose `search_path` is the schema.
+    pub fn create_schema(&self, schema: &str) -> PgConnection {
+        self.pending
+            .lock()
+            .expect("leftovers")
+            .schemas
+            .push(schema.to_owned());
+        let mut conn = PgConnection::establish(&self.db_url)
+            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &self.db_url)));
+        conn.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; \
+             SET search_path TO {schema};"
+        ))
+        .expect("schema");
+        conn
+    }
+
+    /// Drops `schema` now (it was created by [`Leftovers::create_schema`]).
+    pub fn drop_schema(&self, schema: &str) {
+        let mut pending = self.pending.lock().expect("leftovers");
+        if let Ok(mut conn) = PgConnection::establish(&self.db_url) {
+            if conn
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                .is_ok()
+            {
+                pending.schemas.retain(|s| s != schema);
+            }
+        }
+    }
+
+    fn add_topology(&self, id: &str, topology: &Topology) {
+        self.pending
+            .lock()
+            .expect("leftovers")
+            .topologies
+            .insert(id.to_owned(), topology.clone());
+    }
+
+    fn forget_topology(&self, id: &str) {
+        self.pending
+            .lock()
+            .expect("leftovers")
+            .topologies
+            .remove(id);
+    }
+
+    /// Ends the run's other sessions, drops its schemas and deletes its topologies;
+    /// what it removed, one line each. A second call (or a concurrent one, which
+    /// waits) finds nothing left.
+    pub fn remove_all(&self) -> Vec<String> {
+        // Held throughout, so that a concurrent call (the signal handler, then the
+        // panic it causes in the main task) returns only once everything is gone.
+        let mut pending = match self.pending.lock() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut removed = Vec::new();
+        if !pending.schemas.is_empty() {
+            match PgConnection::establish(&self.db_url) {
+                Ok(mut conn) => {
+                    // A session left out of the termination must not hang the exit.
+                    let _ = conn.batch_execute("SET lock_timeout = '10s'");
+                    let _ = diesel::sql_query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                         WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                    )
+                    .bind::<diesel::sql_types::Text, _>(&self.application)
+                    .execute(&mut conn);
+                    for schema in std::mem::take(&mut pending.schemas) {
+                        match conn.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                        {
+                            Ok(()) => removed.push(format!("schema {schema}")),
+                            Err(e) => eprintln!("could not drop schema {schema}: {e}"),
+                        }
+                    }
+                }
+                Err(e) => eprintln!(
+                    "could not connect to drop schemas {:?}: {}",
+                    pending.schemas,
+                    RedactedError::new(&e, &self.db_url)
+                ),
+            }
+        }
+        let topologies = std::mem::take(&mut pending.topologies);
+        if !topologies.is_empty() {
+            // Its own runtime on its own thread: this runs inside the benchmark's
+            // runtime (on drop, or on a blocking thread for a signal).
+            let amqp_url = self.amqp_url.clone();
+            let deleted = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                runtime.block_on(async move {
+                    let mut deleted = Vec::new();
+                    match Connection::connect(&amqp_url, ConnectionProperties::default()).await {
+                        Ok(conn) => {
+                            for (id, topology) in topologies {
+                                if topology.delete(&conn).await.is_ok() {
+                                    deleted.push(format!("queues {id}*"));
+                                }
+                            }
+                        }
+                        Err(e) => eprintln!(
+                            "could not connect to delete queues: {}",
+                            RedactedError::new(&e, &amqp_url)
+                        ),
+                    }
+                    deleted
+                })
+            })
+            .join()
+            .unwrap_or_default();
+            removed.extend(deleted);
+        }
+        removed
+    }
+}
+
+/// Removes the [`Leftovers`] when dropped: at the end of `main`, and while a panic
+/// unwinds it.
+pub struct RemoveOnDrop(pub Arc<Leftovers>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for line in self.0.remove_all() {
+            eprintln!("removed {line}");
+        }
+    }
+}
+
+/// On Ctrl-C (SIGINT) or SIGTERM: removes the leftovers and exits with 130 (143 for
+/// SIGTERM), as a shell reports a process killed by the signal.
+pub fn remove_on_signal(leftovers: Arc<Leftovers>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    tokio::spawn(async move {
+        let (Ok(mut interrupt), Ok(mut terminate)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            eprintln!("could not install signal handlers: Ctrl-C leaves the schemas behind");
+            return;
+        };
+        let code = tokio::select! {
+            _ = interrupt.recv() => 130,
+            _ = terminate.recv() => 143,
+        };
+        eprintln!("interrupted: removing what the benchmark created");
+        let removed = tokio::task::spawn_blocking(move || leftovers.remove_all())
+            .await
+            .unwrap_or_default();
+        for line in removed {
+            eprintln!("removed {line}");
+        }
+        std::process::exit(code);
+    });
 }
 
 #[cfg(test)]
