@@ -41,6 +41,7 @@ mod batch;
 mod dsl;
 mod error;
 mod idempotency;
+mod knobs;
 mod operator;
 mod outbox;
 mod pg;
@@ -60,6 +61,8 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
+#[cfg(feature = "bench-knobs")]
+pub use knobs::BenchKnobs;
 pub use idempotency::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
     settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
