@@ -61,12 +61,12 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
-#[cfg(feature = "bench-knobs")]
-pub use knobs::BenchKnobs;
 pub use idempotency::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
     settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
 };
+#[cfg(feature = "bench-knobs")]
+pub use knobs::BenchKnobs;
 pub use operator::{
     replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
     DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, LetterCount,

@@ -8,8 +8,8 @@ use inbox_core::{ClaimKey, ConsumerGroup, OutboxRow, UnreadableRow};
 
 use crate::knobs::Knobs;
 use crate::rows::{
-    ClaimRecord, ClaimRow, Claimed, DeadLetter, DeadOutboxRow, FailureUpdate, NewDeadLetter, NewOutbox,
-    Stored,
+    ClaimRecord, ClaimRow, Claimed, DeadLetter, DeadOutboxRow, FailureUpdate, NewDeadLetter,
+    NewOutbox, Stored,
 };
 use crate::ClaimStatus;
 

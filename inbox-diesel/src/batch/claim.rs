@@ -142,7 +142,7 @@ impl<C: StoreConnection> Inner<C> {
         mode: Mode,
         known: Option<(usize, HandlerFailure)>,
         checks: bool,
-    ) -> std::result::Result<(Vec<(usize, Decision)>, Option<Unchecked<C>>), TxError> {
+    ) -> std::result::Result<Ran<C>, TxError> {
         // Lock before claim: a projection rebuild holds the lock exclusively, so live
         // batches wait for it instead of double counting beside it.
         C::take_locks(conn, &locks(at.items, |l| self.lock_key(l)))?;
@@ -268,6 +268,10 @@ impl<C: StoreConnection> Inner<C> {
         Ok((mine, decisions, claimed.token))
     }
 }
+
+/// The decisions of a batch transaction's body, and the handler call whose check the
+/// commit makes, if any.
+type Ran<C> = (Vec<(usize, Decision)>, Option<Unchecked<C>>);
 
 /// The last handler call of an optimistic run, whose check the commit makes.
 struct Unchecked<C> {
