@@ -22,10 +22,22 @@
 //! folding consumer runs alone in a child process (this binary again) to measure its
 //! own peak RSS.
 //!
+//! Every scenario's database connections use the same URL (so the same `sslmode`
+//! and TLS, reported per scenario from `pg_stat_ssl`) and every queue is a quorum
+//! queue. The report also gives each scenario's statements (round trips) per
+//! delivery, counted by a diesel instrumentation over the consume window.
+//!
+//! Built with `--features bench-knobs`, the rounds also run the cost table's
+//! scenarios: the runtime at batch size 1 with one guarantee switched off each
+//! (`knob_digest`, `knob_checks`, `knob_takeover`, `knob_lookup`, `knob_narrow`,
+//! `knob_bare`; see inbox-diesel's `BenchKnobs`), reported as ratios to `rt_single`
+//! within each round. Never a production build.
+//!
 //! Environment: `DATABASE_URL`, `AMQP_URL` as for the tests; `BENCH_EVENTS`
 //! (deliveries, default 20,000), `BENCH_WORKERS` (4), `BENCH_BATCH` (100; prefetch is
 //! twice that), `BENCH_ROUNDS` (3), `BENCH_SETTLE_MS` (1000), `BENCH_ONLY` (a comma
-//! list of `ceiling,hand_single,hand_batched,hand_fold,rt_single,rt_batched,rt_fold,rss`), and
+//! list of `ceiling,hand_single,hand_batched,hand_fold,rt_single,rt_batched,rt_fold,rss`
+//! and, with the feature, the `knob_*` scenarios), and
 //! `BENCH_PERF_CTL=<fifo>` to profile only the consume windows with
 //! `perf record -D -1 --control fifo:<fifo>`. Every run uses fresh schemas and queue
 //! names and removes them.
@@ -48,7 +60,9 @@ use inbox_core::{
     RetryPolicy,
 };
 use inbox_diesel::Store;
-use inbox_examples::bench::{env_or, service_urls};
+use inbox_examples::bench::{
+    count_statements, cpu_ticks, env_or, service_urls, statements_sent, TICKS_PER_SECOND,
+};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -109,6 +123,17 @@ struct Bench {
     order: Vec<usize>,
     /// Highest peak RSS seen while a runtime scenario ran.
     runtime_peak_kib: Mutex<u64>,
+    /// Statements (round trips) per delivery in each scenario's consume window.
+    statements: Mutex<BTreeMap<String, Vec<f64>>>,
+    /// Whether each scenario's database connections negotiated TLS (`pg_stat_ssl`).
+    tls: Mutex<BTreeMap<String, bool>>,
+    /// The `application_name` of every database connection of this run.
+    app: String,
+    /// A connection of its own that reads which backends serve the run.
+    monitor: Mutex<PgConnection>,
+    /// CPU time per delivery in each scenario's consume window, in µs: this process
+    /// (every thread) and the PostgreSQL backends serving it.
+    cpu: Mutex<BTreeMap<String, Vec<(f64, f64)>>>,
 }
 
 impl Bench {
@@ -189,7 +214,76 @@ impl Bench {
         conn
     }
 
-    async fn runtime(&self, name: &str, batch: usize, fold: bool) -> f64 {
+    /// Notes whether `conn` (one of `scenario`'s) negotiated TLS.
+    fn note_tls(&self, scenario: &str, conn: &mut PgConnection) {
+        #[derive(QueryableByName)]
+        struct Ssl {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            ssl: bool,
+        }
+        let ssl: Ssl =
+            diesel::sql_query("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+                .get_result(conn)
+                .expect("pg_stat_ssl");
+        self.tls
+            .lock()
+            .expect("tls")
+            .insert(scenario.to_owned(), ssl.ssl);
+    }
+
+    /// The run's PostgreSQL backends (other than the monitor) and the CPU ticks each
+    /// has used.
+    fn backends(&self) -> BTreeMap<u32, u64> {
+        #[derive(QueryableByName)]
+        struct Pid {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            pid: i32,
+        }
+        let pids: Vec<Pid> = diesel::sql_query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind::<Text, _>(&self.app)
+        .load(&mut *self.monitor.lock().expect("monitor"))
+        .expect("backends");
+        pids.into_iter()
+            .filter_map(|p| {
+                let pid = u32::try_from(p.pid).ok()?;
+                Some((pid, cpu_ticks(pid)?))
+            })
+            .collect()
+    }
+
+    /// Notes the CPU per delivery of `scenario`: this process's ticks between two
+    /// counts, and the run's backends' since `server_before`.
+    fn note_cpu(&self, scenario: &str, client: (u64, u64), server_before: &BTreeMap<u32, u64>) {
+        let server: u64 = self
+            .backends()
+            .iter()
+            .map(|(pid, after)| after.saturating_sub(server_before.get(pid).copied().unwrap_or(0)))
+            .sum();
+        let per = |ticks: u64| ticks as f64 / TICKS_PER_SECOND * 1e6 / self.order.len() as f64;
+        self.cpu
+            .lock()
+            .expect("cpu")
+            .entry(scenario.to_owned())
+            .or_default()
+            .push((per(client.1.saturating_sub(client.0)), per(server)));
+    }
+
+    /// Notes the statements per delivery of `scenario` between two counts.
+    fn note_statements(&self, scenario: &str, from: u64, to: u64) {
+        let per = (to - from) as f64 / self.order.len() as f64;
+        self.statements
+            .lock()
+            .expect("statements")
+            .entry(scenario.to_owned())
+            .or_default()
+            .push(per);
+    }
+
+    /// A runtime scenario; `variant` names it: `rt_fold` folds, a `knob_*` one has
+    /// its bench knobs.
+    async fn runtime(&self, name: &str, variant: &str, batch: usize) -> f64 {
         let (schema, _) = self.fresh_schema(name);
         let (store, consumer) = runtime_consumer(
             &self.db_url,
@@ -198,11 +292,18 @@ impl Bench {
             &format!("{}.{name}.", self.run),
             self.workers,
             batch,
-            fold,
+            variant,
         );
         let conn = self.declare_and_fill(&consumer).await;
         let topology = consumer.topology().clone();
+        self.note_tls(variant, &mut store.connection().expect("conn"));
 
+        // Every connection of the pool open before the clock starts, as the
+        // hand-written loops open theirs: none pays its TLS handshake in the window.
+        let held: Vec<_> = (0..=self.workers)
+            .map(|_| store.connection().expect("conn"))
+            .collect();
+        drop(held);
         let stats = consumer.stats();
         let total = self.order.len() as u64;
         let shutdown = CancellationToken::new();
@@ -216,6 +317,9 @@ impl Bench {
             tokio::task::yield_now().await;
         }
         let started = Instant::now();
+        let sent_before = statements_sent();
+        let client_before = cpu_ticks(std::process::id()).unwrap_or(0);
+        let server_before = self.backends();
         perf_control("enable");
         eprintln!(
             "  {name}: connected and declared in {:?}",
@@ -237,6 +341,9 @@ impl Bench {
             tokio::time::sleep(poll).await;
         }
         let elapsed = started.elapsed();
+        self.note_statements(variant, sent_before, statements_sent());
+        let client_after = cpu_ticks(std::process::id()).unwrap_or(0);
+        self.note_cpu(variant, (client_before, client_after), &server_before);
         perf_control("disable");
         shutdown.cancel();
         running.await.expect("join").expect("consumer");
@@ -261,8 +368,9 @@ impl Bench {
         total as f64 / elapsed.as_secs_f64()
     }
 
-    /// A hand-written loop: `per_batch` deliveries per transaction and ack (1 = per message).
-    async fn handwritten(&self, name: &str, per_batch: usize, mode: Hand) -> f64 {
+    /// A hand-written loop (`scenario`): `per_batch` deliveries per transaction and ack
+    /// (1 = per message).
+    async fn handwritten(&self, name: &str, scenario: &str, per_batch: usize, mode: Hand) -> f64 {
         let database = mode != Hand::NoDatabase;
         let (schema, mut setup) = self.fresh_schema(name);
         setup
@@ -301,6 +409,9 @@ impl Bench {
         let first_batch = Arc::new(std::sync::OnceLock::new());
         let finished = Arc::new(std::sync::OnceLock::new());
         let mut tasks = Vec::new();
+        // Each backend's CPU counted from when its connection is set up.
+        let mut server_before = self.backends();
+        let mut open = Vec::new();
         for _ in 0..self.workers {
             let db = if database {
                 let mut c = PgConnection::establish(&self.db_url).unwrap_or_else(|e| {
@@ -308,7 +419,24 @@ impl Bench {
                 });
                 c.batch_execute(&format!("SET search_path TO {schema}"))
                     .expect("path");
-                Some(Arc::new(Mutex::new(c)))
+                self.note_tls(scenario, &mut c);
+                // This backend's CPU counts from here (after its TLS handshake);
+                // the workers spawned before it are already consuming.
+                #[derive(QueryableByName)]
+                struct Pid {
+                    #[diesel(sql_type = diesel::sql_types::Integer)]
+                    pid: i32,
+                }
+                let own: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+                    .get_result(&mut c)
+                    .expect("pid");
+                if let Ok(pid) = u32::try_from(own.pid) {
+                    server_before.insert(pid, cpu_ticks(pid).unwrap_or(0));
+                }
+                let db = Arc::new(Mutex::new(c));
+                // Open until the backends' CPU is read, after the workers end.
+                open.push(Arc::clone(&db));
+                Some(db)
             } else {
                 None
             };
@@ -342,7 +470,8 @@ impl Bench {
                         }
                     }
                     // As for the runtime: the clock starts when a first batch is whole.
-                    if first_batch.set(Instant::now()).is_ok() {
+                    let at = (Instant::now(), statements_sent(), cpu_ticks(std::process::id()).unwrap_or(0));
+                    if first_batch.set(at).is_ok() {
                         perf_control("enable");
                     }
                     if let Some(db) = &db {
@@ -408,7 +537,7 @@ impl Bench {
                     let before = done.fetch_add(batch.len(), std::sync::atomic::Ordering::Relaxed);
                     if before + batch.len() >= total {
                         // The last ack: the others notice within their 50 ms poll.
-                        let _ = finished.set(Instant::now());
+                        let _ = finished.set((Instant::now(), statements_sent(), cpu_ticks(std::process::id()).unwrap_or(0)));
                         perf_control("disable");
                     }
                 }
@@ -417,8 +546,14 @@ impl Bench {
         for task in tasks {
             task.await.expect("worker");
         }
-        let elapsed = *finished.get().expect("every delivery acked")
-            - *first_batch.get().expect("a delivery");
+        let (end, sent_after, client_after) = *finished.get().expect("every delivery acked");
+        let (start, sent_before, client_before) = *first_batch.get().expect("a delivery");
+        let elapsed = end - start;
+        self.note_statements(scenario, sent_before, sent_after);
+        if database {
+            self.note_cpu(scenario, (client_before, client_after), &server_before);
+        }
+        drop(open);
         if database {
             let totals: Totals = setup.daily_totals().expect("totals");
             assert_eq!(totals, self.workload.expected_totals(), "{name}: totals");
@@ -546,11 +681,17 @@ fn runtime_consumer(
     prefix: &str,
     workers: usize,
     batch: usize,
-    fold: bool,
+    variant: &str,
 ) -> (Arc<Store<PgConnection>>, Consumer<Store<PgConnection>>) {
+    // The folding projection for the folding scenario and the memory measure.
+    let fold = matches!(variant, "rt_fold" | "rss");
     let mut builder = Store::<PgConnection>::builder(db_url.to_owned())
         .schema(schema)
         .pool_size(workers as u32 + 1);
+    #[cfg(feature = "bench-knobs")]
+    if let Some(knobs) = knobs::of(variant) {
+        builder = builder.bench_knobs(knobs);
+    }
     builder = if fold {
         builder.handler(DailyUsage::new(RetryPolicy::default()))
     } else {
@@ -565,6 +706,18 @@ fn runtime_consumer(
         .expect("conn")
         .create_daily_usage()
         .expect("table");
+    if knobs::narrow(variant) {
+        // The benchmark's own schema: the claim key and nothing else.
+        store
+            .connection()
+            .expect("conn")
+            .batch_execute(
+                "DROP TABLE inbox_claims CASCADE; CREATE TABLE inbox_claims (
+                 consumer_group TEXT NOT NULL, message_key TEXT NOT NULL,
+                 PRIMARY KEY (consumer_group, message_key));",
+            )
+            .expect("narrow claims");
+    }
     let store = Arc::new(store);
     let topology = Topology::new("bench")
         .expect("topology")
@@ -594,7 +747,7 @@ async fn child_consumer(spec: &str, db_url: &str, amqp_url: &str, workers: usize
         prefix,
         workers,
         batch_size(),
-        true,
+        "rt_fold",
     );
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
@@ -625,7 +778,7 @@ impl Bench {
             &prefix,
             self.workers,
             batch_size(),
-            true,
+            "rss",
         );
         let conn = self.declare_and_fill(&consumer).await;
         let exe = std::env::current_exe().expect("own path");
@@ -695,15 +848,29 @@ async fn main() {
         order.push(order.len() % unique);
     }
     let run = format!("bench_{}", std::process::id());
+    // One application_name for every connection of the run (the same URL for every
+    // scenario), by which the run's backends are found.
+    let db_url = format!(
+        "{db_url}{}application_name={run}",
+        if db_url.contains('?') { '&' } else { '?' }
+    );
+    let monitor = PgConnection::establish(&db_url)
+        .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &db_url)));
     let bench = Bench {
         workers,
         db_url,
         amqp_url,
-        run,
         workload,
         order,
         runtime_peak_kib: Mutex::new(0),
+        statements: Mutex::new(BTreeMap::new()),
+        tls: Mutex::new(BTreeMap::new()),
+        app: run.clone(),
+        monitor: Mutex::new(monitor),
+        cpu: Mutex::new(BTreeMap::new()),
+        run,
     };
+    count_statements();
     {
         let mut conn = PgConnection::establish(&bench.db_url)
             .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &bench.db_url)));
@@ -741,7 +908,7 @@ async fn main() {
     // falls on all of them; ratios are taken within a round.
     let batch = batch_size();
     let rounds: usize = env_or("BENCH_ROUNDS", 3).max(1);
-    let names = [
+    let mut names = vec![
         "ceiling",
         "hand_single",
         "hand_batched",
@@ -750,6 +917,9 @@ async fn main() {
         "rt_batched",
         "rt_fold",
     ];
+    if cfg!(feature = "bench-knobs") {
+        names.extend(knobs::SCENARIOS.iter().map(|(name, _)| *name));
+    }
     let mut rates: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for round in 0..rounds {
         // Each round starts one scenario later, so that no scenario always runs last
@@ -761,13 +931,13 @@ async fn main() {
             }
             let id = format!("{name}{round}");
             let rate = match name {
-                "ceiling" => bench.handwritten(&id, batch, Hand::NoDatabase).await,
-                "hand_single" => bench.handwritten(&id, 1, Hand::PerEvent).await,
-                "hand_batched" => bench.handwritten(&id, batch, Hand::PerEvent).await,
-                "hand_fold" => bench.handwritten(&id, batch, Hand::Fold).await,
-                "rt_single" => bench.runtime(&id, 1, false).await,
-                "rt_batched" => bench.runtime(&id, batch, false).await,
-                _ => bench.runtime(&id, batch, true).await,
+                "ceiling" => bench.handwritten(&id, name, batch, Hand::NoDatabase).await,
+                "hand_single" => bench.handwritten(&id, name, 1, Hand::PerEvent).await,
+                "hand_batched" => bench.handwritten(&id, name, batch, Hand::PerEvent).await,
+                "hand_fold" => bench.handwritten(&id, name, batch, Hand::Fold).await,
+                "rt_batched" | "rt_fold" => bench.runtime(&id, name, batch).await,
+                // rt_single, and the cost table's knob_* (batch size 1 too).
+                _ => bench.runtime(&id, name, 1).await,
             };
             eprintln!("  round {}: {name}: {rate:.0} deliveries/s", round + 1);
             rates.entry(name).or_default().push(rate);
@@ -858,6 +1028,74 @@ async fn main() {
             median(ratios)
         );
     }
+    knobs::print_costs(&rates);
+    let cpu = bench.cpu.lock().expect("cpu");
+    if !cpu.is_empty() {
+        println!();
+        println!(
+            "CPU per delivery in the consume window, µs (median of rounds; this process, \
+             its PostgreSQL backends, both)"
+        );
+        for name in &names {
+            if let Some(per) = cpu.get(*name) {
+                let client = median(per.iter().map(|c| c.0).collect());
+                let server = median(per.iter().map(|c| c.1).collect());
+                let both = median(per.iter().map(|c| c.0 + c.1).collect());
+                println!("  {name:<14} {client:>8.0} {server:>8.0} {both:>8.0}");
+            }
+        }
+        if let (Some(rt), Some(hand)) = (cpu.get("rt_single"), cpu.get("hand_single")) {
+            let ratios: Vec<f64> = rt
+                .iter()
+                .zip(hand)
+                .map(|(r, h)| (h.0 + h.1) / (r.0 + r.1))
+                .collect();
+            let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = ratios.iter().copied().fold(0.0, f64::max);
+            println!(
+                "  hand_single CPU / rt_single CPU per delivery, within each round: {:.2} ({low:.2}..{high:.2})",
+                median(ratios)
+            );
+        }
+        for (name, off) in knobs::SCENARIOS {
+            if let (Some(knob), Some(full)) = (cpu.get(*name), cpu.get("rt_single")) {
+                let saved: Vec<f64> = knob
+                    .iter()
+                    .zip(full)
+                    .map(|(k, f)| (f.0 + f.1) - (k.0 + k.1))
+                    .collect();
+                println!(
+                    "  {off:<48} costs {:>5.0} µs CPU per delivery (median of rounds)",
+                    median(saved)
+                );
+            }
+        }
+    }
+    drop(cpu);
+    let statements = bench.statements.lock().expect("statements");
+    if !statements.is_empty() {
+        println!();
+        println!("statements (round trips) per delivery in the consume window: median of rounds");
+        for name in &names {
+            if let Some(per) = statements.get(*name) {
+                println!("  {name:<14} {:.2}", median(per.clone()));
+            }
+        }
+    }
+    drop(statements);
+    let tls = bench.tls.lock().expect("tls");
+    if !tls.is_empty() {
+        let list: Vec<String> = tls
+            .iter()
+            .map(|(name, on)| format!("{name} {}", if *on { "on" } else { "off" }))
+            .collect();
+        println!(
+            "PostgreSQL TLS of each scenario's connections (pg_stat_ssl): {}",
+            list.join(", ")
+        );
+        println!("every scenario's queue: quorum; every scenario's database URL: the same");
+    }
+    drop(tls);
     if let Some(kib) = consumer_rss {
         println!(
             "peak RSS of the folding consumer in a process of its own: {:.1} MiB (aim < 64)",
@@ -871,5 +1109,83 @@ async fn main() {
              (with the workload and what earlier scenarios left)",
             runtime_peak as f64 / 1024.0
         );
+    }
+}
+
+/// The cost table: the runtime at batch size 1 with one guarantee switched off each
+/// (inbox-diesel's `bench-knobs`, benchmark builds only), against the full runtime
+/// (`rt_single`) in the same round.
+mod knobs {
+    use std::collections::BTreeMap;
+
+    /// Each scenario and what it switches off.
+    pub(crate) const SCENARIOS: &[(&str, &str)] = &[
+        ("knob_digest", "payload digest (SHA-256; zero digests)"),
+        ("knob_checks", "commit checks (savepoint, token, check)"),
+        ("knob_takeover", "takeover clause (DO NOTHING)"),
+        ("knob_lookup", "duplicate lookup (acked unread)"),
+        (
+            "knob_narrow",
+            "status/retry/digest columns (2-column table)",
+        ),
+        ("knob_bare", "all of the above"),
+    ];
+
+    #[cfg(feature = "bench-knobs")]
+    pub(crate) fn of(variant: &str) -> Option<inbox_diesel::BenchKnobs> {
+        let mut knobs = inbox_diesel::BenchKnobs::full();
+        match variant {
+            "knob_digest" => knobs.digest = false,
+            "knob_checks" => knobs.commit_checks = false,
+            "knob_takeover" => knobs.takeover = false,
+            "knob_lookup" => knobs.lookup = false,
+            "knob_narrow" => knobs.narrow_claims = true,
+            "knob_bare" => {
+                knobs.digest = false;
+                knobs.commit_checks = false;
+                knobs.narrow_claims = true;
+            }
+            _ => return None,
+        }
+        Some(knobs)
+    }
+
+    /// Whether the scenario claims into a two-column table of its own schema.
+    pub(crate) fn narrow(variant: &str) -> bool {
+        cfg!(feature = "bench-knobs") && matches!(variant, "knob_narrow" | "knob_bare")
+    }
+
+    pub(crate) fn print_costs(rates: &BTreeMap<&str, Vec<f64>>) {
+        let Some(full) = rates.get("rt_single") else {
+            return;
+        };
+        let mut printed = false;
+        for (name, off) in SCENARIOS {
+            let Some(knob) = rates.get(name) else {
+                continue;
+            };
+            if !printed {
+                println!();
+                println!(
+                    "what each guarantee costs at batch size 1: rate with it off / rt_single, \
+                     within each round"
+                );
+                println!(
+                    "{:<48} {:>20} {:>12}",
+                    "switched off", "median (low..high)", "share"
+                );
+                printed = true;
+            }
+            let ratios: Vec<f64> = knob.iter().zip(full).map(|(k, f)| k / f).collect();
+            let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = ratios.iter().copied().fold(0.0, f64::max);
+            let mid = super::median(ratios);
+            // The share of the full runtime's time per message the guarantee takes.
+            println!(
+                "{off:<48} {:>20} {:>11.0}%",
+                format!("{mid:.2} ({low:.2}..{high:.2})"),
+                (1.0 - 1.0 / mid) * 100.0
+            );
+        }
     }
 }

@@ -47,6 +47,45 @@ where
     }
 }
 
+/// Statements the process's diesel connections have sent since it started, once
+/// [`count_statements`] was called: one per round trip (a `batch_execute` of several
+/// statements is one).
+pub fn statements_sent() -> u64 {
+    STATEMENTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static STATEMENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts the statements of every diesel connection opened from now on (see
+/// [`statements_sent`]).
+pub fn count_statements() {
+    struct Count;
+    impl diesel::connection::Instrumentation for Count {
+        fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+            if let diesel::connection::InstrumentationEvent::StartQuery { .. } = event {
+                STATEMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+    let _ = diesel::connection::set_default_instrumentation(|| Some(Box::new(Count)));
+}
+
+/// CPU time (user and system, every thread) process `pid` has used, in clock ticks
+/// of [`TICKS_PER_SECOND`] (Linux `/proc/<pid>/stat`); `None` where it cannot be read.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces) in parentheses.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime and stime: the 14th and 15th fields of the line, 12th and 13th here.
+    let user: u64 = fields.get(11)?.parse().ok()?;
+    let system: u64 = fields.get(12)?.parse().ok()?;
+    Some(user + system)
+}
+
+/// Linux's `USER_HZ`, the unit of [`cpu_ticks`].
+pub const TICKS_PER_SECOND: f64 = 100.0;
+
 /// Free space, in KiB, on the file system holding `path` (`df -Pk`); `None` when
 /// `df` is missing or says nothing readable.
 pub fn free_disk_kib(path: &str) -> Option<u64> {
@@ -220,7 +259,6 @@ pub fn with_database(url: &str, database: &str) -> String {
         None => format!("{server}/{database}"),
     }
 }
-
 
 /// The usage events of one run and the order they are published in: 10% duplicates,
 /// every 10th unique event coming again a little later, as `bench_consume` sends them.

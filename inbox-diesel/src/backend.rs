@@ -77,6 +77,19 @@ pub(crate) mod private {
             F: FnOnce(&mut Self) -> std::result::Result<T, E>,
             E: From<diesel::result::Error>;
 
+        /// Begins a batch transaction (SQLite: `BEGIN IMMEDIATE`). With `savepoint`,
+        /// PostgreSQL sets the handlers' savepoint (`inbox_handlers`) in the same round
+        /// trip: it exists in the store's own transaction only, which is how a failed
+        /// handler call is told from one that ended or restarted the transaction.
+        fn begin_batch(conn: &mut Self, savepoint: bool) -> QueryResult<()>;
+
+        /// Commits a batch transaction. With `token` (PostgreSQL), in the same round
+        /// trip and before the `COMMIT`, checks that the transaction is still usable
+        /// and still has that [`transaction_token`](Self::transaction_token): when the
+        /// check fails, nothing is committed and the transaction is left open and
+        /// aborted, for the caller to find out whose it is and roll it back.
+        fn commit_batch(conn: &mut Self, token: Option<&str>) -> QueryResult<()>;
+
         /// Takes projection locks (id, exclusive), for the rest of the transaction.
         fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()>;
 

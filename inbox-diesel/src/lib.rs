@@ -41,6 +41,7 @@ mod batch;
 mod dsl;
 mod error;
 mod idempotency;
+mod knobs;
 mod operator;
 mod outbox;
 mod pg;
@@ -64,6 +65,8 @@ pub use idempotency::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
     settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
 };
+#[cfg(feature = "bench-knobs")]
+pub use knobs::BenchKnobs;
 pub use operator::{
     replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
     DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, HaltedGroup,

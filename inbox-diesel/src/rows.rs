@@ -113,6 +113,15 @@ pub struct ClaimRow<'a> {
     pub payload: &'a [u8],
 }
 
+/// What a claim statement returned.
+pub struct Claimed {
+    /// (key, attempts) of the rows this transaction now owns.
+    pub owned: Vec<(String, i32)>,
+    /// The transaction's token, read by the claim statement itself (PostgreSQL, when
+    /// it returned a row); see `transaction_token`.
+    pub token: Option<String>,
+}
+
 /// What the claim table holds for a key the claim statement did not return.
 pub struct Stored {
     pub key: String,

@@ -6,22 +6,24 @@ use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::{ClaimKey, ConsumerGroup, OutboxRow, UnreadableRow};
 
+use crate::knobs::Knobs;
 use crate::rows::{
-    ClaimRecord, ClaimRow, DeadLetter, DeadOutboxRow, FailureUpdate, NewDeadLetter, NewOutbox,
-    PurgeBatch, PurgeTarget, Stored,
+    ClaimRecord, ClaimRow, Claimed, DeadLetter, DeadOutboxRow, FailureUpdate, NewDeadLetter,
+    NewOutbox, PurgeBatch, PurgeTarget, Stored,
 };
 use crate::ClaimStatus;
 
 /// The statements every backend runs, on its own connection type.
 pub trait ClaimOps: Sized {
     /// Claims rows (sorted by key) in one statement; returns (key, attempts) of the
-    /// rows this transaction now owns.
+    /// rows this transaction now owns, and the transaction's token with them.
     fn claim(
         conn: &mut Self,
         group: &ConsumerGroup,
         rows: &[ClaimRow<'_>],
         now: DateTime<Utc>,
-    ) -> QueryResult<Vec<(String, i32)>>;
+        knobs: Knobs,
+    ) -> QueryResult<Claimed>;
 
     /// Looks up claims by the same claim key the claim statement used.
     fn lookup(conn: &mut Self, group: &ConsumerGroup, keys: &[&str]) -> QueryResult<Vec<Stored>>;

@@ -15,6 +15,7 @@ use inbox_core::{
 };
 
 use crate::backend::{valid_schema_name, StoreConnection};
+use crate::knobs::Knobs;
 use crate::pool::{Closer, PooledStoreConnection, StoreManager};
 use crate::rows::{ClaimRecord, DeadLetter};
 use crate::slot::Slot;
@@ -54,6 +55,8 @@ pub(crate) struct Inner<C: StoreConnection> {
     rebuilds: HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>>,
     /// The schema projection lock keys are scoped to (see `rebuild`).
     lock_scope: String,
+    /// The batch path's switches (all on unless a benchmark turned one off).
+    knobs: Knobs,
 }
 
 impl<C: StoreConnection> Drop for Inner<C> {
@@ -89,6 +92,11 @@ impl<C: StoreConnection> Inner<C> {
 
     pub(crate) fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// The batch path's switches.
+    pub(crate) fn knobs(&self) -> Knobs {
+        self.knobs
     }
 
     /// The handler registered for a group and message type.
@@ -219,6 +227,7 @@ impl<C: StoreConnection> Store<C> {
             transaction_retries: 3,
             ladder: None,
             migrate: true,
+            knobs: Knobs::default(),
         }
     }
 
@@ -419,6 +428,7 @@ pub struct StoreBuilder<C: StoreConnection> {
     transaction_retries: u32,
     ladder: Option<RetryLadder>,
     migrate: bool,
+    knobs: Knobs,
 }
 
 /// The default [`StoreBuilder::batch_deadline`].
@@ -432,6 +442,15 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// and verify that schema's claim table. Defaults to the connection's search path.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = Some(schema.into());
+        self
+    }
+
+    /// **Benchmarks only** (feature `bench-knobs`, never for production): turns
+    /// single guarantees of the batch path off, to measure what each one costs; see
+    /// [`BenchKnobs`](crate::BenchKnobs). Read once, here.
+    #[cfg(feature = "bench-knobs")]
+    pub fn bench_knobs(mut self, knobs: crate::BenchKnobs) -> Self {
+        self.knobs = Knobs { set: Some(knobs) };
         self
     }
 
@@ -569,6 +588,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 listener: Mutex::default(),
                 rebuilds,
                 lock_scope,
+                knobs: self.knobs,
             }),
         })
     }

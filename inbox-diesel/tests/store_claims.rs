@@ -720,3 +720,55 @@ fn fold_is_used_and_falls_back_per_event_on_failure<F: Fixture>(fx: &F) {
     );
     assert_eq!(conn.effects_of("b4").unwrap(), 0);
 }
+
+thread_local! {
+    /// Statements this thread's diesel connections sent (see [`count_round_trips`]).
+    static SENT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts, per thread, the statements of every diesel connection opened from now on:
+/// one per round trip (several statements sent as one string are one). A store runs
+/// a batch on the caller's thread, so other tests of this binary do not disturb it.
+fn count_round_trips() {
+    use diesel::connection::{Instrumentation, InstrumentationEvent};
+    struct Count;
+    impl Instrumentation for Count {
+        fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+            if let InstrumentationEvent::StartQuery { .. } = event {
+                SENT.with(|s| s.set(s.get() + 1));
+            }
+        }
+    }
+    diesel::connection::set_default_instrumentation(|| Some(Box::new(Count))).unwrap();
+}
+
+/// The per-message path on PostgreSQL: a lone first delivery costs the store three
+/// round trips besides its handler's statement (BEGIN with the handlers' savepoint;
+/// the claim, which also reads the transaction token; the check of the handler's
+/// call with the COMMIT), and a duplicate four (its claim looked up by the claim key).
+#[test]
+fn a_lone_delivery_takes_three_round_trips_besides_its_handler() {
+    let Some(fx) = PgFixture::new() else { return };
+    count_round_trips();
+    let store = fx.open(fx.builder().pool_size(1).handler(Recorder::new(GROUP)));
+    let g = group(GROUP);
+    // The first batch prepares the connection's cached statements.
+    store.process_batch(&g, &[usage("warm", 1)]).unwrap();
+    let sent = || SENT.with(std::cell::Cell::get);
+    let before = sent();
+    let first = store.process_batch(&g, &[usage("first", 1)]).unwrap();
+    let first_trips = sent() - before;
+    let before = sent();
+    let again = store.process_batch(&g, &[usage("first", 1)]).unwrap();
+    let duplicate_trips = sent() - before;
+    assert_eq!(
+        (first, again),
+        (vec![Decision::Processed], vec![Decision::Duplicate])
+    );
+    assert_eq!(
+        (first_trips, duplicate_trips),
+        (1 + 3, 4),
+        "round trips of a first delivery (its handler's statement and the store's) and of a duplicate"
+    );
+    assert_eq!(fx.connect().effects_of("first").unwrap(), 1);
+}

@@ -4,17 +4,21 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
 
 use chrono::{DateTime, Utc};
 use inbox_core::{
-    ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, HandlerFailure, MessageKey,
-    ProjectionLock,
+    ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, DynHandler, HandlerFailure,
+    MessageKey, ProjectionLock,
 };
 
 use super::delivery::Delivery;
-use super::run::{Mode, Run};
+use super::ownership::{ownership_after_failure, Ownership};
+use super::run::{depth, ended, Mode, Run};
 use super::tx::TxError;
-use crate::backend::StoreConnection;
+use crate::backend::{classify, ErrorClass, StoreConnection};
 use crate::rows::{ClaimRow, Stored};
 use crate::store::Inner;
 use crate::ClaimStatus;
@@ -95,13 +99,18 @@ fn locks<C: 'static>(
     locks
 }
 
-/// The owned deliveries (with their attempts before this one) and the decisions of
-/// the others.
-type Claimed<'d, 'e, C> = (Vec<(&'d Delivery<'e, C>, i32)>, Vec<(usize, Decision)>);
+/// The owned deliveries (with their attempts before this one), the decisions of the
+/// others, and the transaction's token the claim read.
+type ClaimedBy<'d, 'e, C> = (
+    Vec<(&'d Delivery<'e, C>, i32)>,
+    Vec<(usize, Decision)>,
+    Option<String>,
+);
 
 impl<C: StoreConnection> Inner<C> {
     /// One attempt of the batch transaction: locks, claims, lookups, then the
-    /// handlers in `mode` (`known`: a failure the optimistic run already saw).
+    /// handlers in `mode` (`known`: a failure the optimistic run already saw), then
+    /// the commit, with the check of the last handler call when it is still due.
     pub(super) fn attempt(
         &self,
         conn: &mut C,
@@ -109,34 +118,98 @@ impl<C: StoreConnection> Inner<C> {
         mode: Mode,
         known: Option<(usize, HandlerFailure)>,
     ) -> std::result::Result<Vec<(usize, Decision)>, TxError> {
-        C::write_transaction(conn, |conn| {
-            // Lock before claim: a projection rebuild holds the lock exclusively, so
-            // live batches wait for it instead of double counting beside it.
-            C::take_locks(conn, &locks(at.items, |l| self.lock_key(l)))?;
-            let (mine, mut decisions) = self.claim_all(conn, at)?;
-
-            // Handlers run only after every claim of the batch is taken. The token
-            // is read once here and again after each handler call.
-            let token = if mine.iter().any(|(d, _)| d.handler.is_some()) {
-                C::transaction_token(conn)?
-            } else {
-                None
-            };
-            let run = Run {
-                group: at.group,
-                mine: &mine,
-                now: at.now,
-                token: token.as_deref(),
-                ended: at.ended,
-            };
-            match mode {
-                Mode::Optimistic => self.run_optimistic(conn, &run, &mut decisions)?,
-                Mode::Isolated { count_contention } => {
-                    self.run_isolated(conn, &run, known, count_contention, &mut decisions)?
-                }
+        let checks = self.knobs().commit_checks();
+        C::begin_batch(conn, checks)?;
+        match self.claim_and_run(conn, at, mode, known, checks) {
+            Ok((decisions, None)) => {
+                C::commit_batch(conn, None)?;
+                Ok(decisions)
             }
-            Ok(decisions)
-        })
+            Ok((decisions, Some(unchecked))) => {
+                self.commit_checked(conn, at, &unchecked)?;
+                Ok(decisions)
+            }
+            Err(err) => Err(rollback(conn, err)),
+        }
+    }
+
+    /// The body of [`attempt`](Self::attempt), inside its transaction; with the
+    /// handler call whose check the commit makes, if any.
+    fn claim_and_run(
+        &self,
+        conn: &mut C,
+        at: &Attempt<'_, '_, '_, C>,
+        mode: Mode,
+        known: Option<(usize, HandlerFailure)>,
+        checks: bool,
+    ) -> std::result::Result<Ran<C>, TxError> {
+        // Lock before claim: a projection rebuild holds the lock exclusively, so live
+        // batches wait for it instead of double counting beside it.
+        C::take_locks(conn, &locks(at.items, |l| self.lock_key(l)))?;
+        let (mine, mut decisions, token) = self.claim_all(conn, at)?;
+
+        // Handlers run only after every claim of the batch is taken. The token was
+        // read by the claim statement; it is read again after each handler call (the
+        // last one's check is made by the commit itself).
+        let token = if checks && mine.iter().any(|(d, _)| d.handler.is_some()) {
+            token
+        } else {
+            None
+        };
+        let run = Run {
+            group: at.group,
+            mine: &mine,
+            now: at.now,
+            token: token.as_deref(),
+            ended: at.ended,
+        };
+        let unchecked = match mode {
+            Mode::Optimistic => self.run_optimistic(conn, &run, &mut decisions)?,
+            Mode::Isolated { count_contention } => {
+                self.run_isolated(conn, &run, known, count_contention, &mut decisions)?;
+                None
+            }
+        };
+        let unchecked = match (unchecked, token) {
+            (Some(handler), Some(token)) => Some(Unchecked { handler, token }),
+            _ => None,
+        };
+        Ok((decisions, unchecked))
+    }
+
+    /// Commits with the check of the last handler call, in one round trip. If the
+    /// check fails, the transaction was aborted by an error the handler swallowed (run
+    /// the batch isolated, where its failure is recorded) or is not the store's any
+    /// more (the handler ended or restarted it).
+    fn commit_checked(
+        &self,
+        conn: &mut C,
+        at: &Attempt<'_, '_, '_, C>,
+        unchecked: &Unchecked<C>,
+    ) -> std::result::Result<(), TxError> {
+        // The handler's own COMMIT or ROLLBACK left no transaction, as libpq reported
+        // to diesel's transaction manager.
+        if depth(conn)? == 0 {
+            return Err(ended(at.ended, &*unchecked.handler));
+        }
+        let err = match C::commit_batch(conn, Some(&unchecked.token)) {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
+        };
+        if classify(&err) == ErrorClass::Infrastructure {
+            return Err(rollback(conn, err.into()));
+        }
+        // The check passed and the COMMIT itself failed: the transaction is over and
+        // nothing committed, as when diesel commits.
+        if depth(conn)? == 0 {
+            return Err(err.into());
+        }
+        let err = match ownership_after_failure(conn, Some(&unchecked.token)) {
+            Ok(Ownership::Replaced) => ended(at.ended, &*unchecked.handler),
+            Ok(Ownership::Usable | Ownership::WasAborted) => TxError::Isolate(None),
+            Err(err) => err,
+        };
+        Err(rollback(conn, err))
     }
 
     /// Claims in key order, so concurrent batches lock rows in the same order; then
@@ -145,12 +218,13 @@ impl<C: StoreConnection> Inner<C> {
         &self,
         conn: &mut C,
         at: &Attempt<'_, 'd, 'e, C>,
-    ) -> std::result::Result<Claimed<'d, 'e, C>, TxError> {
+    ) -> std::result::Result<ClaimedBy<'d, 'e, C>, TxError> {
         let (group, now) = (at.group, at.now);
         let mut sorted: Vec<&'d Delivery<'e, C>> = at.items.to_vec();
         sorted.sort_by(|a, b| a.key().cmp(b.key()));
         let rows: Vec<ClaimRow<'_>> = sorted.iter().map(|d| d.row()).collect();
-        let owned: HashMap<String, i32> = C::claim(conn, group, &rows, now)?.into_iter().collect();
+        let claimed = C::claim(conn, group, &rows, now, self.knobs())?;
+        let owned: HashMap<String, i32> = claimed.owned.into_iter().collect();
 
         let missing: Vec<&str> = sorted
             .iter()
@@ -161,7 +235,7 @@ impl<C: StoreConnection> Inner<C> {
         // takes a new snapshot, so it sees the row of a concurrent claimer that
         // committed while our insert waited on it. Inside the claim statement that
         // row would be invisible and look like a phantom conflict.
-        let stored: HashMap<String, Stored> = if missing.is_empty() {
+        let stored: HashMap<String, Stored> = if missing.is_empty() || !self.knobs().lookup() {
             HashMap::new()
         } else {
             C::lookup(conn, group, &missing)?
@@ -177,6 +251,10 @@ impl<C: StoreConnection> Inner<C> {
                 mine.push((d, attempts));
                 continue;
             }
+            if !self.knobs().lookup() {
+                decisions.push((d.idx, Decision::Duplicate));
+                continue;
+            }
             let decision = match decide(stored.get(d.key()), &d.digest, now) {
                 Found::Decision(decision) => decision,
                 Found::Collision => {
@@ -187,7 +265,26 @@ impl<C: StoreConnection> Inner<C> {
             };
             decisions.push((d.idx, decision));
         }
-        Ok((mine, decisions))
+        Ok((mine, decisions, claimed.token))
+    }
+}
+
+/// The decisions of a batch transaction's body, and the handler call whose check the
+/// commit makes, if any.
+type Ran<C> = (Vec<(usize, Decision)>, Option<Unchecked<C>>);
+
+/// The last handler call of an optimistic run, whose check the commit makes.
+struct Unchecked<C> {
+    handler: Arc<dyn DynHandler<C>>,
+    token: String,
+}
+
+/// Rolls the batch transaction back after `err`, as diesel's `transaction` does: a
+/// rollback that fails (other than on a broken transaction manager) is the error.
+fn rollback<C: StoreConnection>(conn: &mut C, err: TxError) -> TxError {
+    match AnsiTransactionManager::rollback_transaction(conn) {
+        Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => err,
+        Err(rollback) => rollback.into(),
     }
 }
 

@@ -5,11 +5,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
-use inbox_core::{Decision, MessageContext};
+use inbox_core::{Decision, DynHandler, MessageContext};
 
-use super::ownership::{
-    check_transaction, ownership_after_failure, Ownership, TxCheck, HANDLERS_SAVEPOINT,
-};
+use super::ownership::{check_transaction, ownership_after_failure, Ownership, TxCheck};
 use super::run::{
     attempt_number, depth, failure_is_retryable, restore_depth, retryable_cause, HandlerRun, Run,
 };
@@ -19,26 +17,33 @@ use crate::store::Inner;
 
 impl<C: StoreConnection> Inner<C> {
     /// Every owned message at once, no savepoints; any failure asks for isolation.
+    /// Returns the last handler when its call is still to be checked: the commit
+    /// checks it in the same round trip.
+    ///
+    /// The handlers' savepoint was set when the transaction began (only the store's
+    /// own transaction has it): after a failure that left the transaction aborted,
+    /// rolling back to it tells a swallowed error (ours again, usable) from a handler
+    /// that ended or restarted the transaction.
     pub(super) fn run_optimistic(
         &self,
         conn: &mut C,
         run: &Run<'_, '_, '_, C>,
         decisions: &mut Vec<(usize, Decision)>,
-    ) -> std::result::Result<(), TxError> {
+    ) -> std::result::Result<Option<Arc<dyn DynHandler<C>>>, TxError> {
         let per_handler = self.per_handler(conn, run, decisions)?;
-        // Only the store's own transaction has this savepoint: after a failure that
-        // left the transaction aborted, rolling back to it tells a swallowed error
-        // (ours again, usable) from a handler that ended or restarted it.
-        if run.token.is_some() && !per_handler.is_empty() {
-            conn.batch_execute(HANDLERS_SAVEPOINT)?;
-        }
-        for (handler, entries) in per_handler {
+        let calls = per_handler.len();
+        for (call, (handler, entries)) in per_handler.into_iter().enumerate() {
             let ctxs: Vec<MessageContext<'_>> = entries.iter().map(|(_, c)| *c).collect();
             let before = depth(conn)?;
             let called = Instant::now();
             let outcome = catch_unwind(AssertUnwindSafe(|| handler.handle_all(conn, &ctxs)));
             self.note_if_hung(called);
             let (failure, at) = match outcome {
+                // The last call's check is the commit's.
+                Ok(Ok(())) if call + 1 == calls && run.token.is_some() => {
+                    decisions.extend(entries.iter().map(|(idx, _)| (*idx, Decision::Processed)));
+                    return Ok(Some(Arc::clone(handler)));
+                }
                 Ok(Ok(())) => match check_transaction(conn, run.token)? {
                     TxCheck::Ours => {
                         decisions
@@ -80,7 +85,7 @@ impl<C: StoreConnection> Inner<C> {
             }
             return Err(TxError::Isolate(None));
         }
-        Ok(())
+        Ok(None)
     }
 
     /// The owned messages grouped by handler, each with its context; a message no

@@ -22,9 +22,6 @@ pub(super) enum TxCheck {
     Replaced,
 }
 
-/// The savepoint an optimistic run's handlers start from (PostgreSQL).
-pub(super) const HANDLERS_SAVEPOINT: &str = "SAVEPOINT inbox_handlers";
-
 /// Whose the transaction is after a handler call failed.
 pub(super) enum Ownership {
     /// The store's, and usable as it was.

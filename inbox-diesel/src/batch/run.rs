@@ -33,10 +33,19 @@ pub(super) struct Run<'r, 'd, 'e, C> {
 
 impl<C: 'static> Run<'_, '_, '_, C> {
     pub(super) fn ended_by(&self, handler: &dyn DynHandler<C>) -> TxError {
-        let name = handler_name(handler);
-        self.ended.set(Some(name.clone()));
-        TxError::Ended(name)
+        ended(self.ended, handler)
     }
+}
+
+/// A handler ended or restarted the store's transaction: the finding, kept in `cell`
+/// (the rollbacks that follow can fail and replace the error).
+pub(super) fn ended<C: 'static>(
+    cell: &std::cell::Cell<Option<String>>,
+    handler: &dyn DynHandler<C>,
+) -> TxError {
+    let name = handler_name(handler);
+    cell.set(Some(name.clone()));
+    TxError::Ended(name)
 }
 
 /// A handler's name for an error line: its group and message type.

@@ -9,7 +9,9 @@ use diesel::sql_types::{Array, Binary, Integer, Nullable, Text, Timestamptz};
 use diesel::{PgConnection, QueryResult};
 use inbox_core::ConsumerGroup;
 
-use crate::rows::ClaimRow;
+use super::TOKEN_SQL;
+use crate::knobs::Knobs;
+use crate::rows::{ClaimRow, Claimed};
 use crate::statements::{claim_conflict, ClaimOps};
 
 /// The claim statement on PostgreSQL: the whole batch in one statement, over arrays
@@ -30,6 +32,7 @@ struct ClaimStatement<'a> {
     rows: &'a [ClaimRow<'a>],
     columns: Option<ClaimColumns<'a>>,
     now: DateTime<Utc>,
+    knobs: Knobs,
 }
 
 /// A batch as one array per column, for `unnest`.
@@ -47,13 +50,16 @@ impl QueryId for ClaimStatement<'_> {
 }
 
 impl Query for ClaimStatement<'_> {
-    type SqlType = (Text, Integer);
+    type SqlType = (Text, Integer, Nullable<Text>);
 }
 
 impl RunQueryDsl<PgConnection> for ClaimStatement<'_> {}
 
 impl QueryFragment<Pg> for ClaimStatement<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        if self.knobs.narrow_claims() {
+            return self.walk_narrow(out);
+        }
         let conflict = claim_conflict(true);
         out.push_sql("INSERT INTO inbox_claims (");
         out.push_sql(&conflict.target);
@@ -106,38 +112,98 @@ impl QueryFragment<Pg> for ClaimStatement<'_> {
         }
         out.push_sql(" ON CONFLICT (");
         out.push_sql(&conflict.target);
-        out.push_sql(
-            ") DO UPDATE SET status = 'done', payload = NULL, updated_at = EXCLUDED.updated_at \
-             WHERE ",
-        );
-        out.push_sql(&conflict.condition);
-        out.push_bind_param::<Timestamptz, _>(&self.now)?;
-        out.push_sql(conflict.close);
-        out.push_sql(" RETURNING message_key, attempts");
+        if self.knobs.takeover() {
+            out.push_sql(
+                ") DO UPDATE SET status = 'done', payload = NULL, \
+                 updated_at = EXCLUDED.updated_at WHERE ",
+            );
+            out.push_sql(&conflict.condition);
+            out.push_bind_param::<Timestamptz, _>(&self.now)?;
+            out.push_sql(conflict.close);
+        } else {
+            out.push_sql(") DO NOTHING");
+        }
+        out.push_sql(" RETURNING message_key, attempts, ");
+        self.returning_token(&mut out);
         Ok(())
     }
 }
 
-/// Runs the claim statement; returns (key, attempts) of the rows now owned.
+impl ClaimStatement<'_> {
+    /// The transaction's token with every row the claim returns: the handlers run only
+    /// when it returned one, and their checks compare against it, so reading it here
+    /// saves the round trip of a statement of its own.
+    fn returning_token(&self, out: &mut AstPass<'_, '_, Pg>) {
+        if self.knobs.commit_checks() {
+            out.push_sql(TOKEN_SQL);
+        } else {
+            out.push_sql("NULL::text");
+        }
+    }
+
+    /// A benchmark's claim into a two-column claim table: the key only, `DO NOTHING`.
+    fn walk_narrow<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        let conflict = claim_conflict(false);
+        out.push_sql("INSERT INTO inbox_claims (");
+        out.push_sql(&conflict.target);
+        out.push_sql(") ");
+        match (&self.columns, self.rows) {
+            (Some(c), _) => {
+                out.push_sql("SELECT ");
+                out.push_bind_param::<Text, _>(&self.group)?;
+                out.push_sql(", k FROM unnest(");
+                out.push_bind_param::<Array<Text>, _>(&c.keys)?;
+                out.push_sql("::text[]) AS k");
+            }
+            (None, [row]) => {
+                out.push_sql("VALUES (");
+                out.push_bind_param::<Text, _>(&self.group)?;
+                out.push_sql(", ");
+                out.push_bind_param::<Text, _>(&row.key)?;
+                out.push_sql(")");
+            }
+            (None, rows) => {
+                return Err(diesel::result::Error::QueryBuilderError(
+                    format!("a claim of {} rows needs its columns", rows.len()).into(),
+                ))
+            }
+        }
+        out.push_sql(" ON CONFLICT (");
+        out.push_sql(&conflict.target);
+        out.push_sql(") DO NOTHING RETURNING message_key, 0, ");
+        self.returning_token(&mut out);
+        Ok(())
+    }
+}
+
+/// Runs the claim statement; returns (key, attempts) of the rows now owned, and the
+/// transaction's token.
 fn claim(
     conn: &mut PgConnection,
     group: &ConsumerGroup,
     rows: &[ClaimRow<'_>],
     now: DateTime<Utc>,
-) -> QueryResult<Vec<(String, i32)>> {
+    knobs: Knobs,
+) -> QueryResult<Claimed> {
     let columns = (rows.len() != 1).then(|| ClaimColumns {
         keys: rows.iter().map(|r| r.key).collect(),
         types: rows.iter().map(|r| r.message_type).collect(),
         tenants: rows.iter().map(|r| r.tenant).collect(),
         digests: rows.iter().map(|r| r.digest).collect(),
     });
-    ClaimStatement {
+    let returned: Vec<(String, i32, Option<String>)> = ClaimStatement {
         group: group.as_str(),
         rows,
         columns,
         now,
+        knobs,
     }
-    .load(conn)
+    .load(conn)?;
+    let token = returned.first().and_then(|(_, _, t)| t.clone());
+    Ok(Claimed {
+        owned: returned.into_iter().map(|(k, a, _)| (k, a)).collect(),
+        token,
+    })
 }
 
 impl ClaimOps for PgConnection {
@@ -146,8 +212,9 @@ impl ClaimOps for PgConnection {
         group: &ConsumerGroup,
         rows: &[ClaimRow<'_>],
         now: DateTime<Utc>,
-    ) -> QueryResult<Vec<(String, i32)>> {
-        claim(conn, group, rows, now)
+        knobs: Knobs,
+    ) -> QueryResult<Claimed> {
+        claim(conn, group, rows, now, knobs)
     }
 
     crate::dsl::claim_dsl!(pg, diesel::sql_types::Timestamptz);

@@ -16,7 +16,7 @@ pub(crate) mod retention;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use diesel::connection::SimpleConnection;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::pg::Pg;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
@@ -210,6 +210,30 @@ impl Sealed for PgConnection {
         conn.transaction(f)
     }
 
+    fn begin_batch(conn: &mut Self, savepoint: bool) -> QueryResult<()> {
+        let sql = if savepoint {
+            "BEGIN; SAVEPOINT inbox_handlers"
+        } else {
+            "BEGIN"
+        };
+        AnsiTransactionManager::begin_transaction_sql(conn, sql)
+    }
+
+    fn commit_batch(conn: &mut Self, token: Option<&str>) -> QueryResult<()> {
+        let Some(token) = token else {
+            return AnsiTransactionManager::commit_transaction(conn);
+        };
+        // One round trip: a statement that fails unless the transaction is usable (an
+        // aborted one refuses every statement) and still has the token (a division by
+        // zero otherwise), then the COMMIT, which a failed statement before it skips.
+        // libpq reports the transaction's state after it, which diesel's transaction
+        // manager follows: none after the COMMIT, an aborted one after a failed check.
+        conn.batch_execute(&format!(
+            "SELECT 1 / ({TOKEN_SQL} = {})::int; COMMIT",
+            escaped_literal(token)
+        ))
+    }
+
     fn take_locks(conn: &mut Self, locks: &[(i64, bool)]) -> QueryResult<()> {
         for &(id, exclusive) in locks {
             LockStatement { id, exclusive }.execute(conn)?;
@@ -230,16 +254,53 @@ impl Sealed for PgConnection {
     fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {
         // The schema too: a handler that moved the session's search_path would send
         // the next batch's claims into another store's tables.
-        let row: Token = diesel::sql_query(
-            "SELECT pg_current_xact_id()::text || ' ' || coalesce(current_schema(), '') AS token",
-        )
-        .get_result(conn)?;
+        let row: Token = diesel::sql_query(TOKEN_QUERY).get_result(conn)?;
         Ok(Some(row.token))
     }
+}
+
+/// The transaction's token as SQL: its id, and the schema the store's statements
+/// resolve to (a handler that moved the session's search_path would send the next
+/// batch's claims into another store's tables). Read with the claim, read again after
+/// a handler call, and checked before the commit.
+macro_rules! token_sql {
+    () => {
+        "pg_current_xact_id()::text || ' ' || coalesce(current_schema(), '')"
+    };
+}
+
+pub(crate) const TOKEN_SQL: &str = token_sql!();
+
+const TOKEN_QUERY: &str = concat!("SELECT ", token_sql!(), " AS token");
+
+/// `value` as an escape string literal, whatever `standard_conforming_strings` says.
+fn escaped_literal(value: &str) -> String {
+    let mut out = String::with_capacity(value.len() + 3);
+    out.push_str("E'");
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("''"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
 }
 
 #[derive(QueryableByName)]
 struct Token {
     #[diesel(sql_type = diesel::sql_types::Text)]
     token: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::escaped_literal;
+
+    #[test]
+    fn a_token_is_inlined_as_an_escape_string() {
+        assert_eq!(escaped_literal("742 billing"), "E'742 billing'");
+        assert_eq!(escaped_literal(r"1 a'b\c"), r"E'1 a''b\\c'");
+    }
 }

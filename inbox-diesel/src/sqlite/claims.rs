@@ -6,7 +6,8 @@ use diesel::prelude::*;
 use diesel::{QueryResult, SqliteConnection};
 use inbox_core::ConsumerGroup;
 
-use crate::rows::ClaimRow;
+use crate::knobs::Knobs;
+use crate::rows::{ClaimRow, Claimed};
 use crate::statements::ClaimOps;
 
 impl ClaimOps for SqliteConnection {
@@ -15,7 +16,8 @@ impl ClaimOps for SqliteConnection {
         group: &ConsumerGroup,
         rows: &[ClaimRow<'_>],
         now: DateTime<Utc>,
-    ) -> QueryResult<Vec<(String, i32)>> {
+        _knobs: Knobs,
+    ) -> QueryResult<Claimed> {
         let mut owned = Vec::new();
         for r in rows {
             let claimed = crate::dsl::claim_dsl!(
@@ -28,7 +30,8 @@ impl ClaimOps for SqliteConnection {
             );
             owned.extend(claimed?);
         }
-        Ok(owned)
+        // SQLite has no transaction token (see `transaction_token`).
+        Ok(Claimed { owned, token: None })
     }
 
     crate::dsl::claim_dsl!(sqlite, diesel::sql_types::TimestamptzSqlite);

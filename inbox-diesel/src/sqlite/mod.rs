@@ -15,7 +15,7 @@ mod retention;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use diesel::connection::SimpleConnection;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::prelude::*;
 use diesel::{ConnectionResult, QueryResult, SqliteConnection};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
@@ -104,6 +104,16 @@ impl Sealed for SqliteConnection {
         // BEGIN IMMEDIATE: a deferred transaction that reads and then writes can fail
         // with SQLITE_BUSY, which busy_timeout does not retry.
         conn.immediate_transaction(f)
+    }
+
+    fn begin_batch(conn: &mut Self, _savepoint: bool) -> QueryResult<()> {
+        // No transaction token to tell a handler's transaction from the store's, so
+        // no savepoint either; IMMEDIATE as in `write_transaction`.
+        AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE")
+    }
+
+    fn commit_batch(conn: &mut Self, _token: Option<&str>) -> QueryResult<()> {
+        AnsiTransactionManager::commit_transaction(conn)
     }
 
     fn take_locks(_conn: &mut Self, _locks: &[(i64, bool)]) -> QueryResult<()> {
