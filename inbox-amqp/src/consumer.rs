@@ -672,7 +672,18 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
                                 .set(0.0);
                         }
                         for worker in 0..workers {
-                            let channel = conn.create_channel().await?;
+                            let channel = match conn.create_channel().await {
+                                Ok(channel) => channel,
+                                Err(err) => {
+                                    // The tasks started already finish their batch:
+                                    // drained, never aborted.
+                                    stop.cancel();
+                                    if outcome.is_ok() {
+                                        outcome = Err(err.into());
+                                    }
+                                    break;
+                                }
+                            };
                             let task = Arc::clone(self);
                             match role {
                                 Role::DeadLetters => {
@@ -801,6 +812,11 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
             let size = batch.len();
             self.handle_batch(&channel, &group, batch, &tokens, backoff)
                 .await?;
+            if tokens.halt.halted.is_cancelled() {
+                // What it holds stays held: never a relaxed end, which would close the
+                // channel and hand the stopping delivery back.
+                break;
+            }
             pace.settled(size)?;
         }
         // No new deliveries; what was prefetched and not handled goes back to the
@@ -821,6 +837,12 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
     /// halt recorded in the store. A halt the store fails to record stays halted
     /// here, and the next poll writes it again.
     async fn halt_group(&self, group: &ConsumerGroup, cause: &ClaimInvariantViolated, run: &Run) {
+        if run.resumed.is_cancelled() {
+            // A batch of a run resumed since: its delivery, held, goes back to the
+            // queue, and the current run stops on it again if the cause is not fixed.
+            tracing::warn!(group = %group, %cause, "a stop of a run resumed since; its delivery goes back to the queue");
+            return;
+        }
         self.halt_run(
             group,
             cause,
