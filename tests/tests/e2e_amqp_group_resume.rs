@@ -34,6 +34,8 @@ struct Scene {
     /// The cause: while set, the halting group's handler rolls back the store's
     /// transaction on `stop-*` keys (a claim invariant violation: the group stops).
     broken: Arc<AtomicBool>,
+    /// Set once a `slow-*` key's handler call began.
+    slow_started: Arc<AtomicBool>,
     halting_calls: Calls,
     going_on_calls: Calls,
 }
@@ -45,8 +47,17 @@ impl Scene {
         let topology = amqp::test_topology(&amqp::unique_prefix("resume"), &[50, 100]);
         let broken = Arc::new(AtomicBool::new(true));
         let flag = Arc::clone(&broken);
+        let slow_started = Arc::new(AtomicBool::new(false));
+        let started = Arc::clone(&slow_started);
         let halting = Recorder::new(HALTING).behaviour(move |key, _| {
-            if key.starts_with("stop-") && flag.load(Ordering::SeqCst) {
+            let broken = flag.load(Ordering::SeqCst);
+            if key.starts_with("slow-") {
+                // A batch that started while the cause was there and ends after the
+                // group was resumed: it stops on a run resumed since.
+                started.store(true, Ordering::SeqCst);
+                std::thread::sleep(ms(3000));
+            }
+            if (key.starts_with("stop-") || key.starts_with("slow-")) && broken {
                 Outcome::IgnoreSql("ROLLBACK")
             } else {
                 Outcome::Apply
@@ -69,25 +80,33 @@ impl Scene {
             topology,
             store: Arc::new(store),
             broken,
+            slow_started,
             halting_calls,
             going_on_calls,
         })
     }
 
     fn consumer(&self, halt_poll: Duration) -> Consumer<Store<PgConnection>> {
+        self.consumer_with(
+            ConsumerSettings::default()
+                .workers(1)
+                .prefetch(20)
+                .batch(10, ms(5)),
+            halt_poll,
+        )
+    }
+
+    fn consumer_with(
+        &self,
+        settings: ConsumerSettings,
+        halt_poll: Duration,
+    ) -> Consumer<Store<PgConnection>> {
         Consumer::new(
             self.url.clone(),
             Arc::clone(&self.store),
             self.topology.clone(),
         )
-        .with_settings(
-            ConsumerSettings::default()
-                .workers(1)
-                .prefetch(20)
-                .batch(10, ms(5))
-                .backoff(ms(50), ms(500))
-                .halt_poll(halt_poll),
-        )
+        .with_settings(settings.backoff(ms(50), ms(500)).halt_poll(halt_poll))
     }
 
     /// Publishes `keys` as `usage.recorded` (both groups take it) and waits for the
@@ -285,5 +304,62 @@ async fn a_restart_while_halted_keeps_the_group_halted() {
     assert_eq!(scene.halted_in_store(), [HALTING]);
     shutdown.cancel();
     running.await.unwrap().unwrap();
+    scene.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_of_a_run_resumed_since_never_halts_the_group_again() {
+    let Some(scene) = Scene::new() else { return };
+    scene.declare().await;
+    // Two workers, one delivery each: one is busy with `slow-1` (3 s, begun while the
+    // cause is there) when the other halts the group on `stop-1`.
+    let consumer = scene.consumer_with(
+        ConsumerSettings::default()
+            .workers(2)
+            .prefetch(1)
+            .batch(1, ms(5)),
+        ms(50),
+    );
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    scene.publish(&["slow-1"]).await;
+    let slow = eventually(Duration::from_secs(30), || {
+        scene.slow_started.load(Ordering::SeqCst)
+    })
+    .await;
+    assert!(slow, "{:?}", stats.snapshot());
+    scene.publish(&["stop-1"]).await;
+    let halted = eventually(Duration::from_secs(30), || {
+        scene.halted_in_store() == [HALTING]
+    })
+    .await;
+    assert!(halted, "{:?}", stats.snapshot());
+
+    // Resumed while `slow-1`'s batch still runs; that batch then stops on the old run.
+    scene.broken.store(false, Ordering::SeqCst);
+    assert!(scene.store.resume_group(HALTING).unwrap());
+    let applied = eventually(Duration::from_secs(30), || {
+        scene.effects_of("slow-1") == 2 && scene.effects_of("stop-1") == 2
+    })
+    .await;
+    assert!(
+        applied,
+        "{:?}; halted in the store: {:?}",
+        stats.snapshot(),
+        scene.halted_in_store()
+    );
+    // Past a few polls: the stale stop recorded no halt, and the group consumes.
+    tokio::time::sleep(ms(300)).await;
+    assert!(scene.halted_in_store().is_empty());
+    assert!(stats.snapshot().halted.is_empty(), "{:?}", stats.snapshot());
+    assert_eq!(
+        calls_of(&scene.halting_calls, "slow-1"),
+        2,
+        "once before the resume, once after"
+    );
+    shutdown.cancel();
+    running.await.unwrap().expect("the consumer ends cleanly");
+    assert_eq!(scene.depth(HALTING).await, 0);
     scene.cleanup().await;
 }
