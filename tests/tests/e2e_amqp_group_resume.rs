@@ -14,7 +14,8 @@ use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::ConsumerGroup;
 use inbox_diesel::Store;
 use inbox_test_support::amqp::{
-    self, amqp_url, confirm_channel, eventually, publish, queue_depth, wait_for_confirms, Outgoing,
+    self, amqp_url, confirm_channel, eventually, publish, queue_depth, raw, wait_for_confirms,
+    Outgoing,
 };
 use inbox_test_support::{ms, Fixture, Outcome, PgFixture, Recorder, TestConn};
 
@@ -147,9 +148,14 @@ impl Scene {
     }
 
     async fn depth(&self, group: &str) -> u32 {
+        self.depth_of(&self.topology.queue(&ConsumerGroup::new(group).unwrap()))
+            .await
+    }
+
+    /// Messages ready in `queue` (not those a consumer holds unacked).
+    async fn depth_of(&self, queue: &str) -> u32 {
         let conn = amqp::connect(&self.url).await;
-        let queue = self.topology.queue(&ConsumerGroup::new(group).unwrap());
-        let depth = queue_depth(&conn, &queue).await;
+        let depth = queue_depth(&conn, queue).await;
         let _ = conn.close(200, "done".into()).await;
         depth
     }
@@ -361,5 +367,69 @@ async fn a_stop_of_a_run_resumed_since_never_halts_the_group_again() {
     shutdown.cancel();
     running.await.unwrap().expect("the consumer ends cleanly");
     assert_eq!(scene.depth(HALTING).await, 0);
+    scene.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_halts_its_group_holds_its_delivery_even_as_a_cautious_session_ends() {
+    let Some(scene) = Scene::new() else { return };
+    scene.declare().await;
+    let halting = ConsumerGroup::new(HALTING).unwrap();
+    // A cautious session relaxes once `prefetch` (2) deliveries settled: here the
+    // second is the one that halts the group.
+    let consumer = scene.consumer_with(
+        ConsumerSettings::default()
+            .workers(1)
+            .prefetch(2)
+            .batch(1, ms(5)),
+        Duration::from_secs(600),
+    );
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(shutdown.clone()));
+    // A message the client cannot parse, straight into the halting group's queue: its
+    // workers' connection fails on it until the queue's delivery limit parks it.
+    let poison = raw::Properties {
+        message_id: Some(b"bad-\xff\xfe-id".to_vec()),
+        message_type: Some(b"usage.recorded".to_vec()),
+        headers: None,
+    };
+    raw::publish(
+        &scene.url,
+        "",
+        &scene.topology.queue(&halting),
+        &poison,
+        br#"{"amount":1}"#,
+    )
+    .await
+    .expect("the broker takes the poison");
+    let unreadable = scene.topology.unreadable(&halting);
+    let mut parked = false;
+    for _ in 0..600 {
+        if scene.depth_of(&unreadable).await >= 1 {
+            parked = true;
+            break;
+        }
+        tokio::time::sleep(ms(100)).await;
+    }
+    assert!(parked, "the poison was not parked: {:?}", stats.snapshot());
+
+    // The workers' session is cautious now: `a-1` settles one, `stop-1` halts.
+    scene.publish(&["a-1", "stop-1"]).await;
+    let halted = eventually(Duration::from_secs(30), || {
+        scene.halted_in_store() == [HALTING] && calls_of(&scene.halting_calls, "stop-1") == 1
+    })
+    .await;
+    assert!(halted, "{:?}", stats.snapshot());
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(
+        scene.depth(HALTING).await,
+        0,
+        "stop-1 is held by the halted group's worker, not handed back to the queue"
+    );
+    assert_eq!(calls_of(&scene.halting_calls, "stop-1"), 1);
+    assert_eq!(scene.effects_of("a-1"), 2);
+    shutdown.cancel();
+    running.await.unwrap().expect("the consumer ends cleanly");
     scene.cleanup().await;
 }
