@@ -61,15 +61,15 @@ use inbox_core::{
 };
 use inbox_diesel::Store;
 use inbox_examples::bench::{
-    count_statements, cpu_ticks, env_or, service_urls, statements_sent, TICKS_PER_SECOND,
+    count_statements, cpu_ticks, env_or, publish_workload, service_urls, statements_sent,
+    workload_with_duplicates, TICKS_PER_SECOND,
 };
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 
 /// Deliveries per batch (`BENCH_BATCH`); each consumer's prefetch is twice that.
 fn batch_size() -> usize {
@@ -163,31 +163,9 @@ impl Bench {
 
     /// Publishes the workload (with its duplicates) to `exchange` / `routing_key`.
     async fn fill(&self, conn: &Connection, exchange: &str, routing_key: &str) {
-        let channel = conn.create_channel().await.expect("channel");
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
+        publish_workload(conn, exchange, routing_key, &self.workload, &self.order)
             .await
-            .expect("confirms");
-        for &i in &self.order {
-            let (key, event) = &self.workload.events[i];
-            let body = serde_json::to_vec(event).expect("json");
-            channel
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.into(),
-                    BasicPublishOptions::default(),
-                    &body,
-                    BasicProperties::default()
-                        .with_message_id(key.as_str().into())
-                        .with_type(MESSAGE_TYPE.into())
-                        .with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
-        }
-        let returned = channel.wait_for_confirms().await.expect("confirms");
-        assert!(returned.is_empty(), "unroutable during fill");
-        let _ = channel.close(200, "filled".into()).await;
+            .expect("publish");
         // The broker keeps writing what it just confirmed (a quorum queue moves its log
         // into segment files) for a while: let that finish before any clock starts.
         tokio::time::sleep(settle()).await;
@@ -834,19 +812,8 @@ async fn main() {
         return;
     }
     let events: usize = env_or("BENCH_EVENTS", 20_000);
-    let unique = events * 10 / 11;
-    let workload = Workload::generate(unique, 0, 2026);
     // Duplicates spread through the stream: every 10th unique event comes again later.
-    let mut order: Vec<usize> = Vec::with_capacity(events);
-    for i in 0..unique {
-        order.push(i);
-        if i % 10 == 5 && order.len() < events {
-            order.push(i.saturating_sub(3));
-        }
-    }
-    while order.len() < events {
-        order.push(order.len() % unique);
-    }
+    let (workload, order) = workload_with_duplicates(events, 2026);
     let run = format!("bench_{}", std::process::id());
     // One application_name for every connection of the run (the same URL for every
     // scenario), by which the run's backends are found.

@@ -16,8 +16,7 @@ use inbox_core::{
     RetryPolicy,
 };
 use inbox_diesel::Store;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 
 use crate::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 
@@ -272,49 +271,16 @@ pub struct Deliveries {
 impl Deliveries {
     /// `events` deliveries drawn from `seed` (another seed, other keys).
     pub fn generate(events: usize, seed: u64) -> Self {
-        let unique = (events * 10 / 11).max(1);
-        let workload = Workload::generate(unique, 0, seed);
-        let mut order: Vec<usize> = Vec::with_capacity(events);
-        for i in 0..unique {
-            order.push(i);
-            if i % 10 == 5 && order.len() < events {
-                order.push(i.saturating_sub(3));
-            }
-        }
-        while order.len() < events {
-            order.push(order.len() % unique);
-        }
+        let (workload, order) = workload_with_duplicates(events, seed);
         Self { workload, order }
     }
 
     /// Publishes every delivery to `exchange` / `routing_key` with confirms, then
     /// waits [`settle`].
     pub async fn fill(&self, conn: &Connection, exchange: &str, routing_key: &str) {
-        let channel = conn.create_channel().await.expect("channel");
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
+        publish_workload(conn, exchange, routing_key, &self.workload, &self.order)
             .await
-            .expect("confirms");
-        for &i in &self.order {
-            let (key, event) = &self.workload.events[i];
-            let body = serde_json::to_vec(event).expect("json");
-            channel
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.into(),
-                    BasicPublishOptions::default(),
-                    &body,
-                    BasicProperties::default()
-                        .with_message_id(key.as_str().into())
-                        .with_type(MESSAGE_TYPE.into())
-                        .with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
-        }
-        let returned = channel.wait_for_confirms().await.expect("confirms");
-        assert!(returned.is_empty(), "unroutable during fill");
-        let _ = channel.close(200, "filled".into()).await;
+            .expect("publish");
         tokio::time::sleep(settle()).await;
     }
 }
