@@ -8,11 +8,37 @@ pub mod ops;
 pub mod quickstart;
 pub mod usage;
 
-/// The workspace README, whose Rust blocks `cargo test --doc` compiles against the
-/// library crates (this crate depends on all of them).
+/// The workspace README and the guides in `docs/`, whose Rust blocks `cargo test --doc`
+/// compiles against the library crates (this crate depends on all of them).
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-mod readme {}
+mod guides {
+    #[doc = include_str!("../../README.md")]
+    mod readme {}
+    #[doc = include_str!("../../docs/guarantees.md")]
+    mod guarantees {}
+    #[doc = include_str!("../../docs/testing.md")]
+    mod testing {}
+    #[doc = include_str!("../../docs/handlers.md")]
+    mod handlers {}
+    #[doc = include_str!("../../docs/rabbitmq.md")]
+    mod rabbitmq {}
+    #[doc = include_str!("../../docs/errors.md")]
+    mod errors {}
+    #[doc = include_str!("../../docs/outbox.md")]
+    mod outbox {}
+    #[doc = include_str!("../../docs/credit-ledger.md")]
+    mod credit_ledger {}
+    #[doc = include_str!("../../docs/idempotency.md")]
+    mod idempotency {}
+    #[doc = include_str!("../../docs/rebuilds.md")]
+    mod rebuilds {}
+    #[doc = include_str!("../../docs/operating.md")]
+    mod operating {}
+    #[doc = include_str!("../../docs/storage.md")]
+    mod storage {}
+    #[doc = include_str!("../../docs/performance.md")]
+    mod performance {}
+}
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at
 /// `info`, everything else (lapin, diesel, ...) at `warn`.

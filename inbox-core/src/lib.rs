@@ -45,8 +45,6 @@ mod error;
 mod handler;
 mod idempotency;
 mod key;
-#[doc(hidden)]
-pub mod names;
 mod outbox;
 mod rebuild;
 mod relay;
@@ -77,6 +75,15 @@ pub use idempotency::{
 /// handler struct from its `#[inbox(...)]` attribute.
 #[cfg(feature = "derive")]
 pub use inbox_macros::Handler;
+/// The [`Handler`](trait@Handler) trait alone, without the derive: for the facade crate,
+/// which re-exports its own derive under the same name.
+#[doc(hidden)]
+pub mod handler_trait {
+    pub use crate::handler::Handler;
+}
+/// The name rules, shared with the derive (the `inbox-names` crate).
+#[doc(hidden)]
+pub use inbox_names as names;
 pub use key::{ClaimKey, ConsumerGroup, MessageKey};
 pub use outbox::{
     EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,

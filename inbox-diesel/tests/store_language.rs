@@ -4,7 +4,8 @@
 //! not.
 //!
 //! The server must have a German locale (`.ci/run` makes one); without it these tests
-//! skip, or fail under `INBOX_REQUIRE_SERVICES=1`.
+//! are skipped with a `skipped: this machine lacks the de_DE.UTF-8 locale ...` line on
+//! the terminal, and fail under `INBOX_REQUIRE_SERVICES=1`.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -30,8 +31,9 @@ fn key(k: &str) -> ClaimKey {
 }
 
 /// A schema of the test's own on a server that can answer in German, or `None` (the
-/// test skips) when PostgreSQL is missing or lacks the locale and
-/// `INBOX_SKIP_SERVICES=1`; the test fails in those cases otherwise.
+/// test skips): when PostgreSQL is missing and `INBOX_SKIP_SERVICES=1`, or when the
+/// server lacks the locale (said on the terminal). Under `INBOX_REQUIRE_SERVICES=1`
+/// both fail instead.
 fn translated_server() -> Option<PgFixture> {
     let fx = PgFixture::new()?;
     let mut conn = fx.connect();
@@ -41,12 +43,12 @@ fn translated_server() -> Option<PgFixture> {
         && matches!(conn.batch_execute("SELECT 1/0"),
                     Err(err) if err.to_string().contains("Division durch Null"));
     if !german {
-        inbox_test_support::services::unavailable(
-            Service::Postgres,
-            &format!("the server cannot answer in German: it needs the {GERMAN} locale"),
+        inbox_test_support::services::machine_lacks(
+            "the de_DE.UTF-8 locale",
+            &format!("the PostgreSQL server cannot answer in German: it needs the {GERMAN} locale"),
             &format!(
-                "add it (localedef --no-archive -i de_DE -f UTF-8 {GERMAN}, as .ci/run does), \
-                 with PostgreSQL's translations (postgres-15.mo), and restart the server"
+                "add it with `localedef --no-archive -i de_DE -f UTF-8 {GERMAN}` (as .ci/run \
+                 does; the server sees a locale directory without a restart)"
             ),
         );
         return None;

@@ -194,7 +194,7 @@ impl Attrs {
         match key {
             "group" => {
                 let lit: LitStr = value(input)?.parse()?;
-                // The same rules as `ConsumerGroup::new`: one copy, in names.rs.
+                // The same rules as `ConsumerGroup::new`: one copy, in the inbox-names crate.
                 if let Err(problem) = names::check_group_name(&lit.value()) {
                     cx.error_spanned_by(&lit, format!("invalid consumer group: {problem}"));
                 }

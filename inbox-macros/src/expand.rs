@@ -8,7 +8,9 @@ use crate::attr::{self, Connection, Retry, Spec};
 use crate::ctxt::Ctxt;
 
 /// The whole derive: the impls, or every error found.
-pub(crate) fn derive(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
+/// `root` is the path the generated code names inbox-core by (`::inbox_core`, or the
+/// facade's hidden re-export of it).
+pub(crate) fn derive(input: &DeriveInput, root: &TokenStream) -> Result<TokenStream, TokenStream> {
     let mut cx = Ctxt::default();
     match &input.data {
         Data::Struct(_) => {}
@@ -31,19 +33,19 @@ pub(crate) fn derive(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
                 .into_compile_error(),
         );
     };
-    Ok(impls(input, &spec))
+    Ok(impls(input, &spec, root))
 }
 
-fn impls(input: &DeriveInput, spec: &Spec) -> TokenStream {
+fn impls(input: &DeriveInput, spec: &Spec, root: &TokenStream) -> TokenStream {
     match &spec.connection {
         Connection::Types(types) => types
             .iter()
-            .map(|ty| one_impl(input, spec, ty, None))
+            .map(|ty| one_impl(input, spec, ty, None, root))
             .collect(),
         Connection::Generic(bounds) => {
             let param = Ident::new("__InboxConnection", Span::call_site());
             let ty: Type = parse_quote!(#param);
-            one_impl(input, spec, &ty, Some(quote!(#param: #bounds)))
+            one_impl(input, spec, &ty, Some(quote!(#param: #bounds)), root)
         }
     }
 }
@@ -55,6 +57,7 @@ fn one_impl(
     spec: &Spec,
     conn: &Type,
     extra_param: Option<TokenStream>,
+    root: &TokenStream,
 ) -> TokenStream {
     let ident = &input.ident;
     let generics = impl_generics(&input.generics, extra_param);
@@ -73,14 +76,14 @@ fn one_impl(
 
     let handle = call_path(spec.handle.as_ref(), "handle", ident);
     let handle_guard = inherent_guard("handle");
-    let retry = retry_policy(&spec.retry, ident);
+    let retry = retry_policy(&spec.retry, ident, root);
     let fold = spec.fold.as_ref().map(|fold| {
         quote! {
             fn fold(
                 &self,
                 conn: &mut #conn,
-                batch: &[(Self::Message, ::inbox_core::MessageContext<'_>)],
-            ) -> ::core::option::Option<::core::result::Result<(), ::inbox_core::HandlerError>> {
+                batch: &[(Self::Message, #root::MessageContext<'_>)],
+            ) -> ::core::option::Option<::core::result::Result<(), #root::HandlerError>> {
                 ::core::option::Option::Some(
                     #fold(self, conn, batch).map_err(::core::convert::Into::into),
                 )
@@ -89,7 +92,7 @@ fn one_impl(
     });
     let lock = spec.lock.as_ref().map(|lock| {
         quote! {
-            fn lock(&self) -> ::core::option::Option<::inbox_core::ProjectionLock> {
+            fn lock(&self) -> ::core::option::Option<#root::ProjectionLock> {
                 ::core::option::Option::Some(#lock(self))
             }
         }
@@ -97,15 +100,15 @@ fn one_impl(
 
     quote! {
         #[automatically_derived]
-        impl #impl_generics ::inbox_core::Handler<#conn> for #ident #ty_generics #where_clause {
+        impl #impl_generics #root::Handler<#conn> for #ident #ty_generics #where_clause {
             #message_item
 
-            fn group(&self) -> &::inbox_core::ConsumerGroup {
+            fn group(&self) -> &#root::ConsumerGroup {
                 // A static, since the derive cannot add a field; the name does not depend
                 // on the struct's type parameters.
-                static GROUP: ::std::sync::OnceLock<::inbox_core::ConsumerGroup> =
+                static GROUP: ::std::sync::OnceLock<#root::ConsumerGroup> =
                     ::std::sync::OnceLock::new();
-                GROUP.get_or_init(|| match ::inbox_core::ConsumerGroup::new(#group) {
+                GROUP.get_or_init(|| match #root::ConsumerGroup::new(#group) {
                     ::core::result::Result::Ok(group) => group,
                     ::core::result::Result::Err(_) => ::core::unreachable!(
                         "#[derive(Handler)] checked the consumer group name at compile time"
@@ -123,8 +126,8 @@ fn one_impl(
                 &self,
                 conn: &mut #conn,
                 msg: Self::Message,
-                ctx: &::inbox_core::MessageContext<'_>,
-            ) -> ::core::result::Result<(), ::inbox_core::HandlerError> {
+                ctx: &#root::MessageContext<'_>,
+            ) -> ::core::result::Result<(), #root::HandlerError> {
                 #handle_guard
                 #handle(self, conn, msg, ctx).map_err(::core::convert::Into::into)
             }
@@ -212,7 +215,7 @@ fn inherent_guard(name: &str) -> TokenStream {
     }
 }
 
-fn retry_policy(retry: &Retry, ident: &Ident) -> TokenStream {
+fn retry_policy(retry: &Retry, ident: &Ident, root: &TokenStream) -> TokenStream {
     match retry {
         Retry::Default => TokenStream::new(),
         Retry::Fixed {
@@ -225,8 +228,8 @@ fn retry_policy(retry: &Retry, ident: &Ident) -> TokenStream {
             // The derive checked these settings with the rules of `RetryPolicy::new`
             // (crate::retry, whose tests compare the two), so `new` cannot fail here.
             quote! {
-                fn retry_policy(&self) -> ::inbox_core::RetryPolicy {
-                    match ::inbox_core::RetryPolicy::new(
+                fn retry_policy(&self) -> #root::RetryPolicy {
+                    match #root::RetryPolicy::new(
                         #max_attempts,
                         ::core::time::Duration::new(#initial_s, #initial_ns),
                         ::core::time::Duration::new(#max_s, #max_ns),
@@ -243,7 +246,7 @@ fn retry_policy(retry: &Retry, ident: &Ident) -> TokenStream {
             let call = call_path(Some(path), "retry_policy", ident);
             let guard = inherent_guard("retry_policy");
             quote! {
-                fn retry_policy(&self) -> ::inbox_core::RetryPolicy {
+                fn retry_policy(&self) -> #root::RetryPolicy {
                     #guard
                     #call(self)
                 }

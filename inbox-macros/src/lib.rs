@@ -16,15 +16,8 @@ use syn::{parse_macro_input, DeriveInput};
 mod attr;
 mod ctxt;
 mod expand;
-// The consumer group name rules, compiled from inbox-core's own file: `src/names.rs` is a
-// symbolic link to it, which `cargo package` stores as a regular file, so the published
-// crate carries them too. inbox-core depends on this crate, so this crate cannot call
-// it; one file compiled twice means a name the derive accepts at compile time is exactly
-// one `ConsumerGroup::new` accepts at run time.
-#[allow(dead_code)] // the message key rules are inbox-core's alone
-// `pub` where inbox-core exports it; private here.
-#[allow(unreachable_pub)]
-mod names;
+// The consumer group name rules, shared with inbox-core at run time.
+use inbox_names as names;
 mod retry;
 
 /// Implements `inbox_core::Handler` for a handler struct, from an `#[inbox(...)]`
@@ -195,7 +188,22 @@ mod retry;
 #[proc_macro_derive(Handler, attributes(inbox))]
 pub fn derive_handler(input: TokenStream) -> TokenStream {
     let input = parse_macro_input!(input as DeriveInput);
-    expand::derive(&input)
+    expand::derive(&input, &quote::quote!(::inbox_core))
         .unwrap_or_else(|errors| errors)
         .into()
+}
+
+/// The same derive for applications that depend on the facade crate `inbox-outbox`
+/// alone: the generated code names inbox-core through the facade's hidden re-export.
+/// Hidden: the facade re-exports it as `Handler`; nobody names it.
+#[doc(hidden)]
+#[proc_macro_derive(FacadeHandler, attributes(inbox))]
+pub fn derive_facade_handler(input: TokenStream) -> TokenStream {
+    let input = parse_macro_input!(input as DeriveInput);
+    expand::derive(
+        &input,
+        &quote::quote!(::inbox_outbox::__private::inbox_core),
+    )
+    .unwrap_or_else(|errors| errors)
+    .into()
 }

@@ -156,6 +156,28 @@ pub fn unavailable(service: Service, why: &str, fix: &str) {
     });
 }
 
+/// A test that needs something of the machine's that is not a service (the server's
+/// German locale, say) and does not find it. Under `INBOX_REQUIRE_SERVICES=1` (CI, whose
+/// `.ci/run` provides it) the test fails; otherwise it is skipped out loud: one
+/// `skipped: ...` line per `what` goes straight to the terminal, past cargo test's
+/// output capture, and the caller returns early. A plain `cargo test --workspace` on a
+/// machine without it thus passes and says what it did not run.
+pub fn machine_lacks(what: &'static str, why: &str, fix: &str) {
+    if services_required() {
+        panic!("INBOX_REQUIRE_SERVICES=1 but this machine lacks {what}: {why}; {fix}");
+    }
+    static SAID: OnceLock<std::sync::Mutex<Vec<&'static str>>> = OnceLock::new();
+    let said = SAID.get_or_init(Default::default);
+    let mut said = said.lock().unwrap_or_else(|p| p.into_inner());
+    if !said.contains(&what) {
+        said.push(what);
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: this machine lacks {what} ({why}); {fix}"
+        );
+    }
+}
+
 fn locate(service: Service) -> Option<String> {
     let from_env = service
         .variables()

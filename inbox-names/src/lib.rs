@@ -1,9 +1,8 @@
-//! Name rules shared by `inbox-core` and `inbox-macros`.
-//!
-//! This file is the single copy of the rules: `inbox-macros` compiles it too (its
-//! `src/names.rs` is a symbolic link to this file), so a group name the derive
-//! accepts at compile time is exactly one `ConsumerGroup::new` accepts at run time.
-//! Keep it dependency-free.
+//! The name rules shared by `inbox-core` and `inbox-macros`: one copy, so a consumer
+//! group name the derive accepts at compile time is exactly one `ConsumerGroup::new`
+//! accepts at run time. A crate of its own because inbox-core depends on inbox-macros,
+//! which therefore cannot depend on inbox-core. Dependency-free.
+#![forbid(unsafe_code)]
 
 /// Longest consumer group name, in bytes.
 pub const MAX_GROUP_LEN: usize = 100;

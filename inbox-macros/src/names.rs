@@ -1,1 +1,0 @@
-../../inbox-core/src/names.rs
