@@ -1,0 +1,167 @@
+//! The order service example (`examples/order_service`), run as its README says: three
+//! orders placed, the consumer and relay in one process, the totals exact, a damaged
+//! projection healed by `rebuild`, and the mounted operator commands answering.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use diesel::connection::SimpleConnection;
+use diesel::sql_types::{BigInt, Text};
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use inbox_amqp::Topology;
+use inbox_core::ConsumerGroup;
+
+#[derive(QueryableByName, Debug, PartialEq)]
+struct Total {
+    #[diesel(sql_type = Text)]
+    customer: String,
+    #[diesel(sql_type = BigInt)]
+    cents: i64,
+}
+
+struct Scene {
+    base: String,
+    url: String,
+    amqp: String,
+    schema: String,
+    prefix: String,
+}
+
+impl Scene {
+    fn new() -> Option<Self> {
+        let base = inbox_test_support::postgres_url()?;
+        let amqp = inbox_test_support::amqp::amqp_url()?;
+        let schema = inbox_test_support::unique_name("orders");
+        PgConnection::establish(&base)
+            .unwrap()
+            .batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
+            .unwrap();
+        let url = inbox_test_support::search_path_url(&base, &schema);
+        let prefix = format!("{schema}.");
+        Some(Self {
+            base,
+            url,
+            amqp,
+            schema,
+            prefix,
+        })
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(inbox_test_support::example_path("order_service"));
+        cmd.args(args)
+            .env("DATABASE_URL", &self.url)
+            .env("AMQP_URL", &self.amqp)
+            .env("INBOX_PREFIX", &self.prefix)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let out = self.command(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "order_service {args:?}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn totals(&self) -> Vec<Total> {
+        let mut conn = PgConnection::establish(&self.url).unwrap();
+        diesel::sql_query("SELECT customer, cents FROM customer_totals ORDER BY customer")
+            .load(&mut conn)
+            .unwrap()
+    }
+}
+
+impl Drop for Scene {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = PgConnection::establish(&self.base) {
+            let _ = conn.batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+                self.schema
+            ));
+        }
+        let topology = Topology::new("shop")
+            .and_then(|t| t.prefix(self.prefix.clone()))
+            .map(|t| {
+                t.group(
+                    ConsumerGroup::new("shop.customer-totals").unwrap(),
+                    ["order.placed"],
+                )
+            });
+        if let (Ok(topology), Ok(rt)) = (topology, tokio::runtime::Runtime::new()) {
+            let amqp = self.amqp.clone();
+            rt.block_on(async move {
+                if let Ok(conn) =
+                    lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default()).await
+                {
+                    let _ = topology.delete(&conn).await;
+                    let _ = conn.close(200, "test over".into()).await;
+                }
+            });
+        }
+    }
+}
+
+fn t(customer: &str, cents: i64) -> Total {
+    Total {
+        customer: customer.to_owned(),
+        cents,
+    }
+}
+
+#[test]
+fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_commands() {
+    let Some(scene) = Scene::new() else { return };
+    for (customer, cents) in [("ada", "1250"), ("bob", "300"), ("ada", "50")] {
+        scene.run(&["place", customer, cents]);
+    }
+    let mut service = scene
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while scene.totals() != [t("ada", 1300), t("bob", 300)] {
+        assert!(
+            Instant::now() < deadline,
+            "totals after 60 s: {:?}",
+            scene.totals()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(Command::new("kill")
+        .args(["-TERM", &service.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let status = service.wait().unwrap();
+    assert!(
+        status.success(),
+        "the service stops cleanly on SIGTERM: {status}"
+    );
+
+    let mut conn = PgConnection::establish(&scene.url).unwrap();
+    conn.batch_execute("UPDATE customer_totals SET cents = 1")
+        .unwrap();
+    let report = scene.run(&["rebuild"]);
+    let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+    assert_eq!(report["events_covered"], 3, "{report}");
+    assert_eq!(report["rows_changed"], 2, "{report}");
+    assert_eq!(scene.totals(), [t("ada", 1300), t("bob", 300)]);
+
+    let stats = scene.run(&["--json", "stats"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert!(
+        stats.to_string().contains("shop.customer-totals"),
+        "{stats}"
+    );
+    let letters = scene.run(&["dead-letters", "list"]);
+    assert!(String::from_utf8_lossy(&letters.stdout).contains("0 dead letters"));
+}
