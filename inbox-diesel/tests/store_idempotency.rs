@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_core::{
-    Clock, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, ManualClock,
-    RequestFields, Settlement,
+    Clock, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, LeaseToken,
+    ManualClock, RequestFields, Settlement,
 };
 use inbox_diesel::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
@@ -57,12 +57,18 @@ impl<C: StoreConnection> Env<C> {
         begin_request(&mut *conn, &request, now).unwrap()
     }
 
-    fn commit(&self, caller: &str, key: &IdempotencyKey, token: i64) -> Result<(), Error> {
+    fn commit(&self, caller: &str, key: &IdempotencyKey, token: LeaseToken) -> Result<(), Error> {
         let mut conn = self.store.connection().unwrap();
         commit_request(&mut *conn, caller, key, token, self.clock.now())
     }
 
-    fn settle(&self, caller: &str, key: &IdempotencyKey, token: i64, s: &Settlement) -> bool {
+    fn settle(
+        &self,
+        caller: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        s: &Settlement,
+    ) -> bool {
         let mut conn = self.store.connection().unwrap();
         settle_request(&mut *conn, caller, key, token, s, self.clock.now()).unwrap()
     }
@@ -130,7 +136,8 @@ fn an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first<F: Fixtur
     let IdempotencyAnswer::Execute { token: second } = env.begin("a", &k, &fp) else {
         panic!("the lease ran out before any commit: the key is free");
     };
-    assert!(second > first);
+    // A new token, not the next number: a token never repeats for a key.
+    assert_ne!(second, first);
     // The first request's late commit is fenced off: it must roll its debit back.
     match env.commit("a", &k, first) {
         Err(Error::Fenced { token, .. }) => assert_eq!(token, first),
@@ -149,7 +156,7 @@ fn a_request_refused_before_its_commit_gives_its_key_back<F: Fixture>(fx: &F) {
         panic!("executes");
     };
     let mut conn = env.store.connection().unwrap();
-    assert!(!abandon_request(&mut *conn, "a", &k, token + 1).unwrap());
+    assert!(!abandon_request(&mut *conn, "a", &k, LeaseToken::random()).unwrap());
     assert!(abandon_request(&mut *conn, "a", &k, token).unwrap());
     assert_eq!(read_request(&mut *conn, "a", &k).unwrap(), None);
     drop(conn);
@@ -180,7 +187,7 @@ fn a_delivered_request_refunded_later_answers_refunded<F: Fixture>(fx: &F) {
         response: b"line\n".to_vec(),
     };
     assert!(settle_request(&mut *conn, "a", &k, token, &body, now).unwrap());
-    assert!(!refund_delivered_request(&mut *conn, "a", &k, token + 1, now).unwrap());
+    assert!(!refund_delivered_request(&mut *conn, "a", &k, LeaseToken::random(), now).unwrap());
     assert!(refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
     assert!(!refund_delivered_request(&mut *conn, "a", &k, token, now).unwrap());
     let stored = read_request(&mut *conn, "a", &k).unwrap().unwrap();
@@ -274,6 +281,89 @@ fn no_stored_column_holds_the_secret_or_the_request<F: Fixture>(fx: &F) {
     assert!(stored.response.is_none());
 }
 
+/// Issue 21, item 2 (the abandon path): request A stalls past its lease, B takes the
+/// key over and is refused (abandons), C begins afresh with other content. A's late
+/// commit must not land on C's record: a token never repeats for a key.
+fn a_late_commit_never_lands_on_a_record_begun_after_an_abandon<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let k = key("aba-abandon");
+    let (fp_a, fp_c) = (fingerprint("A", b"s"), fingerprint("C", b"s"));
+    let IdempotencyAnswer::Execute { token: a } = env.begin("a", &k, &fp_a) else {
+        panic!("A executes");
+    };
+    env.clock.advance(LEASE);
+    let IdempotencyAnswer::Execute { token: b } = env.begin("a", &k, &fp_a) else {
+        panic!("B takes the expired key over");
+    };
+    let mut conn = env.store.connection().unwrap();
+    assert!(abandon_request(&mut *conn, "a", &k, b).unwrap());
+    drop(conn);
+    let IdempotencyAnswer::Execute { token: c } = env.begin("a", &k, &fp_c) else {
+        panic!("C begins afresh");
+    };
+    println!("tokens: a={a:?} b={b:?} c={c:?}");
+    match env.commit("a", &k, a) {
+        Err(Error::Fenced { .. }) => {}
+        other => panic!("A's late commit landed on C's record: {other:?}"),
+    }
+    assert_ne!(c, a, "C was handed A's token again");
+    assert!(!env.settle(
+        "a",
+        &k,
+        a,
+        &Settlement::Delivered {
+            response: b"A's body".to_vec()
+        }
+    ));
+    // C's record is C's: it commits, settles, and its replays get C's response.
+    env.commit("a", &k, c).unwrap();
+    let body = b"C's body".to_vec();
+    assert!(env.settle(
+        "a",
+        &k,
+        c,
+        &Settlement::Delivered {
+            response: body.clone()
+        }
+    ));
+    assert_eq!(
+        env.begin("a", &k, &fp_c),
+        IdempotencyAnswer::Replay { response: body }
+    );
+}
+
+/// Issue 21, item 2 (the purge path): A stalls, its expired, uncommitted record is
+/// purged a day later, C begins afresh with other content; A's late commit, settle
+/// and abandon must not touch C's record.
+fn a_late_commit_never_lands_on_a_record_begun_after_a_purge<F: Fixture>(fx: &F) {
+    let env = env(fx);
+    let k = key("aba-purge");
+    let (fp_a, fp_c) = (fingerprint("A", b"s"), fingerprint("C", b"s"));
+    let IdempotencyAnswer::Execute { token: a } = env.begin("a", &k, &fp_a) else {
+        panic!("A executes");
+    };
+    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    env.clock.advance(day + LEASE + Duration::from_secs(1));
+    assert_eq!(env.store.purge_idempotency_keys(day, 10).unwrap(), 1);
+    let IdempotencyAnswer::Execute { token: c } = env.begin("a", &k, &fp_c) else {
+        panic!("C begins afresh");
+    };
+    println!("tokens: a={a:?} c={c:?}");
+    let mut conn = env.store.connection().unwrap();
+    assert!(!abandon_request(&mut *conn, "a", &k, a).unwrap());
+    drop(conn);
+    match env.commit("a", &k, a) {
+        Err(Error::Fenced { .. }) => {}
+        other => panic!("A's late commit landed on C's record: {other:?}"),
+    }
+    assert_ne!(c, a, "C was handed A's token again");
+    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    assert_eq!(stored.fingerprint, fp_c);
+    assert_eq!(stored.lease_token, c);
+    assert!(stored.committed_at.is_none(), "C's record was marked by A");
+    env.commit("a", &k, c).unwrap();
+}
+
 fn a_wrong_idempotency_index_is_refused_at_startup<F: Fixture>(fx: &F, sabotage: &str) {
     env(fx); // migrations run, the schema passes
     fx.execute(sabotage);
@@ -311,6 +401,8 @@ inbox_test_support::on_both_backends!(
     purges_are_bounded_and_keep_unsettled_commits,
     concurrent_requests_with_one_key_execute_once,
     no_stored_column_holds_the_secret_or_the_request,
+    a_late_commit_never_lands_on_a_record_begun_after_an_abandon,
+    a_late_commit_never_lands_on_a_record_begun_after_a_purge,
 );
 
 #[test]
