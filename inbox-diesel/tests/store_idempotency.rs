@@ -619,6 +619,8 @@ fn a_purge_racing_a_late_commit_never_loses_a_committed_request<F: Interleave>(f
         |c| purge_requests(c, day, 10, now).unwrap(),
     );
     assert_eq!(purged, 0);
+    // Committed, the record is kept by every later purge until it is settled.
+    assert_eq!(env.store.purge_idempotency_keys(day, 10).unwrap(), 0);
     let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
     assert!(
         stored.committed_at.is_some(),

@@ -7,9 +7,41 @@
 //! frees a key whose request died *before* its effect committed, and every later
 //! write of the first request is fenced by its lease token.
 //!
+//! A lease token ([`LeaseToken`]) is 16 random bytes drawn at every begin and every
+//! take-over: it never repeats for a key, across abandons, purges and a failover that
+//! rolls rows back with any sequence, so a guarded write matching (caller, key,
+//! token) reaches the one record and lease it was handed for, or nothing.
+//!
 //! Lock order: the caller's own rows first (a balance, a key), then the record. The
 //! functions that take a connection run inside the caller's transaction, so the
 //! commit mark and the effect commit together.
+//!
+//! # Two writers of one record
+//!
+//! The writers are begin (insert), take-over (begin's conflict branch), commit,
+//! settle, refund, abandon and purge. Each decides by one guarded statement and is
+//! judged by the rows it touched, never by a read before it (begin reads the record
+//! only to answer a request that did not get the key). On PostgreSQL the second of
+//! two writers waits on the first's row lock (or, for an insert, on the unique
+//! index) and then evaluates its guard on the row as committed; the tests force each
+//! order with two connections, the second blocked until the first commits. SQLite
+//! has one writer (every write is an immediate transaction), so two writers never
+//! overlap: the race is one of the two orders, and the same tests run both there.
+//!
+//! | writers | what happens | test (`tests/store_idempotency.rs`) |
+//! |---|---|---|
+//! | begin, begin (one key) | the second waits on the unique index, then finds the key taken: in flight (mismatch for other content) | `two_begins_of_one_key_execute_one`, `concurrent_requests_with_one_key_execute_once` |
+//! | take-over, take-over | the second re-checks `lease_until <= now` on the new lease: in flight | `two_begins_of_one_key_execute_one` |
+//! | commit, then take-over | the take-over re-checks `committed_at IS NULL`: in flight, never run twice | `a_commit_ahead_of_a_takeover_keeps_the_key` |
+//! | take-over, then commit | the commit matches the old token: fenced, roll back | `a_takeover_ahead_of_a_late_commit_fences_it` |
+//! | take-over, then abandon | the abandon matches the old token: deletes nothing | `an_abandon_racing_a_takeover_never_deletes_the_new_lease` |
+//! | abandon, then begin | the insert waits for the delete, then begins a record with a new token; the old token is fenced | `an_abandon_racing_a_takeover_never_deletes_the_new_lease`, `a_late_commit_never_lands_on_a_record_begun_after_an_abandon` |
+//! | commit, then purge | the purge skips the locked row (PostgreSQL) and never takes a committed, unsettled record | `a_purge_racing_a_late_commit_never_loses_a_committed_request` |
+//! | purge, then commit | the commit finds no record: fenced; a record begun later has another token | `a_purge_racing_a_late_commit_never_loses_a_committed_request`, `a_late_commit_never_lands_on_a_record_begun_after_a_purge` |
+//! | settle, settle (delivered against refunded) | guarded from in flight: the first wins, the second touches nothing | `a_committed_request_is_in_flight_until_settled_whatever_its_lease` |
+//! | settle, take-over or abandon | cannot meet: settle needs a committed record, take-over and abandon an uncommitted one | `an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first` |
+//! | refund (delivered to refunded), purge | one row, two guarded writes: the second finds it refunded or gone and touches nothing (refund answers `false`); not forced by a test of its own | `a_delivered_request_refunded_later_answers_refunded` (the guard alone) |
+//! | commit, abandon (one request) | both guarded by `committed_at IS NULL`: one wins | `a_request_refused_before_its_commit_gives_its_key_back` |
 
 mod verify;
 
