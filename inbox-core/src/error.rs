@@ -13,6 +13,14 @@ pub enum Error {
     /// An idempotency key is empty, longer than 255 bytes or not printable ASCII.
     #[error("invalid idempotency key: {0}")]
     InvalidIdempotencyKey(String),
+    /// A lease token was not 32 hex digits.
+    #[error("invalid lease token: expected {expected}, found {found}")]
+    InvalidLeaseToken {
+        /// What a token looks like.
+        expected: &'static str,
+        /// What was given.
+        found: String,
+    },
     /// A request's fingerprint fields were given wrongly (a name twice).
     #[error("invalid request fields: {0}")]
     InvalidRequestFields(String),

@@ -28,6 +28,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -137,6 +138,99 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
+/// The fencing token of a lease on an idempotency key: 16 random bytes, new at every
+/// begin and every take-over.
+///
+/// A token never repeats for a key: not after the record is abandoned and begun
+/// again, not after a purge, not after a database failover that rolls rows back
+/// together with any sequence. A counter would (token 1 of a deleted record is token
+/// 1 of the next one, and a late write of the first request would land on the
+/// second's record); a random value does not, so a token names one lease of one
+/// record, and a write fenced by it reaches that record or none. It is drawn from the
+/// operating system's generator (a version 4 UUID: 122 random bits).
+///
+/// `Display` and `FromStr` give 32 lower-case hex digits, for logs and for callers
+/// that carry a token between processes.
+///
+/// ```
+/// use inbox_core::LeaseToken;
+///
+/// let token = LeaseToken::random();
+/// assert_ne!(token, LeaseToken::random());
+/// let text = token.to_string();
+/// assert_eq!(text.len(), 32);
+/// assert_eq!(text.parse::<LeaseToken>()?, token);
+/// assert_eq!(LeaseToken::from_slice(token.as_bytes()), Some(token));
+/// # Ok::<(), inbox_core::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken([u8; 16]);
+
+impl LeaseToken {
+    /// The length of a token in bytes.
+    pub const LEN: usize = 16;
+
+    /// A new token, never handed out before.
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4().into_bytes())
+    }
+
+    /// A token from its bytes (as stored or sent).
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// A token read back from storage; `None` unless it is 16 bytes.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 16]>::try_from(bytes).ok().map(Self)
+    }
+
+    /// The bytes, as stored.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseToken({self})")
+    }
+}
+
+impl FromStr for LeaseToken {
+    type Err = Error;
+
+    /// 32 hex digits, either case.
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let invalid = || Error::InvalidLeaseToken {
+            expected: "32 hex digits",
+            found: format!("{} bytes", s.len()),
+        };
+        if s.len() != 2 * Self::LEN || !s.is_ascii() {
+            return Err(invalid());
+        }
+        let mut bytes = [0u8; 16];
+        for (i, byte) in bytes.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| {
+                Error::InvalidLeaseToken {
+                    expected: "32 hex digits",
+                    found: format!("{:?} at byte {}", &s[2 * i..2 * i + 2], 2 * i),
+                }
+            })?;
+        }
+        Ok(Self(bytes))
+    }
+}
+
 /// The fields of a request that make it "the same request", by name.
 ///
 /// The canonical encoding sorts the fields by name and length-prefixes every name
@@ -242,9 +336,10 @@ pub struct IdempotencyRecord {
     pub fingerprint: Fingerprint,
     /// The state.
     pub status: IdempotencyStatus,
-    /// The fencing token of the lease: raised at every take-over, so the writes of a
-    /// request whose lease was taken over are refused.
-    pub lease_token: i64,
+    /// The fencing token of the lease: a new random one at every begin and take-over,
+    /// so the writes of a request whose lease was taken over, or whose record was
+    /// deleted and begun again, are refused.
+    pub lease_token: LeaseToken,
     /// Until when the lease protects a request whose effect has not committed.
     pub lease_until: DateTime<Utc>,
     /// When the request's effect (its debit) committed: from then on the key is never
@@ -260,7 +355,8 @@ pub struct IdempotencyRecord {
 
 impl IdempotencyRecord {
     /// A record of (caller, key) in `status`, its lease, commit and times not set
-    /// (token 0, times at the epoch): for a store reading its rows, and for tests.
+    /// (a token of zero bytes, times at the epoch): for a store reading its rows, and
+    /// for tests.
     pub fn from_parts(
         caller: &str,
         key: &str,
@@ -272,7 +368,7 @@ impl IdempotencyRecord {
             key: key.to_owned(),
             fingerprint,
             status,
-            lease_token: 0,
+            lease_token: LeaseToken([0; 16]),
             lease_until: DateTime::UNIX_EPOCH,
             committed_at: None,
             response: None,
@@ -289,7 +385,7 @@ pub enum IdempotencyAnswer {
     /// The key is this request's: execute it, fencing every later write with `token`.
     Execute {
         /// The lease's fencing token.
-        token: i64,
+        token: LeaseToken,
     },
     /// Another request with this key runs, or committed its effect and is not settled
     /// yet: 409 `idempotency_in_flight`.
@@ -365,7 +461,7 @@ pub enum Judgement {
     /// key may be taken over from the lease with this token.
     TakeOver {
         /// The expired lease's token.
-        token: i64,
+        token: LeaseToken,
     },
     /// The record breaks an invariant of the store.
     Corrupt(&'static str),
@@ -414,7 +510,7 @@ mod tests {
             key: "k".into(),
             fingerprint: fields("hello").fingerprint(b"secret"),
             status,
-            lease_token: 3,
+            lease_token: LeaseToken([3; 16]),
             lease_until: now + TimeDelta::seconds(lease_in_secs),
             committed_at: committed.then_some(now),
             response: (status == IdempotencyStatus::Delivered).then(|| b"body".to_vec()),
@@ -558,12 +654,42 @@ mod tests {
         // Only an uncommitted request whose lease ran out frees its key.
         assert_eq!(
             judge(&record(IdempotencyStatus::InFlight, false, 0), &same, at()),
-            Judgement::TakeOver { token: 3 }
+            Judgement::TakeOver {
+                token: LeaseToken([3; 16])
+            }
         );
         assert_eq!(
             judge(&record(IdempotencyStatus::InFlight, false, 1), &same, at()),
             Judgement::Answer(IdempotencyAnswer::InFlight)
         );
+    }
+
+    #[test]
+    fn lease_tokens_are_random_and_read_back_as_written() {
+        let tokens: std::collections::HashSet<LeaseToken> =
+            (0..1000).map(|_| LeaseToken::random()).collect();
+        assert_eq!(tokens.len(), 1000);
+        let t = LeaseToken::from_bytes([0xab; 16]);
+        assert_eq!(t.to_string(), "ab".repeat(16));
+        assert_eq!("AB".repeat(16).parse::<LeaseToken>().expect("hex"), t);
+        assert_eq!(format!("{t:?}"), format!("LeaseToken({})", "ab".repeat(16)));
+        for bad in [
+            "",
+            "ab",
+            &"ab".repeat(17),
+            &"zz".repeat(16),
+            &"é".repeat(16),
+        ] {
+            assert!(
+                matches!(
+                    bad.parse::<LeaseToken>(),
+                    Err(Error::InvalidLeaseToken { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(LeaseToken::from_slice(&[1; 15]), None);
+        assert_eq!(LeaseToken::from_slice(&[1; 16]), Some(LeaseToken([1; 16])));
     }
 
     #[test]
@@ -580,7 +706,13 @@ mod tests {
             IdempotencyAnswer::Refunded.error_code(),
             Some("idempotency_refunded")
         );
-        assert_eq!(IdempotencyAnswer::Execute { token: 1 }.error_code(), None);
+        assert_eq!(
+            IdempotencyAnswer::Execute {
+                token: LeaseToken::random()
+            }
+            .error_code(),
+            None
+        );
         for s in [
             IdempotencyStatus::InFlight,
             IdempotencyStatus::Delivered,

@@ -69,7 +69,8 @@ pub use handler::{
 };
 pub use idempotency::{
     judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
-    Judgement, RequestFields, Settlement, DEFAULT_IDEMPOTENCY_RETENTION, MAX_IDEMPOTENCY_KEY_LEN,
+    Judgement, LeaseToken, RequestFields, Settlement, DEFAULT_IDEMPOTENCY_RETENTION,
+    MAX_IDEMPOTENCY_KEY_LEN,
 };
 /// `#[derive(Handler)]`: implements the [`Handler`](trait@Handler) trait for a
 /// handler struct from its `#[inbox(...)]` attribute.

@@ -65,7 +65,8 @@ pub enum Error {
         table: String,
     },
     /// A request's write was refused: its lease was taken over (another request
-    /// holds a higher fencing token), or the record is no longer in flight. Roll the
+    /// holds another fencing token), its record was deleted (and perhaps begun again
+    /// by another request), or the record is no longer in flight. Roll the
     /// transaction back.
     #[error("idempotency key {key:?} of caller {caller:?}: lease token {token} was fenced off")]
     Fenced {
@@ -74,7 +75,7 @@ pub enum Error {
         /// The idempotency key.
         key: String,
         /// The token the write carried.
-        token: i64,
+        token: inbox_core::LeaseToken,
     },
     /// A stored idempotency record breaks the table's rules.
     #[error("corrupt idempotency record {key:?} of caller {caller:?}: {reason}")]
@@ -213,6 +214,9 @@ pub enum SchemaProblem {
     InvalidIndex,
     /// Another unique index can reject a claim the claim key allows.
     ExtraUniqueIndex,
+    /// A column has another type than the store writes (an idempotency table whose
+    /// lease tokens are still integers: a migration has not run).
+    ColumnType,
 }
 
 impl Error {

@@ -62,8 +62,8 @@ mod verify;
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use idempotency::{
-    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
-    settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
+    abandon_request, begin_request, commit_request, purge_requests, read_request,
+    refund_delivered_request, settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
 };
 #[cfg(feature = "bench-knobs")]
 pub use knobs::BenchKnobs;

@@ -31,6 +31,9 @@ use inbox_test_support::{group, ms, start_time, usage, Fixture, PgFixture, Recor
 /// 0.1.0's migrations, as they stood at its release.
 const PG_0_1_0: EmbeddedMigrations = embed_migrations!("fixtures/schema-0.1.0/postgres");
 const SQLITE_0_1_0: EmbeddedMigrations = embed_migrations!("fixtures/schema-0.1.0/sqlite");
+/// The current migrations, to bring a schema to the version just before one of them.
+const PG_CURRENT: EmbeddedMigrations = embed_migrations!("../inbox-diesel/migrations/postgres");
+const SQLITE_CURRENT: EmbeddedMigrations = embed_migrations!("../inbox-diesel/migrations/sqlite");
 
 const GROUP: &str = "billing.upgrade";
 const TYPE: &str = "usage.recorded";
@@ -455,6 +458,24 @@ trait OldStore: TestConn + StoreConnection {
     fn enqueue_as_0_1_0(&mut self, key: &str) -> QueryResult<Option<i64>>;
     fn count(&mut self, sql: &str) -> i64;
     fn versions(&mut self) -> Vec<String>;
+    /// The version of the migration that made lease tokens random.
+    const RANDOM_TOKENS: &'static str;
+    /// Runs the current migrations older than `version`; returns their versions.
+    fn migrate_before(&mut self, version: &str) -> Vec<String>;
+    /// An idempotency record as the code before random tokens wrote it: its token a
+    /// counter (BIGINT).
+    fn write_counter_record(&mut self, r: &OldRecord);
+}
+
+/// An idempotency record of the counter-token schema.
+struct OldRecord {
+    key: &'static str,
+    fingerprint: Vec<u8>,
+    status: &'static str,
+    token: i64,
+    lease_until: DateTime<Utc>,
+    committed_at: Option<DateTime<Utc>>,
+    response: Option<&'static [u8]>,
 }
 
 #[derive(QueryableByName)]
@@ -470,9 +491,42 @@ struct Version {
 }
 
 macro_rules! old_store {
-    ($conn:ty, $backend:literal, $ts:ty, $migrations:expr) => {
+    ($conn:ty, $backend:literal, $ts:ty, $migrations:expr, $current:expr, $random:literal) => {
         impl OldStore for $conn {
             const BACKEND: &'static str = $backend;
+            const RANDOM_TOKENS: &'static str = $random;
+
+            fn migrate_before(&mut self, version: &str) -> Vec<String> {
+                let pending = self.pending_migrations($current).unwrap();
+                let mut ran = Vec::new();
+                for m in pending {
+                    let v = m.name().version().to_string();
+                    if v.as_str() >= version {
+                        break;
+                    }
+                    self.run_migration(&*m).unwrap();
+                    ran.push(v);
+                }
+                ran
+            }
+
+            fn write_counter_record(&mut self, r: &OldRecord) {
+                diesel::sql_query(
+                    "INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, \
+                     status, lease_token, lease_until, committed_at, response, created_at, \
+                     updated_at) VALUES ('acct', $1, $2, $3, $4, $5, $6, $7, $8, $8)",
+                )
+                .bind::<Text, _>(r.key)
+                .bind::<Binary, _>(&r.fingerprint)
+                .bind::<Text, _>(r.status)
+                .bind::<BigInt, _>(r.token)
+                .bind::<$ts, _>(r.lease_until)
+                .bind::<Nullable<$ts>, _>(r.committed_at)
+                .bind::<Nullable<Binary>, _>(r.response)
+                .bind::<$ts, _>(start_time())
+                .execute(self)
+                .unwrap();
+            }
 
             fn migrate_0_1_0(&mut self) -> Vec<String> {
                 self.run_pending_migrations($migrations)
@@ -594,13 +648,17 @@ old_store!(
     PgConnection,
     "postgres",
     diesel::sql_types::Timestamptz,
-    PG_0_1_0
+    PG_0_1_0,
+    PG_CURRENT,
+    "00000000000010"
 );
 old_store!(
     SqliteConnection,
     "sqlite",
     diesel::sql_types::TimestamptzSqlite,
-    SQLITE_0_1_0
+    SQLITE_0_1_0,
+    SQLITE_CURRENT,
+    "00000000000009"
 );
 
 /// The versions of the current migrations of `backend` (`postgres`, `sqlite`).
@@ -1141,7 +1199,127 @@ where
         .is_none());
 }
 
+/// An idempotency table whose lease tokens are counters (the schema before the
+/// migration `random_lease_tokens`), holding a record in each state, is opened by
+/// the current store: every record keeps its meaning, every token becomes 16 random
+/// bytes (no two alike), a request in flight across the upgrade is fenced off (no
+/// process holds its new token) and its key is taken over once its lease ends.
+fn upgrade_gives_idempotency_records_random_tokens<F: Fixture>(fx: &F)
+where
+    F::Conn: OldStore,
+{
+    use inbox_core::{Clock, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, Settlement};
+    build_0_1_0(fx);
+    let mut conn = fx.connect();
+    let ran = conn.migrate_before(F::Conn::RANDOM_TOKENS);
+    assert!(!ran.is_empty() && ran.iter().all(|v| v.as_str() < F::Conn::RANDOM_TOKENS));
+    let fp = |text: &str| {
+        inbox_core::RequestFields::new()
+            .field("text", text)
+            .unwrap()
+            .fingerprint(b"api-key")
+    };
+    let lease_end = start_time() + TimeDelta::seconds(30);
+    let records = [
+        ("running", "in_flight", 1, None, None),
+        ("committed", "in_flight", 3, Some(start_time()), None),
+        (
+            "delivered",
+            "delivered",
+            2,
+            Some(start_time()),
+            Some(&b"saved body"[..]),
+        ),
+        ("refunded", "refunded", 1, Some(start_time()), None),
+    ];
+    for (key, status, token, committed_at, response) in records {
+        conn.write_counter_record(&OldRecord {
+            key,
+            fingerprint: fp(key).as_bytes().to_vec(),
+            status,
+            token,
+            lease_until: lease_end,
+            committed_at,
+            response,
+        });
+    }
+    drop(conn);
+
+    let clock = ManualClock::new(start_time());
+    let (store, _) = store_on(fx, &clock);
+    store.verify_schema().unwrap();
+    let key = |k: &str| IdempotencyKey::new(k).unwrap();
+    let read = |k: &str| store.idempotency_record("acct", &key(k)).unwrap().unwrap();
+    let tokens: std::collections::HashSet<_> =
+        records.iter().map(|(k, ..)| read(k).lease_token).collect();
+    assert_eq!(tokens.len(), records.len(), "tokens repeat: {tokens:?}");
+    assert!(!tokens.contains(&inbox_core::LeaseToken::from_bytes([0; 16])));
+    for (k, status, _, committed_at, response) in records {
+        let r = read(k);
+        assert_eq!(r.status.as_str(), status, "{k}");
+        assert_eq!(r.committed_at, committed_at, "{k}");
+        assert_eq!(r.response.as_deref(), response, "{k}");
+        assert_eq!(r.lease_until, lease_end, "{k}");
+    }
+    let begin = |k: &str| {
+        let now = clock.now();
+        let mut conn = store.connection().unwrap();
+        let (key, fp) = (key(k), fp(k));
+        let request = inbox_diesel::NewRequest {
+            caller: "acct",
+            key: &key,
+            fingerprint: &fp,
+            lease_until: now + TimeDelta::seconds(30),
+        };
+        inbox_diesel::begin_request(&mut *conn, &request, now).unwrap()
+    };
+    assert_eq!(
+        begin("delivered"),
+        IdempotencyAnswer::Replay {
+            response: b"saved body".to_vec()
+        }
+    );
+    assert_eq!(begin("refunded"), IdempotencyAnswer::Refunded);
+    assert_eq!(begin("committed"), IdempotencyAnswer::InFlight);
+    assert_eq!(begin("running"), IdempotencyAnswer::InFlight);
+    // The committed request is settled with the token it has now.
+    let committed = read("committed");
+    let mut conn = store.connection().unwrap();
+    assert!(inbox_diesel::settle_request(
+        &mut *conn,
+        "acct",
+        &key("committed"),
+        committed.lease_token,
+        &Settlement::Refunded,
+        clock.now(),
+    )
+    .unwrap());
+    drop(conn);
+    assert_eq!(read("committed").status, IdempotencyStatus::Refunded);
+    // The running request's lease ends: a retry takes the key over with a token of
+    // its own, and the token the upgrade gave the record commits nothing.
+    let migrated = read("running").lease_token;
+    clock.advance(Duration::from_secs(30));
+    let IdempotencyAnswer::Execute { token } = begin("running") else {
+        panic!("the expired key is taken over");
+    };
+    assert_ne!(token, migrated);
+    let mut conn = store.connection().unwrap();
+    assert!(matches!(
+        inbox_diesel::commit_request(&mut *conn, "acct", &key("running"), migrated, clock.now()),
+        Err(inbox_diesel::Error::Fenced { .. })
+    ));
+    inbox_diesel::commit_request(&mut *conn, "acct", &key("running"), token, clock.now()).unwrap();
+}
+
 mod postgres {
+    #[test]
+    fn upgrade_gives_idempotency_records_random_tokens() {
+        if let Some(fx) = inbox_test_support::PgFixture::new() {
+            super::upgrade_gives_idempotency_records_random_tokens(&fx);
+        }
+    }
+
     #[test]
     fn upgrade_keeps_every_row() {
         if let Some(fx) = inbox_test_support::PgFixture::new() {
@@ -1151,6 +1329,13 @@ mod postgres {
 }
 
 mod sqlite {
+    #[test]
+    fn upgrade_gives_idempotency_records_random_tokens() {
+        super::upgrade_gives_idempotency_records_random_tokens(
+            &inbox_test_support::SqliteFixture::new(),
+        );
+    }
+
     #[test]
     fn upgrade_keeps_every_row() {
         super::upgrade_keeps_every_row(&inbox_test_support::SqliteFixture::new());

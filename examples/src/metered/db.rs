@@ -10,7 +10,7 @@ use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Binary, Nullable, Text, Timestamptz};
 use diesel::PgConnection;
-use inbox_core::{IdempotencyKey, MessageKey, OutboxMessage, Settlement};
+use inbox_core::{IdempotencyKey, LeaseToken, MessageKey, OutboxMessage, Settlement};
 
 /// The service's own tables, created if missing (in the store's schema, the first
 /// of the connection's search path).
@@ -193,9 +193,9 @@ pub struct Usage {
     /// The idempotency key, if the request had one.
     #[diesel(sql_type = Nullable<Text>)]
     pub idempotency_key: Option<String>,
-    /// Its lease token.
-    #[diesel(sql_type = Nullable<BigInt>)]
-    pub lease_token: Option<i64>,
+    /// Its lease token (16 bytes, see `inbox_core::LeaseToken`).
+    #[diesel(sql_type = Nullable<Binary>)]
+    pub lease_token: Option<Vec<u8>>,
     /// Refund ledger rows of this usage (0 or 1).
     #[diesel(sql_type = BigInt)]
     pub refunds: i64,
@@ -279,7 +279,7 @@ pub struct Debit<'a> {
     /// The model.
     pub model: &'a str,
     /// The idempotency key and its lease token, if any.
-    pub idempotency: Option<(&'a IdempotencyKey, i64)>,
+    pub idempotency: Option<(&'a IdempotencyKey, LeaseToken)>,
     /// The request's deadline.
     pub deadline: DateTime<Utc>,
     /// When the settlement message is due (deadline plus margin).
@@ -343,7 +343,7 @@ pub fn debit(
             .bind::<BigInt, _>(d.amount)
             .bind::<Text, _>(d.model)
             .bind::<Nullable<Text>, _>(d.idempotency.map(|(k, _)| k.as_str()))
-            .bind::<Nullable<BigInt>, _>(d.idempotency.map(|(_, t)| t))
+            .bind::<Nullable<Binary>, _>(d.idempotency.map(|(_, t)| t.as_bytes().to_vec()))
             .bind::<Timestamptz, _>(d.deadline)
             .bind::<Timestamptz, _>(now)
             .get_result(conn)
@@ -380,7 +380,7 @@ pub fn debit(
 pub fn deliver(
     conn: &mut PgConnection,
     usage_id: i64,
-    idempotency: Option<(i64, &IdempotencyKey, i64)>,
+    idempotency: Option<(i64, &IdempotencyKey, LeaseToken)>,
     response: &[u8],
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
@@ -423,8 +423,8 @@ struct Refunded {
     account_id: i64,
     #[diesel(sql_type = Nullable<Text>)]
     idempotency_key: Option<String>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    lease_token: Option<i64>,
+    #[diesel(sql_type = Nullable<Binary>)]
+    lease_token: Option<Vec<u8>>,
 }
 
 /// The refund: the same two row locks in the same order as the debit (balance,
@@ -509,6 +509,13 @@ fn refund_from(
         if let (Some(key), Some(token)) = (row.idempotency_key, row.lease_token) {
             let key = IdempotencyKey::new(key).map_err(inbox_diesel::Error::from)?;
             let caller = row.account_id.to_string();
+            let token = LeaseToken::from_slice(&token).ok_or_else(|| {
+                inbox_diesel::Error::CorruptIdempotencyRecord {
+                    caller: caller.clone(),
+                    key: key.as_str().to_owned(),
+                    reason: format!("a usage row's lease token of {} bytes", token.len()),
+                }
+            })?;
             if from == "delivered" {
                 inbox_diesel::refund_delivered_request(conn, &caller, &key, token, now)?;
             } else {

@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS usage_events (
     amount           BIGINT      NOT NULL CHECK (amount > 0),
     model            TEXT        NOT NULL,
     idempotency_key  TEXT,
-    lease_token      BIGINT,
+    lease_token      BYTEA,
     status           TEXT        NOT NULL CHECK (status IN ('debited', 'delivered', 'refunded')),
     deadline_at      TIMESTAMPTZ NOT NULL,
     created_at       TIMESTAMPTZ NOT NULL,

@@ -35,7 +35,7 @@ pub(crate) struct StreamJob {
     pub(crate) tx: mpsc::Sender<Bytes>,
     pub(crate) usage_id: i64,
     pub(crate) account: i64,
-    pub(crate) idempotency: Option<(IdempotencyKey, i64)>,
+    pub(crate) idempotency: Option<(IdempotencyKey, inbox_core::LeaseToken)>,
     pub(crate) chunks: Vec<Chunk>,
     pub(crate) fail_after: Option<usize>,
     pub(crate) amount: i64,

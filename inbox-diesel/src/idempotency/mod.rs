@@ -7,9 +7,41 @@
 //! frees a key whose request died *before* its effect committed, and every later
 //! write of the first request is fenced by its lease token.
 //!
+//! A lease token ([`LeaseToken`]) is 16 random bytes drawn at every begin and every
+//! take-over: it never repeats for a key, across abandons, purges and a failover that
+//! rolls rows back with any sequence, so a guarded write matching (caller, key,
+//! token) reaches the one record and lease it was handed for, or nothing.
+//!
 //! Lock order: the caller's own rows first (a balance, a key), then the record. The
 //! functions that take a connection run inside the caller's transaction, so the
 //! commit mark and the effect commit together.
+//!
+//! # Two writers of one record
+//!
+//! The writers are begin (insert), take-over (begin's conflict branch), commit,
+//! settle, refund, abandon and purge. Each decides by one guarded statement and is
+//! judged by the rows it touched, never by a read before it (begin reads the record
+//! only to answer a request that did not get the key). On PostgreSQL the second of
+//! two writers waits on the first's row lock (or, for an insert, on the unique
+//! index) and then evaluates its guard on the row as committed; the tests force each
+//! order with two connections, the second blocked until the first commits. SQLite
+//! has one writer (every write is an immediate transaction), so two writers never
+//! overlap: the race is one of the two orders, and the same tests run both there.
+//!
+//! | writers | what happens | test (`tests/store_idempotency.rs`) |
+//! |---|---|---|
+//! | begin, begin (one key) | the second waits on the unique index, then finds the key taken: in flight (mismatch for other content) | `two_begins_of_one_key_execute_one`, `concurrent_requests_with_one_key_execute_once` |
+//! | take-over, take-over | the second re-checks `lease_until <= now` on the new lease: in flight | `two_begins_of_one_key_execute_one` |
+//! | commit, then take-over | the take-over re-checks `committed_at IS NULL`: in flight, never run twice | `a_commit_ahead_of_a_takeover_keeps_the_key` |
+//! | take-over, then commit | the commit matches the old token: fenced, roll back | `a_takeover_ahead_of_a_late_commit_fences_it` |
+//! | take-over, then abandon | the abandon matches the old token: deletes nothing | `an_abandon_racing_a_takeover_never_deletes_the_new_lease` |
+//! | abandon, then begin | the insert waits for the delete, then begins a record with a new token; the old token is fenced | `an_abandon_racing_a_takeover_never_deletes_the_new_lease`, `a_late_commit_never_lands_on_a_record_begun_after_an_abandon` |
+//! | commit, then purge | the purge skips the locked row (PostgreSQL) and never takes a committed, unsettled record | `a_purge_racing_a_late_commit_never_loses_a_committed_request` |
+//! | purge, then commit | the commit finds no record: fenced; a record begun later has another token | `a_purge_racing_a_late_commit_never_loses_a_committed_request`, `a_late_commit_never_lands_on_a_record_begun_after_a_purge` |
+//! | settle, settle (delivered against refunded) | guarded from in flight: the first wins, the second touches nothing | `a_committed_request_is_in_flight_until_settled_whatever_its_lease` |
+//! | settle, take-over or abandon | cannot meet: settle needs a committed record, take-over and abandon an uncommitted one | `an_expired_lease_frees_only_an_uncommitted_key_and_fences_the_first` |
+//! | refund (delivered to refunded), purge | one row, two guarded writes: the second finds it refunded or gone and touches nothing (refund answers `false`); not forced by a test of its own | `a_delivered_request_refunded_later_answers_refunded` (the guard alone) |
+//! | commit, abandon (one request) | both guarded by `committed_at IS NULL`: one wins | `a_request_refused_before_its_commit_gives_its_key_back` |
 
 mod verify;
 
@@ -19,7 +51,7 @@ use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::{
     delta, judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStatus, Judgement, Settlement,
+    IdempotencyStatus, Judgement, LeaseToken, Settlement,
 };
 
 use crate::backend::StoreConnection;
@@ -37,7 +69,7 @@ pub struct RawRecord {
     pub key: String,
     pub fingerprint: Vec<u8>,
     pub status: String,
-    pub lease_token: i64,
+    pub lease_token: Vec<u8>,
     pub lease_until: DateTime<Utc>,
     pub committed_at: Option<DateTime<Utc>>,
     pub response: Option<Vec<u8>>,
@@ -61,9 +93,16 @@ impl RawRecord {
         })?;
         let status = IdempotencyStatus::parse(&self.status)
             .ok_or_else(|| corrupt(format!("unknown status {:?}", self.status)))?;
+        let lease_token = LeaseToken::from_slice(&self.lease_token).ok_or_else(|| {
+            corrupt(format!(
+                "lease token of {} bytes, expected {}",
+                self.lease_token.len(),
+                LeaseToken::LEN
+            ))
+        })?;
         let mut record =
             IdempotencyRecord::from_parts(&self.caller, &self.key, fingerprint, status);
-        record.lease_token = self.lease_token;
+        record.lease_token = lease_token;
         record.lease_until = self.lease_until;
         record.committed_at = self.committed_at;
         record.response = self.response;
@@ -75,17 +114,18 @@ impl RawRecord {
 
 /// The statements of one backend.
 pub trait IdempotencyOps {
-    /// Inserts the record, or takes over an expired, uncommitted one with the same
-    /// fingerprint (raising its token); returns the token, or `None` if the key is
-    /// not free.
+    /// Inserts the record with `token`, or takes over an expired, uncommitted one
+    /// with the same fingerprint (giving it `token`); returns whether it did (`false`:
+    /// the key is not free).
     fn begin(
         conn: &mut Self,
         caller: &str,
         key: &str,
         fingerprint: &[u8],
+        token: &[u8],
         lease_until: DateTime<Utc>,
         now: DateTime<Utc>,
-    ) -> QueryResult<Option<i64>>;
+    ) -> QueryResult<bool>;
 
     /// Reads one record.
     fn read(conn: &mut Self, caller: &str, key: &str) -> QueryResult<Option<RawRecord>>;
@@ -95,7 +135,7 @@ pub trait IdempotencyOps {
         conn: &mut Self,
         caller: &str,
         key: &str,
-        token: i64,
+        token: &[u8],
         now: DateTime<Utc>,
     ) -> QueryResult<usize>;
 
@@ -104,7 +144,7 @@ pub trait IdempotencyOps {
         conn: &mut Self,
         caller: &str,
         key: &str,
-        token: i64,
+        token: &[u8],
         status: &str,
         response: Option<&[u8]>,
         now: DateTime<Utc>,
@@ -115,12 +155,12 @@ pub trait IdempotencyOps {
         conn: &mut Self,
         caller: &str,
         key: &str,
-        token: i64,
+        token: &[u8],
         now: DateTime<Utc>,
     ) -> QueryResult<usize>;
 
     /// Deletes an uncommitted, in-flight record, fenced by the token.
-    fn abandon(conn: &mut Self, caller: &str, key: &str, token: i64) -> QueryResult<usize>;
+    fn abandon(conn: &mut Self, caller: &str, key: &str, token: &[u8]) -> QueryResult<usize>;
 
     /// Deletes up to `limit` records created before `cutoff` that are settled, or
     /// uncommitted with a lease that ended before it; oldest first.
@@ -128,6 +168,13 @@ pub trait IdempotencyOps {
 
     /// The idempotency table's indexes and columns from the live catalog.
     fn idempotency_catalog(conn: &mut Self) -> Result<Catalog>;
+
+    /// The declared type of the `lease_token` column, lower-case; `None` if there is
+    /// no such column.
+    fn lease_token_type(conn: &mut Self) -> Result<Option<String>>;
+
+    /// The type `lease_token` must have (16 random bytes).
+    const LEASE_TOKEN_TYPE: &'static str;
 }
 
 /// A request to begin under an idempotency key.
@@ -171,17 +218,20 @@ fn begin_on<C: StoreConnection>(
     let key = request.key.as_str();
     check_caller(caller)?;
     for _ in 0..BEGIN_ROUNDS {
+        // A new token per attempt: never one a deleted record of this key had.
+        let token = LeaseToken::random();
         let taken = C::write_transaction(conn, |conn| {
             C::begin(
                 conn,
                 caller,
                 key,
                 request.fingerprint.as_bytes(),
+                token.as_bytes(),
                 request.lease_until,
                 now,
             )
         })?;
-        if let Some(token) = taken {
+        if taken {
             return Ok(IdempotencyAnswer::Execute { token });
         }
         let Some(raw) = C::read(conn, caller, key)? else {
@@ -223,11 +273,11 @@ pub fn commit_request<C: AsStoreConnection + ?Sized>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
-    token: i64,
+    token: LeaseToken,
     now: DateTime<Utc>,
 ) -> Result<()> {
     let conn = conn.as_store_connection();
-    match <C::Conn as IdempotencyOps>::commit(conn, caller, key.as_str(), token, now)? {
+    match <C::Conn as IdempotencyOps>::commit(conn, caller, key.as_str(), token.as_bytes(), now)? {
         1 => Ok(()),
         _ => Err(Error::Fenced {
             caller: caller.to_owned(),
@@ -245,7 +295,7 @@ pub fn settle_request<C: AsStoreConnection + ?Sized>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
-    token: i64,
+    token: LeaseToken,
     settlement: &Settlement,
     now: DateTime<Utc>,
 ) -> Result<bool> {
@@ -259,7 +309,7 @@ pub fn settle_request<C: AsStoreConnection + ?Sized>(
         conn,
         caller,
         key.as_str(),
-        token,
+        token.as_bytes(),
         status,
         response,
         now,
@@ -275,11 +325,17 @@ pub fn refund_delivered_request<C: AsStoreConnection + ?Sized>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
-    token: i64,
+    token: LeaseToken,
     now: DateTime<Utc>,
 ) -> Result<bool> {
     let conn = conn.as_store_connection();
-    Ok(<C::Conn as IdempotencyOps>::refund_delivered(conn, caller, key.as_str(), token, now)? == 1)
+    Ok(<C::Conn as IdempotencyOps>::refund_delivered(
+        conn,
+        caller,
+        key.as_str(),
+        token.as_bytes(),
+        now,
+    )? == 1)
 }
 
 /// Gives the key back when the request ended before its effect committed (it was
@@ -289,10 +345,10 @@ pub fn abandon_request<C: AsStoreConnection + ?Sized>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
-    token: i64,
+    token: LeaseToken,
 ) -> Result<bool> {
     let conn = conn.as_store_connection();
-    Ok(<C::Conn as IdempotencyOps>::abandon(conn, caller, key.as_str(), token)? == 1)
+    Ok(<C::Conn as IdempotencyOps>::abandon(conn, caller, key.as_str(), token.as_bytes())? == 1)
 }
 
 /// Reads the record of (caller, key).
@@ -307,6 +363,47 @@ pub fn read_request<C: AsStoreConnection + ?Sized>(
         .transpose()
 }
 
+/// Deletes up to `batch` idempotency records that expired `retention` before `now`
+/// (the rules of [`Store::purge_idempotency_keys`]), in one statement on the
+/// caller's connection (inside its transaction, if one is open); returns how many.
+/// A maintenance job that purges in its own transactions, or a test that holds a
+/// purge open, calls this; most programs call the store's method.
+pub fn purge_requests<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    retention: Duration,
+    batch: usize,
+    now: DateTime<Utc>,
+) -> Result<usize> {
+    check_batch(batch)?;
+    purge_on(conn.as_store_connection(), retention, batch, now)
+}
+
+fn check_batch(batch: usize) -> Result<()> {
+    if batch == 0 {
+        return Err(Error::InvalidSetting {
+            setting: "batch",
+            expected: "at least 1 row",
+            found: "0".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn purge_on<C: StoreConnection>(
+    conn: &mut C,
+    retention: Duration,
+    batch: usize,
+    now: DateTime<Utc>,
+) -> Result<usize> {
+    let Some(cutoff) = now.checked_sub_signed(delta(retention)) else {
+        return Ok(0);
+    };
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    Ok(C::write_transaction(conn, |conn| {
+        C::purge(conn, cutoff, limit)
+    })?)
+}
+
 impl<C: StoreConnection> Store<C> {
     /// Deletes idempotency records created longer ago than `retention` (24 h is
     /// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
@@ -318,21 +415,12 @@ impl<C: StoreConnection> Store<C> {
     /// On PostgreSQL rows locked by a running request are skipped (the next purge
     /// takes them).
     pub fn purge_idempotency_keys(&self, retention: Duration, batch: usize) -> Result<u64> {
-        if batch == 0 {
-            return Err(Error::InvalidSetting {
-                setting: "batch",
-                expected: "at least 1 row",
-                found: "0".to_owned(),
-            });
-        }
-        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(retention)) else {
-            return Ok(0);
-        };
-        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        check_batch(batch)?;
+        let now = self.clock().now();
         let mut conn = self.connection()?;
         let mut total = 0u64;
         loop {
-            let deleted = C::write_transaction(&mut *conn, |conn| C::purge(conn, cutoff, limit))?;
+            let deleted = purge_on(&mut *conn, retention, batch, now)?;
             total += deleted as u64;
             if deleted < batch {
                 return Ok(total);
@@ -352,9 +440,16 @@ impl<C: StoreConnection> Store<C> {
 }
 
 /// Refuses an idempotency table whose unique indexes do not enforce exactly
-/// (caller, idempotency_key).
+/// (caller, idempotency_key), or whose lease tokens are not 16 bytes (a table the
+/// migration `random_lease_tokens` has not reached).
 pub(crate) fn verify_on<C: StoreConnection>(conn: &mut C) -> Result<()> {
-    check(&C::idempotency_catalog(conn)?)
+    let catalog = C::idempotency_catalog(conn)?;
+    check(&catalog)?;
+    verify::check_token_type(
+        &catalog.table,
+        C::lease_token_type(conn)?,
+        C::LEASE_TOKEN_TYPE,
+    )
 }
 
 /// The statements of [`IdempotencyOps`], written once and expanded per backend with
@@ -371,8 +466,8 @@ macro_rules! idempotency_ops {
             fingerprint: Vec<u8>,
             #[diesel(sql_type = diesel::sql_types::Text)]
             status: String,
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            lease_token: i64,
+            #[diesel(sql_type = diesel::sql_types::Binary)]
+            lease_token: Vec<u8>,
             #[diesel(sql_type = $ts)]
             lease_until: chrono::DateTime<chrono::Utc>,
             #[diesel(sql_type = diesel::sql_types::Nullable<$ts>)]
@@ -386,9 +481,16 @@ macro_rules! idempotency_ops {
         }
 
         #[derive(diesel::QueryableByName)]
+        struct ColumnType {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            type_name: String,
+        }
+
+        #[derive(diesel::QueryableByName)]
         struct Token {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            lease_token: i64,
+            #[diesel(sql_type = diesel::sql_types::Binary)]
+            #[allow(dead_code)] // the row's presence is the answer
+            lease_token: Vec<u8>,
         }
 
         impl crate::idempotency::IdempotencyOps for $conn {
@@ -397,9 +499,10 @@ macro_rules! idempotency_ops {
                 caller: &str,
                 key: &str,
                 fingerprint: &[u8],
+                token: &[u8],
                 lease_until: chrono::DateTime<chrono::Utc>,
                 now: chrono::DateTime<chrono::Utc>,
-            ) -> diesel::QueryResult<Option<i64>> {
+            ) -> diesel::QueryResult<bool> {
                 use diesel::prelude::*;
                 use diesel::sql_types::{Binary, Text};
                 let row: Option<Token> = diesel::sql_query($sql::BEGIN)
@@ -408,9 +511,10 @@ macro_rules! idempotency_ops {
                     .bind::<Binary, _>(fingerprint)
                     .bind::<$ts, _>(lease_until)
                     .bind::<$ts, _>(now)
+                    .bind::<Binary, _>(token)
                     .get_result(conn)
                     .optional()?;
-                Ok(row.map(|r| r.lease_token))
+                Ok(row.is_some())
             }
 
             fn read(
@@ -443,15 +547,15 @@ macro_rules! idempotency_ops {
                 conn: &mut Self,
                 caller: &str,
                 key: &str,
-                token: i64,
+                token: &[u8],
                 now: chrono::DateTime<chrono::Utc>,
             ) -> diesel::QueryResult<usize> {
                 use diesel::prelude::*;
-                use diesel::sql_types::{BigInt, Text};
+                use diesel::sql_types::{Binary, Text};
                 diesel::sql_query($sql::COMMIT)
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
-                    .bind::<BigInt, _>(token)
+                    .bind::<Binary, _>(token)
                     .bind::<$ts, _>(now)
                     .execute(conn)
             }
@@ -460,17 +564,17 @@ macro_rules! idempotency_ops {
                 conn: &mut Self,
                 caller: &str,
                 key: &str,
-                token: i64,
+                token: &[u8],
                 status: &str,
                 response: Option<&[u8]>,
                 now: chrono::DateTime<chrono::Utc>,
             ) -> diesel::QueryResult<usize> {
                 use diesel::prelude::*;
-                use diesel::sql_types::{BigInt, Binary, Nullable, Text};
+                use diesel::sql_types::{Binary, Nullable, Text};
                 diesel::sql_query($sql::SETTLE)
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
-                    .bind::<BigInt, _>(token)
+                    .bind::<Binary, _>(token)
                     .bind::<Text, _>(status)
                     .bind::<Nullable<Binary>, _>(response)
                     .bind::<$ts, _>(now)
@@ -481,15 +585,15 @@ macro_rules! idempotency_ops {
                 conn: &mut Self,
                 caller: &str,
                 key: &str,
-                token: i64,
+                token: &[u8],
                 now: chrono::DateTime<chrono::Utc>,
             ) -> diesel::QueryResult<usize> {
                 use diesel::prelude::*;
-                use diesel::sql_types::{BigInt, Text};
+                use diesel::sql_types::{Binary, Text};
                 diesel::sql_query($sql::REFUND_DELIVERED)
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
-                    .bind::<BigInt, _>(token)
+                    .bind::<Binary, _>(token)
                     .bind::<$ts, _>(now)
                     .execute(conn)
             }
@@ -498,14 +602,14 @@ macro_rules! idempotency_ops {
                 conn: &mut Self,
                 caller: &str,
                 key: &str,
-                token: i64,
+                token: &[u8],
             ) -> diesel::QueryResult<usize> {
                 use diesel::prelude::*;
-                use diesel::sql_types::{BigInt, Text};
+                use diesel::sql_types::{Binary, Text};
                 diesel::sql_query($sql::ABANDON)
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
-                    .bind::<BigInt, _>(token)
+                    .bind::<Binary, _>(token)
                     .execute(conn)
             }
 
@@ -525,6 +629,16 @@ macro_rules! idempotency_ops {
             fn idempotency_catalog(conn: &mut Self) -> crate::Result<crate::verify::Catalog> {
                 catalog(conn)
             }
+
+            fn lease_token_type(conn: &mut Self) -> crate::Result<Option<String>> {
+                use diesel::prelude::*;
+                let row: Option<ColumnType> = diesel::sql_query($sql::LEASE_TOKEN_TYPE)
+                    .get_result(conn)
+                    .optional()?;
+                Ok(row.map(|r| r.type_name.to_lowercase()))
+            }
+
+            const LEASE_TOKEN_TYPE: &'static str = $sql::TOKEN_TYPE;
         }
     };
 }

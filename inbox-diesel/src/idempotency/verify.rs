@@ -127,6 +127,25 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a `lease_token` column of another type than `expected` (an integer
+/// counter of a schema before the migration `random_lease_tokens`).
+pub(crate) fn check_token_type(table: &str, found: Option<String>, expected: &str) -> Result<()> {
+    let problem = match &found {
+        None => SchemaProblem::MissingColumn,
+        Some(t) if t == expected => return Ok(()),
+        Some(_) => SchemaProblem::ColumnType,
+    };
+    Err(Error::IdempotencySchemaMismatch {
+        problem,
+        expected: format!("column lease_token of type {expected} (16 random bytes)"),
+        found: match found {
+            None => "no such column".to_owned(),
+            Some(t) => format!("column lease_token of type {t}"),
+        },
+        table: table.to_owned(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +243,31 @@ mod tests {
             problem(&catalog(vec![index("e", &["caller", "<expr>"])])),
             SchemaProblem::NoClaimIndex
         );
+    }
+
+    #[test]
+    fn refuses_a_lease_token_that_is_not_bytes() {
+        check_token_type("t", Some("bytea".into()), "bytea").unwrap();
+        let err = check_token_type("t", Some("bigint".into()), "bytea").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "idempotency index mismatch: expected column lease_token of type bytea \
+             (16 random bytes), found column lease_token of type bigint on t"
+        );
+        assert!(matches!(
+            err,
+            Error::IdempotencySchemaMismatch {
+                problem: SchemaProblem::ColumnType,
+                ..
+            }
+        ));
+        assert!(matches!(
+            check_token_type("t", None, "blob"),
+            Err(Error::IdempotencySchemaMismatch {
+                problem: SchemaProblem::MissingColumn,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -7,16 +7,17 @@ use crate::verify::Catalog;
 use crate::Result;
 
 mod sql {
-    /// The insert takes a free key; the conflict branch takes over only an
-    /// uncommitted, in-flight record whose lease has ended, with the same
-    /// fingerprint, raising its fencing token. Concurrent requests with one key
-    /// wait on the unique index for the first to commit, then find it taken.
+    /// The insert takes a free key with a new random token ($6); the conflict
+    /// branch takes over only an uncommitted, in-flight record whose lease has
+    /// ended, with the same fingerprint, giving it the new token. Concurrent
+    /// requests with one key wait on the unique index (or the row's lock) for the
+    /// first to commit, then judge its new row version: taken.
     pub(super) const BEGIN: &str = "\
         INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, status, \
             lease_token, lease_until, created_at, updated_at) \
-        VALUES ($1, $2, $3, 'in_flight', 1, $4, $5, $5) \
+        VALUES ($1, $2, $3, 'in_flight', $6, $4, $5, $5) \
         ON CONFLICT (caller, idempotency_key) DO UPDATE \
-            SET lease_token = idempotency_keys.lease_token + 1, \
+            SET lease_token = EXCLUDED.lease_token, \
                 lease_until = EXCLUDED.lease_until, updated_at = EXCLUDED.updated_at \
             WHERE idempotency_keys.status = 'in_flight' \
               AND idempotency_keys.committed_at IS NULL \
@@ -57,6 +58,13 @@ mod sql {
               AND (status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1)) \
             ORDER BY created_at LIMIT $2 \
             FOR UPDATE SKIP LOCKED)";
+
+    pub(super) const TOKEN_TYPE: &str = "bytea";
+
+    pub(super) const LEASE_TOKEN_TYPE: &str = "\
+        SELECT format_type(a.atttypid, a.atttypmod) AS type_name FROM pg_attribute a \
+        WHERE a.attrelid = to_regclass(format('%I.%I', current_schema(), 'idempotency_keys')) \
+          AND a.attname = 'lease_token' AND NOT a.attisdropped";
 }
 
 crate::idempotency::idempotency_ops!(PgConnection, diesel::sql_types::Timestamptz, sql);

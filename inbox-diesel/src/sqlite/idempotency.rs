@@ -11,9 +11,9 @@ mod sql {
     pub(super) const BEGIN: &str = "\
         INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, status, \
             lease_token, lease_until, created_at, updated_at) \
-        VALUES (?1, ?2, ?3, 'in_flight', 1, ?4, ?5, ?5) \
+        VALUES (?1, ?2, ?3, 'in_flight', ?6, ?4, ?5, ?5) \
         ON CONFLICT (caller, idempotency_key) DO UPDATE \
-            SET lease_token = idempotency_keys.lease_token + 1, \
+            SET lease_token = excluded.lease_token, \
                 lease_until = excluded.lease_until, updated_at = excluded.updated_at \
             WHERE idempotency_keys.status = 'in_flight' \
               AND idempotency_keys.committed_at IS NULL \
@@ -52,6 +52,12 @@ mod sql {
             WHERE created_at < ?1 \
               AND (status <> 'in_flight' OR (committed_at IS NULL AND lease_until < ?1)) \
             ORDER BY created_at LIMIT ?2)";
+
+    pub(super) const TOKEN_TYPE: &str = "blob";
+
+    pub(super) const LEASE_TOKEN_TYPE: &str = "\
+        SELECT type AS type_name FROM pragma_table_info('idempotency_keys') \
+        WHERE name = 'lease_token'";
 }
 
 crate::idempotency::idempotency_ops!(SqliteConnection, diesel::sql_types::TimestamptzSqlite, sql);
