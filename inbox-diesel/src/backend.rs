@@ -65,8 +65,15 @@ pub(crate) mod private {
             idle_in_transaction: Duration,
         ) -> QueryResult<()>;
 
-        /// Runs the embedded migrations (in `schema`, on PostgreSQL).
-        fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()>;
+        /// Runs the embedded migrations (in `schema`, on PostgreSQL) when `framework`,
+        /// then the application's `setup`, each in a transaction of its own, all under
+        /// the migration lock (PostgreSQL) or in write transactions (SQLite).
+        fn migrate(
+            conn: &mut Self,
+            schema: Option<&str>,
+            framework: bool,
+            setup: &[crate::store::Setup<Self>],
+        ) -> Result<()>;
 
         /// Reads the claim table's indexes and columns from the live catalog.
         fn catalog(conn: &mut Self) -> Result<Catalog>;

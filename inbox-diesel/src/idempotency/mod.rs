@@ -18,8 +18,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::{
-    delta, judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStatus, Judgement, Settlement,
+    judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
+    Judgement, Settlement,
 };
 
 use crate::backend::StoreConnection;
@@ -325,9 +325,8 @@ impl<C: StoreConnection> Store<C> {
                 found: "0".to_owned(),
             });
         }
-        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(retention)) else {
-            return Ok(0);
-        };
+        // A retention reaching before year 1 keeps every record.
+        let cutoff = inbox_core::earlier_by(self.clock().now(), retention);
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
         let mut total = 0u64;

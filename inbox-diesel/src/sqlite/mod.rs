@@ -74,10 +74,22 @@ impl Sealed for SqliteConnection {
         Ok(true)
     }
 
-    fn migrate(conn: &mut Self, _schema: Option<&str>) -> Result<()> {
-        conn.run_pending_migrations(MIGRATIONS)
-            .map(|_| ())
-            .map_err(Error::Migration)
+    fn migrate(
+        conn: &mut Self,
+        _schema: Option<&str>,
+        framework: bool,
+        setup: &[crate::store::Setup<Self>],
+    ) -> Result<()> {
+        if framework {
+            conn.run_pending_migrations(MIGRATIONS)
+                .map_err(Error::Migration)?;
+        }
+        // One writer: a write transaction serializes the application's setup with
+        // every other process's.
+        for f in setup {
+            conn.immediate_transaction(|conn| f(conn))?;
+        }
+        Ok(())
     }
 
     fn catalog(conn: &mut Self) -> Result<Catalog> {
