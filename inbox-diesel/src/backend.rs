@@ -66,8 +66,8 @@ pub(crate) mod private {
         ) -> QueryResult<()>;
 
         /// Runs the embedded migrations (in `schema`, on PostgreSQL) when `framework`,
-        /// then the application's `setup`, each in a transaction of its own, all under
-        /// the migration lock (PostgreSQL) or in write transactions (SQLite).
+        /// then the application's `setup` steps, all under the migration lock
+        /// (PostgreSQL; SQLite's single writer serializes them).
         fn migrate(
             conn: &mut Self,
             schema: Option<&str>,

@@ -545,12 +545,15 @@ impl<C: StoreConnection> StoreBuilder<C> {
 
     /// The application's own setup (`CREATE TABLE IF NOT EXISTS ...` of its
     /// projections and ledgers): `build` runs it on its first connection right after
-    /// the framework's migrations, each step in a transaction of its own, under the
-    /// same lock ([`MIGRATION_LOCK_CLASS`] on PostgreSQL; a write transaction on
-    /// SQLite). Two processes that start at once on a fresh database then both start:
-    /// PostgreSQL does not make concurrent `CREATE TABLE IF NOT EXISTS` of one table
-    /// safe (the second fails on `pg_type_typname_nsp_index`). Steps run in the order
-    /// given, also when [`run_migrations`](Self::run_migrations) is off.
+    /// the framework's migrations, under the same lock ([`MIGRATION_LOCK_CLASS`] on
+    /// PostgreSQL), so a process that starts while another runs its setup waits and
+    /// then sees the other's tables committed. Two processes that start at once on a
+    /// fresh database then both start: PostgreSQL does not make concurrent
+    /// `CREATE TABLE IF NOT EXISTS` of one table safe (the second fails on
+    /// `pg_type_typname_nsp_index`). On SQLite (one writer) each DDL statement takes
+    /// the write lock and is checked again under it, so the race cannot occur there.
+    /// Steps run in the order given, outside a transaction (a step opens its own
+    /// where it needs one), also when [`run_migrations`](Self::run_migrations) is off.
     ///
     /// ```
     /// use diesel::connection::SimpleConnection;

@@ -19,7 +19,7 @@ use chrono::{NaiveDate, TimeDelta};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
-use diesel::PgConnection;
+use diesel::{PgConnection, SqliteConnection};
 use inbox_core::{
     ConsumerGroup, Decision, ErrorChain, Handler, HandlerError, HookError, ManualClock,
     MessageContext, ProjectionLock, ProjectionRow, Rebuild, SourceEvent, LATEST_STORED_TIME,
@@ -28,7 +28,7 @@ use inbox_core::{
 use inbox_diesel::{RebuildRunner, Retention, RunOutcome, Store, MIGRATION_LOCK_CLASS};
 use inbox_test_support::{
     claim_key, rejected_setting, start_time, unique_name, usage, Fixture, Outcome, PgFixture,
-    Recorder, TestConn,
+    Recorder, SqliteFixture, TestConn,
 };
 
 const GROUP: &str = "billing.daily-usage";
@@ -355,9 +355,9 @@ fn start_with_setup(fx: &PgFixture, app: &str) -> inbox_diesel::Result<Store<PgC
 /// migration lock a third connection holds, then run. Each one's setup SQL runs under
 /// the lock, so the second sees the first's tables committed; run outside it, the two
 /// `CREATE TABLE IF NOT EXISTS` meet in the catalog and one fails with a unique
-/// violation on `pg_type`. SQLite has one writer: its setup runs in a write
-/// transaction (`BEGIN IMMEDIATE`), which no other writer can enter, so the race
-/// cannot occur there.
+/// violation on `pg_type`. SQLite has one writer: each DDL statement takes the write
+/// lock and is checked again under it, so the race cannot occur there (the SQLite
+/// test below starts two setups at a barrier and sees both start).
 #[test]
 fn two_setups_started_at_once_on_a_fresh_schema_both_start() {
     for round in 0..5 {
@@ -400,6 +400,37 @@ fn two_setups_started_at_once_on_a_fresh_schema_both_start() {
             if let Err(err) = start {
                 panic!("round {round}: a start failed: {}", ErrorChain(&err));
             }
+        }
+    }
+}
+
+#[test]
+fn two_sqlite_setups_started_at_once_both_start() {
+    let fx = SqliteFixture::new();
+    let barrier = std::sync::Barrier::new(2);
+    let started: Vec<_> = std::thread::scope(|s| {
+        let starts: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    barrier.wait();
+                    fx.builder()
+                        .setup(|conn: &mut SqliteConnection| {
+                            conn.batch_execute(
+                                "CREATE TABLE IF NOT EXISTS app_totals (user_id BIGINT NOT NULL, \
+                                 day TEXT NOT NULL, total BIGINT NOT NULL, PRIMARY KEY (user_id, day)); \
+                                 CREATE TABLE IF NOT EXISTS app_ledger (id INTEGER PRIMARY KEY, \
+                                 user_id BIGINT NOT NULL, amount BIGINT NOT NULL)",
+                            )
+                        })
+                        .build()
+                })
+            })
+            .collect();
+        starts.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for start in started {
+        if let Err(err) = start {
+            panic!("a start failed: {}", ErrorChain(&err));
         }
     }
 }

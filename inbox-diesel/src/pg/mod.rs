@@ -201,8 +201,8 @@ impl Sealed for PgConnection {
             }
             // The application's own tables, under the same lock: two processes'
             // `CREATE TABLE IF NOT EXISTS` at once would meet in the catalog.
-            for f in setup {
-                conn.transaction(|conn| f(conn))?;
+            for step in setup {
+                step(conn)?;
             }
             Ok(())
         })();

@@ -84,10 +84,11 @@ impl Sealed for SqliteConnection {
             conn.run_pending_migrations(MIGRATIONS)
                 .map_err(Error::Migration)?;
         }
-        // One writer: a write transaction serializes the application's setup with
-        // every other process's.
-        for f in setup {
-            conn.immediate_transaction(|conn| f(conn))?;
+        // One writer: each DDL statement takes the write lock and SQLite checks the
+        // schema again under it, so two processes' `CREATE TABLE IF NOT EXISTS` never
+        // both create; a step that needs more opens its own `BEGIN IMMEDIATE`.
+        for step in setup {
+            step(conn)?;
         }
         Ok(())
     }
