@@ -406,6 +406,12 @@ fn two_setups_started_at_once_on_a_fresh_schema_both_start() {
 
 #[test]
 fn two_sqlite_setups_started_at_once_both_start() {
+    for round in 0..5 {
+        two_sqlite_setups_at_a_barrier(round);
+    }
+}
+
+fn two_sqlite_setups_at_a_barrier(round: usize) {
     let fx = SqliteFixture::new();
     let barrier = std::sync::Barrier::new(2);
     let started: Vec<_> = std::thread::scope(|s| {
@@ -430,7 +436,7 @@ fn two_sqlite_setups_started_at_once_both_start() {
     });
     for start in started {
         if let Err(err) = start {
-            panic!("a start failed: {}", ErrorChain(&err));
+            panic!("round {round}: a start failed: {}", ErrorChain(&err));
         }
     }
 }

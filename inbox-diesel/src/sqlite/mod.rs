@@ -81,8 +81,14 @@ impl Sealed for SqliteConnection {
         setup: &[crate::store::Setup<Self>],
     ) -> Result<()> {
         if framework {
-            conn.run_pending_migrations(MIGRATIONS)
-                .map_err(Error::Migration)?;
+            // One write transaction for the lot (each migration a savepoint in it): two
+            // processes starting at once on a fresh file would otherwise both read "none
+            // applied" and the second fail on the first's tables.
+            conn.immediate_transaction(|conn| {
+                conn.run_pending_migrations(MIGRATIONS)
+                    .map(|_| ())
+                    .map_err(Error::Migration)
+            })?;
         }
         // One writer: each DDL statement takes the write lock and SQLite checks the
         // schema again under it, so two processes' `CREATE TABLE IF NOT EXISTS` never
