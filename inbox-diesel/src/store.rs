@@ -1,5 +1,18 @@
 //! The store: [`Store`], its builder and the state its batches share ([`Inner`],
 //! whose fields only this module touches; the other modules go through its methods).
+//!
+//! Two builds of one schema at once (two processes starting on a fresh database) write
+//! the same catalog rows: the framework's migrations and the application's
+//! [`StoreBuilder::setup`] run under one lock ([`MIGRATION_LOCK_CLASS`] on PostgreSQL,
+//! held across both; SQLite's migrations in one write transaction), so the second
+//! waits and then finds everything created (`store_settings::
+//! two_setups_started_at_once_on_a_fresh_schema_both_start`, the race forced by a
+//! third connection holding the lock until both wait; `store_settings::
+//! two_sqlite_setups_started_at_once_both_start`, at a barrier).
+//!
+//! Every setting is checked by `build` before it connects, or saturates to a bound
+//! its setter documents; none reaches the database out of range
+//! (`inbox-diesel/tests/store_settings.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;

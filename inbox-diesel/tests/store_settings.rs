@@ -25,7 +25,10 @@ use inbox_core::{
     MessageContext, ProjectionLock, ProjectionRow, Rebuild, SourceEvent, LATEST_STORED_TIME,
     MAX_DATABASE_TIMEOUT, MAX_RETRY_DELAY,
 };
-use inbox_diesel::{RebuildRunner, Retention, RunOutcome, Store, MIGRATION_LOCK_CLASS};
+use inbox_core::{IdempotencyAnswer, IdempotencyKey, RequestFields};
+use inbox_diesel::{
+    begin_request, NewRequest, RebuildRunner, Retention, RunOutcome, Store, MIGRATION_LOCK_CLASS,
+};
 use inbox_test_support::{
     claim_key, rejected_setting, start_time, unique_name, usage, Fixture, Outcome, PgFixture,
     Recorder, SqliteFixture, TestConn,
@@ -55,6 +58,7 @@ inbox_test_support::on_both_backends!(
     a_retry_after_the_clock_stepped_back_waits_at_most_the_longest_retry_delay,
     a_retry_ending_after_year_9999_is_stored_as_ending_then,
     a_rebuild_schedule_of_any_length_runs_and_stops,
+    a_request_lease_ending_after_year_9999_still_holds_the_key,
 );
 
 fn clocked<F: Fixture>(fx: &F, recorder: Recorder) -> (Store<F::Conn>, ManualClock) {
@@ -326,6 +330,35 @@ where
             "every {every:?}, lease {lease:?}"
         );
     }
+}
+
+fn a_request_lease_ending_after_year_9999_still_holds_the_key<F: Fixture>(fx: &F) {
+    let store = fx.builder().build().unwrap();
+    let key = IdempotencyKey::new("req-1").unwrap();
+    let fingerprint = RequestFields::new()
+        .field("text", "hello")
+        .unwrap()
+        .fingerprint(b"secret");
+    let now = start_time();
+    // A deadline far past what the stores hold (a caller's "no deadline").
+    let begin = |at| {
+        let request = NewRequest {
+            caller: "acct-1",
+            key: &key,
+            fingerprint: &fingerprint,
+            lease_until: chrono::DateTime::<chrono::Utc>::MAX_UTC,
+        };
+        begin_request(&mut *store.connection().unwrap(), &request, at).unwrap()
+    };
+    assert!(matches!(begin(now), IdempotencyAnswer::Execute { .. }));
+    // A day later the lease still holds: the request is in flight, never run twice.
+    let again = begin(now + TimeDelta::days(1));
+    assert!(
+        !matches!(again, IdempotencyAnswer::Execute { .. }),
+        "a second execution: {again:?}"
+    );
+    let record = store.idempotency_record("acct-1", &key).unwrap().unwrap();
+    assert_eq!(record.lease_until, LATEST_STORED_TIME);
 }
 
 #[derive(QueryableByName)]

@@ -140,7 +140,8 @@ pub struct NewRequest<'a> {
     pub key: &'a IdempotencyKey,
     /// The request's fingerprint (see [`inbox_core::RequestFields`]).
     pub fingerprint: &'a Fingerprint,
-    /// The end of the lease: the request's deadline.
+    /// The end of the lease: the request's deadline (stored within years 1 to 9999:
+    /// a later one ends on 9999-12-31, for ever).
     pub lease_until: DateTime<Utc>,
 }
 
@@ -177,7 +178,8 @@ fn begin_on<C: StoreConnection>(
                 caller,
                 key,
                 request.fingerprint.as_bytes(),
-                request.lease_until,
+                // Within the years the stores hold (SQLite orders four-digit years only).
+                inbox_core::stored_time(request.lease_until),
                 now,
             )
         })?;
