@@ -27,7 +27,8 @@ use inbox_core::{
 };
 use inbox_core::{IdempotencyAnswer, IdempotencyKey, RequestFields};
 use inbox_diesel::{
-    begin_request, NewRequest, RebuildRunner, Retention, RunOutcome, Store, MIGRATION_LOCK_CLASS,
+    begin_request, DeadLetterFilter, NewRequest, RebuildRunner, Retention, RunOutcome, Store,
+    MAX_REBUILD_WINDOW, MIGRATION_LOCK_CLASS,
 };
 use inbox_test_support::{
     claim_key, rejected_setting, start_time, unique_name, usage, Fixture, Outcome, PgFixture,
@@ -59,6 +60,7 @@ inbox_test_support::on_both_backends!(
     a_retry_ending_after_year_9999_is_stored_as_ending_then,
     a_rebuild_schedule_of_any_length_runs_and_stops,
     a_request_lease_ending_after_year_9999_still_holds_the_key,
+    a_dead_letter_filter_reaching_before_year_1_lists_every_letter,
 );
 
 fn clocked<F: Fixture>(fx: &F, recorder: Recorder) -> (Store<F::Conn>, ManualClock) {
@@ -266,6 +268,18 @@ where
         let report = rebuilder.rebuild(1);
         assert!(report.is_ok(), "lock_timeout {timeout:?}: {report:?}");
     }
+    // The window: 1 to MAX_REBUILD_WINDOW partitions (`--days`), refused otherwise
+    // before anything is read.
+    let rebuilder = store.rebuilder("empty").unwrap();
+    assert_eq!(rebuilder.window(1).unwrap().len(), 1);
+    assert_eq!(
+        rebuilder.window(MAX_REBUILD_WINDOW).unwrap().len(),
+        MAX_REBUILD_WINDOW as usize
+    );
+    for size in [0, MAX_REBUILD_WINDOW + 1, u32::MAX] {
+        let err = rebuilder.audit(size).unwrap_err();
+        assert_eq!(rejected_setting(&err), Some("days"), "{size}: {err:?}");
+    }
 }
 
 fn a_retry_after_the_clock_stepped_back_waits_at_most_the_longest_retry_delay<F: Fixture>(fx: &F) {
@@ -330,6 +344,35 @@ where
             "every {every:?}, lease {lease:?}"
         );
     }
+}
+
+fn a_dead_letter_filter_reaching_before_year_1_lists_every_letter<F: Fixture>(fx: &F) {
+    let (store, _clock) = clocked(
+        fx,
+        Recorder::new(GROUP).behaviour(|_, _| Outcome::Permanent),
+    );
+    let group = ConsumerGroup::new(GROUP).unwrap();
+    store.process_batch(&group, &[usage("k-1", 1)]).unwrap();
+    let now = start_time();
+    // `dead-letters list --since 3650000d` (10,000 years ago) and `--until` as far ahead.
+    let filter = DeadLetterFilter::default()
+        .since(now - TimeDelta::days(10_000 * 366))
+        .until(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+    assert_eq!(store.list_dead_letters(&filter, 0, 10).unwrap().len(), 1);
+    // Paging at its edges: `--offset` and `--limit` saturate, 0 lists nothing.
+    assert_eq!(store.list_dead_letters(&filter, 0, 1).unwrap().len(), 1);
+    assert!(store.list_dead_letters(&filter, 0, 0).unwrap().is_empty());
+    assert_eq!(
+        store
+            .list_dead_letters(&filter, 0, usize::MAX)
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(store
+        .list_dead_letters(&filter, usize::MAX, usize::MAX)
+        .unwrap()
+        .is_empty());
 }
 
 fn a_request_lease_ending_after_year_9999_still_holds_the_key<F: Fixture>(fx: &F) {
