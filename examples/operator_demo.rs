@@ -34,8 +34,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let policy = RetryPolicy::new(3, Duration::from_millis(10), Duration::from_millis(20))?;
     let store = Store::<SqliteConnection>::builder(format!("sqlite://{path}"))
         .handler(DailyUsage::new(policy))
+        .setup(|conn: &mut SqliteConnection| conn.create_daily_usage())
         .build()?;
-    store.connection()?.create_daily_usage()?;
     if fresh {
         let mut conn = store.connection()?;
         let day = NaiveDate::from_ymd_opt(2026, 3, 1).ok_or("a date")?;

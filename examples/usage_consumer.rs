@@ -36,7 +36,7 @@ use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, ConsumerSetting
 use inbox_core::{parse_ladder, RetryLadder, RetryPolicy};
 use inbox_diesel::{RebuildRunner, Store};
 use inbox_examples::ops::ScheduleArgs;
-use inbox_examples::usage::{DailyUsage, UsageDb, PROJECTION};
+use inbox_examples::usage::{create_usage_tables, DailyUsage, PROJECTION};
 
 /// The usage projection on PostgreSQL + RabbitMQ (see the module docs).
 #[derive(Debug, Parser)]
@@ -124,10 +124,10 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .projection(DailyUsage::new(policy))
                 // `inbox selftest` sends canaries through this consumer.
                 .handler(inbox_diesel::Canary::new())
+                // Under the migration lock: a producer starting at once creates the
+                // ledger too.
+                .setup(create_usage_tables)
                 .build()?;
-            let mut conn = store.connection()?;
-            conn.create_daily_usage()?;
-            conn.create_usage_ledger()?;
             Ok(store)
         },
     )

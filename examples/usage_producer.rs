@@ -24,7 +24,9 @@ use diesel::PgConnection;
 use inbox_amqp::{cancel_on_signals, CancellationToken, Relay, RelaySettings, Topology};
 use inbox_core::{OutboxMessage, OutboxStore};
 use inbox_diesel::{enqueue, Store};
-use inbox_examples::usage::{ledger_event_key, Rng, UsageDb, UsageRecorded, MESSAGE_TYPE};
+use inbox_examples::usage::{
+    create_usage_tables, ledger_event_key, Rng, UsageRecorded, MESSAGE_TYPE,
+};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -53,8 +55,14 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let exchange = Topology::new("billing")?.prefix(prefix)?.exchange();
 
     let store = Arc::new(
-        tokio::task::spawn_blocking(move || Store::<PgConnection>::builder(database_url).build())
-            .await??,
+        tokio::task::spawn_blocking(move || {
+            Store::<PgConnection>::builder(database_url)
+                // Under the migration lock: a consumer starting at once creates the
+                // ledger too.
+                .setup(create_usage_tables)
+                .build()
+        })
+        .await??,
     );
     let writer = Arc::clone(&store);
     let exchange_name = exchange.clone();
@@ -97,7 +105,6 @@ fn write_ledger(
     events: u64,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut conn = store.connection()?;
-    conn.create_usage_ledger()?;
     let mut rng = Rng::new(std::process::id().into());
     for _ in 0..events {
         // Today (UTC) or one of the two days before it.

@@ -317,6 +317,15 @@ macro_rules! usage_db {
     };
 }
 
+/// The example's tables (the projection and the ledger), for
+/// [`StoreBuilder::setup`](inbox_diesel::StoreBuilder::setup): run under the framework's
+/// migration lock, so a consumer and a producer that start at once on a fresh database
+/// both start.
+pub fn create_usage_tables<C: UsageDb>(conn: &mut C) -> QueryResult<()> {
+    conn.create_daily_usage()?;
+    conn.create_usage_ledger()
+}
+
 usage_db!(
     PgConnection,
     "CREATE TABLE IF NOT EXISTS daily_usage (user_id BIGINT NOT NULL, day DATE NOT NULL, \

@@ -46,7 +46,8 @@ pub struct ConsumerSettings {
     pub batch_size: usize,
     /// Longest wait for a batch to fill once its first delivery arrived (default 10 ms).
     pub batch_wait: Duration,
-    /// Largest body accepted; a larger one is dead-lettered as malformed (default 1 MiB).
+    /// Largest body accepted; a larger one is dead-lettered as malformed (default 1 MiB;
+    /// at least 1, else refused).
     pub max_body_bytes: usize,
     /// First wait before reconnecting or after a store failure (default 100 ms).
     pub backoff_min: Duration,
@@ -160,6 +161,10 @@ impl ConsumerSettings {
         }
         if self.batch_size == 0 {
             return Err(Error::invalid("batch", "a batch size of at least 1", 0));
+        }
+        if self.max_body_bytes == 0 {
+            // Every delivery would be over the limit and dead-lettered.
+            return Err(Error::invalid("max_body_bytes", "at least 1 byte", 0));
         }
         if usize::from(self.prefetch) < self.batch_size {
             return Err(Error::invalid(
@@ -1396,5 +1401,28 @@ mod tests {
         assert_eq!(refused(no_wait), found("connect_timeout", "0ns"));
         let no_poll = ConsumerSettings::default().halt_poll(Duration::ZERO);
         assert_eq!(refused(no_poll), found("halt_poll", "0ns"));
+    }
+
+    #[test]
+    fn a_body_limit_of_zero_is_refused_and_any_other_taken() {
+        let refused = |settings: ConsumerSettings| config_error(settings.checked().map(|_| ()));
+        assert_eq!(
+            refused(ConsumerSettings::default().max_body_bytes(0)),
+            ("max_body_bytes", "0".to_owned())
+        );
+        for n in [1, usize::MAX] {
+            assert!(ConsumerSettings::default()
+                .max_body_bytes(n)
+                .check()
+                .is_ok());
+        }
+        let edges = ConsumerSettings::default()
+            .workers(usize::MAX)
+            .prefetch(u16::MAX)
+            .batch(usize::from(u16::MAX), Duration::MAX)
+            .backoff(Duration::from_nanos(1), Duration::MAX)
+            .connect_timeout(Duration::MAX)
+            .halt_poll(Duration::MAX);
+        assert!(edges.check().is_ok());
     }
 }

@@ -9,6 +9,7 @@ use tracing::Instrument;
 
 use inbox_core::{
     ErrorChain, OutboxFate, OutboxStore, RelayRound, RoundReport, DEFAULT_OUTBOX_MAX_ATTEMPTS,
+    MAX_RETRY_DELAY,
 };
 
 use crate::connect::{check_backoff, check_connect_timeout, SessionEnd};
@@ -26,7 +27,8 @@ pub struct RelaySettings {
     pub relay_id: String,
     /// Most rows leased at once (default 500).
     pub batch_size: usize,
-    /// How long a lease holds (default 30 s). A relay that dies leaves leases that
+    /// How long a lease holds (default 30 s; above zero and at most a year,
+    /// [`MAX_RETRY_DELAY`], else refused). A relay that dies leaves leases that
     /// expire; another relay then takes the rows.
     pub lease_for: Duration,
     /// Longest wait for work when idle (default 1 s). With PostgreSQL's NOTIFY the
@@ -37,7 +39,8 @@ pub struct RelaySettings {
     pub wake_on_notify: bool,
     /// First delay before a failed publication (nack, unroutable, a channel the
     /// broker closed over the row, a row the store cannot read) is tried again;
-    /// doubled per attempt up to one minute (default 1 s).
+    /// doubled per attempt up to one minute (default 1 s; above zero and at most a
+    /// year, else refused).
     pub retry_after: Duration,
     /// Failed publications after which a row is dead: kept in the outbox, never
     /// leased again, listed by the store for an operator (default
@@ -165,6 +168,17 @@ impl RelaySettings {
         ] {
             if value.is_zero() {
                 return Err(Error::invalid(setting, "a duration above zero", "0ns"));
+            }
+        }
+        // Added to now and stored (a lease's end, a retry's due time): at most a year,
+        // never a time the store cannot hold.
+        for (setting, value) in [("lease", self.lease_for), ("retry_after", self.retry_after)] {
+            if value > MAX_RETRY_DELAY {
+                return Err(Error::invalid(
+                    setting,
+                    "at most a year (MAX_RETRY_DELAY)",
+                    format_args!("{value:?}"),
+                ));
             }
         }
         if self.max_attempts == 0 {
@@ -579,5 +593,40 @@ mod tests {
         );
         let no_wait = RelaySettings::default().connect_timeout(Duration::ZERO);
         assert_eq!(setting(no_wait), "connect_timeout");
+    }
+
+    #[test]
+    fn leases_and_retries_past_a_year_are_refused_when_set() {
+        let refused = |settings: RelaySettings| config_error(settings.checked().map(|_| ()));
+        let year = inbox_core::MAX_RETRY_DELAY;
+        let tiny = Duration::from_nanos(1);
+        for ok in [tiny, Duration::from_millis(1), year] {
+            assert!(
+                RelaySettings::default().lease(1, ok).check().is_ok(),
+                "{ok:?}"
+            );
+            assert!(
+                RelaySettings::default().retry_after(ok).check().is_ok(),
+                "{ok:?}"
+            );
+        }
+        for long in [year + tiny, Duration::MAX] {
+            assert_eq!(
+                refused(RelaySettings::default().lease(1, long)),
+                ("lease", format!("{long:?}"))
+            );
+            assert_eq!(
+                refused(RelaySettings::default().retry_after(long)),
+                ("retry_after", format!("{long:?}"))
+            );
+        }
+        assert!(RelaySettings::default()
+            .lease(usize::MAX, year)
+            .max_attempts(u32::MAX)
+            .poll_interval(Duration::MAX)
+            .backoff(tiny, Duration::MAX)
+            .connect_timeout(Duration::MAX)
+            .check()
+            .is_ok());
     }
 }

@@ -5,6 +5,26 @@ use std::time::Duration;
 
 use crate::{Error, RetryLadder};
 
+/// The longest timeout PostgreSQL takes for `statement_timeout`, `lock_timeout` and
+/// `idle_in_transaction_session_timeout`: 2^31 - 1 ms (about 24.8 days). The store
+/// (inbox-diesel's `StoreBuilder`) refuses a longer `batch_deadline` or
+/// `statement_timeout` when it is built; a rebuild's `lock_timeout` saturates to it.
+pub const MAX_DATABASE_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// A timeout as PostgreSQL's settings take it: whole milliseconds, at least 1 (0 would
+/// turn the timeout off) and at most [`MAX_DATABASE_TIMEOUT`].
+///
+/// ```
+/// use std::time::Duration;
+/// use inbox_core::database_timeout;
+/// assert_eq!(database_timeout(Duration::ZERO), 1);
+/// assert_eq!(database_timeout(Duration::from_millis(200)), 200);
+/// assert_eq!(database_timeout(Duration::MAX), 2_147_483_647);
+/// ```
+pub fn database_timeout(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1)
+}
+
 /// Parses a whole number followed by a unit: `ms`, `s`, `m`, `h` or `d`.
 ///
 /// ```
@@ -81,6 +101,27 @@ mod tests {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
         assert!(parse_ladder("50ms,0ms").is_err());
+        assert_eq!(
+            parse_duration("18446744073709551615ms").unwrap(),
+            Duration::from_millis(u64::MAX)
+        );
+        assert!(parse_duration("18446744073709551616ms").is_err());
         assert!(parse_ladder("50ms,,200ms").is_ok());
+    }
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn database_timeouts_are_whole_milliseconds_within_what_postgres_takes() {
+        let ms = Duration::from_millis;
+        assert_eq!(database_timeout(Duration::ZERO), 1);
+        assert_eq!(database_timeout(Duration::from_micros(1)), 1);
+        assert_eq!(database_timeout(ms(1)), 1);
+        assert_eq!(database_timeout(MAX_DATABASE_TIMEOUT), i32::MAX);
+        assert_eq!(database_timeout(ms(1 << 31)), i32::MAX);
+        assert_eq!(database_timeout(Duration::MAX), i32::MAX);
     }
 }

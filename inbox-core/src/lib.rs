@@ -55,12 +55,15 @@ mod trace;
 mod transport;
 mod url;
 
-pub use clock::{delta, Clock, ManualClock, SystemClock};
+pub use clock::{
+    delta, earlier_by, later_by, stored_time, Clock, ManualClock, SystemClock,
+    EARLIEST_STORED_TIME, LATEST_STORED_TIME,
+};
 pub use decision::{
     check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally,
     TransportAction,
 };
-pub use duration::{parse_duration, parse_ladder};
+pub use duration::{database_timeout, parse_duration, parse_ladder, MAX_DATABASE_TIMEOUT};
 pub use envelope::{payload_digest, Envelope};
 pub use error::{Error, ErrorChain, Result};
 pub use handler::{

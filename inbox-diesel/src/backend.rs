@@ -65,8 +65,15 @@ pub(crate) mod private {
             idle_in_transaction: Duration,
         ) -> QueryResult<()>;
 
-        /// Runs the embedded migrations (in `schema`, on PostgreSQL).
-        fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()>;
+        /// Runs the embedded migrations (in `schema`, on PostgreSQL) when `framework`,
+        /// then the application's `setup` steps, all under the migration lock
+        /// (PostgreSQL; SQLite's single writer serializes them).
+        fn migrate(
+            conn: &mut Self,
+            schema: Option<&str>,
+            framework: bool,
+            setup: &[crate::store::Setup<Self>],
+        ) -> Result<()>;
 
         /// Reads the claim table's indexes and columns from the live catalog.
         fn catalog(conn: &mut Self) -> Result<Catalog>;

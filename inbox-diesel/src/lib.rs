@@ -82,10 +82,13 @@ pub use pg::retention::purge_statement as pg_purge_statement;
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use rebuild::{
     RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT, DEFAULT_LOCK_TRIES,
-    DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
+    DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE, MAX_REBUILD_EVERY,
+    MAX_REBUILD_WINDOW,
 };
 pub use retention::{purge_batch, Retention, PURGE_LOCK_CLASS};
 pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow, PurgeBatch, PurgeTarget};
-pub use store::{Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT};
+pub use store::{
+    Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT, MIGRATION_LOCK_CLASS,
+};
 pub use tls::init_tls;
 pub use url::{redact, Backend};

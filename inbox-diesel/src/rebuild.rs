@@ -74,7 +74,9 @@ use inbox_core::{
     AuditReport, DynRebuild, HookError, ProjectionLock, RebuildReport, WindowPartition,
 };
 
-pub use runner::{RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW};
+pub use runner::{
+    RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, MAX_REBUILD_EVERY,
+};
 
 use crate::backend::{classify, ErrorClass, StoreConnection};
 use crate::rebuild_ops::{CoverClaims, RebuildCatalog};
@@ -82,6 +84,10 @@ use crate::{Error, Result, Store, StoreBuilder};
 
 /// The default [`Rebuilder::lock_timeout`].
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// The largest window a rebuild or an audit takes: 36,525 partitions (a century of
+/// days); [`Rebuilder::window`] refuses more.
+pub const MAX_REBUILD_WINDOW: u32 = 36_525;
 
 /// The default [`Rebuilder::lock_tries`].
 pub const DEFAULT_LOCK_TRIES: u32 = 50;
@@ -294,8 +300,13 @@ impl<C: StoreConnection> Rebuilder<C> {
     /// How long one try waits for the exclusive lock (default 200 ms). Live batches
     /// that arrive while the rebuild waits queue behind it, so this bounds their extra
     /// wait too. PostgreSQL only: on SQLite the store's `busy_timeout` bounds it.
+    ///
+    /// Saturates to what PostgreSQL's `lock_timeout` takes: at least 1 ms, at most
+    /// [`MAX_DATABASE_TIMEOUT`](inbox_core::MAX_DATABASE_TIMEOUT) (2^31 - 1 ms, about
+    /// 24.8 days), the longest wait there is ("for ever" waits that long).
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
-        self.lock_timeout = timeout.max(Duration::from_millis(1));
+        self.lock_timeout =
+            timeout.clamp(Duration::from_millis(1), inbox_core::MAX_DATABASE_TIMEOUT);
         self
     }
 
@@ -319,13 +330,14 @@ impl<C: StoreConnection> Rebuilder<C> {
     }
 
     /// The `size` partitions of the window ending now (the store's clock): for a daily
-    /// projection, today (UTC) and the `size - 1` days before it.
+    /// projection, today (UTC) and the `size - 1` days before it. Refuses 0 and more
+    /// than [`MAX_REBUILD_WINDOW`] partitions.
     pub fn window(&self, size: u32) -> Result<Vec<WindowPartition>> {
-        if size == 0 {
+        if size == 0 || size > MAX_REBUILD_WINDOW {
             return Err(Error::InvalidSetting {
                 setting: "days",
-                expected: "at least 1 partition",
-                found: "0".to_owned(),
+                expected: "at least 1 and at most 36525 partitions (MAX_REBUILD_WINDOW)",
+                found: size.to_string(),
             });
         }
         Ok(self.hook.window(self.store.clock().now(), size))

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use inbox_core::delta;
+use inbox_core::earlier_by;
 
 use crate::backend::StoreConnection;
 use crate::{Error, PurgeBatch, PurgeTarget, Result, Store};
@@ -19,6 +19,10 @@ use crate::{Error, PurgeBatch, PurgeTarget, Result, Store};
 /// (the in-process transport), the largest [`RetryPolicy::max`](inbox_core::RetryPolicy::max)
 /// of the handlers, or the longest `retry_after` a handler returns, if longer. Add
 /// the broker's redelivery lag on top.
+///
+/// Any window is taken, from 0 (everything older than now goes) to `Duration::MAX`:
+/// a window reaching before year 1 ([`EARLIEST_STORED_TIME`](inbox_core::EARLIEST_STORED_TIME))
+/// keeps everything, so "keep for ever" is a window of 10,000 years (`3650000d`).
 ///
 /// ```
 /// use std::time::Duration;
@@ -163,10 +167,10 @@ impl<C: StoreConnection> Store<C> {
         if batch == 0 {
             return Err(Error::invalid("batch", "at least 1 row", 0));
         }
-        // One cutoff for the whole purge: the loop does not chase a moving clock.
-        let Some(cutoff) = self.clock().now().checked_sub_signed(delta(window)) else {
-            return Ok(0); // a window reaching before the calendar: nothing is that old
-        };
+        // One cutoff for the whole purge: the loop does not chase a moving clock. A
+        // window reaching before year 1 starts there, before every stored row: "keep
+        // for ever" purges nothing, and never sends the database a time it cannot hold.
+        let cutoff = earlier_by(self.clock().now(), window);
         let mut conn = self.connection()?;
         let mut total = 0u64;
         let mut from = None;

@@ -1,5 +1,18 @@
 //! The store: [`Store`], its builder and the state its batches share ([`Inner`],
 //! whose fields only this module touches; the other modules go through its methods).
+//!
+//! Two builds of one schema at once (two processes starting on a fresh database) write
+//! the same catalog rows: the framework's migrations and the application's
+//! [`StoreBuilder::setup`] run under one lock ([`MIGRATION_LOCK_CLASS`] on PostgreSQL,
+//! held across both; SQLite's migrations in one write transaction), so the second
+//! waits and then finds everything created (`store_settings::
+//! two_setups_started_at_once_on_a_fresh_schema_both_start`, the race forced by a
+//! third connection holding the lock until both wait; `store_settings::
+//! two_sqlite_setups_started_at_once_both_start`, at a barrier).
+//!
+//! Every setting is checked by `build` before it connects, or saturates to a bound
+//! its setter documents; none reaches the database out of range
+//! (`inbox-diesel/tests/store_settings.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -11,7 +24,7 @@ use diesel::r2d2::{CustomizeConnection, Pool};
 use diesel::QueryResult;
 use inbox_core::{
     ClaimKey, Clock, ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, DynHandler,
-    Envelope, Handler, InboxStore, RetryLadder, SystemClock,
+    Envelope, Handler, InboxStore, RetryLadder, SystemClock, MAX_DATABASE_TIMEOUT,
 };
 
 use crate::backend::{valid_schema_name, StoreConnection};
@@ -227,6 +240,7 @@ impl<C: StoreConnection> Store<C> {
             transaction_retries: 3,
             ladder: None,
             migrate: true,
+            setup: Vec::new(),
             knobs: Knobs::default(),
         }
     }
@@ -428,8 +442,20 @@ pub struct StoreBuilder<C: StoreConnection> {
     transaction_retries: u32,
     ladder: Option<RetryLadder>,
     migrate: bool,
+    setup: Vec<Setup<C>>,
     knobs: Knobs,
 }
+
+/// An application's setup step (see [`StoreBuilder::setup`]).
+pub(crate) type Setup<C> = Box<dyn Fn(&mut C) -> QueryResult<()> + Send + Sync>;
+
+/// PostgreSQL: the first key of the migration lock, `pg_advisory_lock(
+/// MIGRATION_LOCK_CLASS, hashtext('<schema>'))`, whose second key is the hash of the
+/// store's schema (its `current_schema()` without [`StoreBuilder::schema`]). A store
+/// holds it while it migrates and runs the application's [`StoreBuilder::setup`], so
+/// that processes starting at once on one schema take turns; an application that
+/// changes its own tables outside a store's build can take it the same way.
+pub const MIGRATION_LOCK_CLASS: i32 = 0x1b0c_5a11;
 
 /// The default [`StoreBuilder::batch_deadline`].
 pub const DEFAULT_BATCH_DEADLINE: Duration = Duration::from_secs(60);
@@ -454,7 +480,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
         self
     }
 
-    /// The most connections the pool opens (default 4).
+    /// The most connections the pool opens (default 4, at least 1, else `build`
+    /// refuses it).
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size;
         self
@@ -485,7 +512,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
         self
     }
 
-    /// How long a batch may hold its transaction (default 60 s). On PostgreSQL a
+    /// How long a batch may hold its transaction (default 60 s; at least 1 ms, at most
+    /// [`MAX_DATABASE_TIMEOUT`], about 24.8 days, else `build` refuses it). On PostgreSQL a
     /// transaction left idle this long (a handler that hangs between statements) is
     /// ended by the server (`idle_in_transaction_session_timeout`), which releases its
     /// row and projection locks: nothing of the batch commits, nothing is acked, and a
@@ -498,7 +526,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 
     /// PostgreSQL's `statement_timeout` on the store's connections (default 30 s, at
-    /// most the batch deadline): a statement running longer is cancelled, a failure of
+    /// least 1 ms and at most the batch deadline, else `build` refuses it): a statement running longer is cancelled, a failure of
     /// the message whose handler ran it. It applies to every pooled connection,
     /// including those the application takes with [`Store::connection`].
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
@@ -507,7 +535,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 
     /// How often a batch is run again after a deadlock, serialization failure or
-    /// SQLITE_BUSY before it is split (default 3).
+    /// SQLITE_BUSY before it is split (default 3; 0 splits at once; any count up to
+    /// `u32::MAX` is taken, each rerun waiting 5 ms longer than the one before).
     pub fn transaction_retries(mut self, retries: u32) -> Self {
         self.transaction_retries = retries;
         self
@@ -524,6 +553,43 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// Whether `build` runs the embedded migrations first (default true).
     pub fn run_migrations(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
+        self
+    }
+
+    /// The application's own setup (`CREATE TABLE IF NOT EXISTS ...` of its
+    /// projections and ledgers): `build` runs it on its first connection right after
+    /// the framework's migrations, under the same lock ([`MIGRATION_LOCK_CLASS`] on
+    /// PostgreSQL), so a process that starts while another runs its setup waits and
+    /// then sees the other's tables committed. Two processes that start at once on a
+    /// fresh database then both start: PostgreSQL does not make concurrent
+    /// `CREATE TABLE IF NOT EXISTS` of one table safe (the second fails on
+    /// `pg_type_typname_nsp_index`). On SQLite (one writer) each DDL statement takes
+    /// the write lock and is checked again under it, so the race cannot occur there.
+    /// Steps run in the order given, outside a transaction (a step opens its own
+    /// where it needs one), also when [`run_migrations`](Self::run_migrations) is off.
+    ///
+    /// ```
+    /// use diesel::connection::SimpleConnection;
+    /// use diesel::SqliteConnection;
+    /// use inbox_diesel::Store;
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = std::env::temp_dir().join(format!("inbox-setup-{}", std::process::id()));
+    /// # std::fs::create_dir_all(&dir)?;
+    /// # let url = format!("sqlite://{}", dir.join("app.db").display());
+    /// let store = Store::<SqliteConnection>::builder(url)
+    ///     .setup(|conn: &mut SqliteConnection| {
+    ///         conn.batch_execute("CREATE TABLE IF NOT EXISTS usage_total (total BIGINT NOT NULL)")
+    ///     })
+    ///     .build()?;
+    /// # drop(store);
+    /// # std::fs::remove_dir_all(&dir)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn setup(
+        mut self,
+        step: impl Fn(&mut C) -> QueryResult<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.setup.push(Box::new(step));
         self
     }
 
@@ -548,7 +614,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
         let mut first = first_connection::<C>(
             &self.url,
             self.schema.as_deref(),
-            self.migrate,
+            (self.migrate, &self.setup),
             check_schema,
         )?;
         let lock_scope = C::lock_scope(&mut first)?;
@@ -610,10 +676,15 @@ impl<C: StoreConnection> StoreBuilder<C> {
         if self.crash_limit == 0 {
             return Err(Error::invalid("crash_limit", "at least 1", 0));
         }
-        if self.batch_deadline < Duration::from_millis(1) {
+        // PostgreSQL takes timeouts up to 2^31 - 1 ms; refused here rather than by the
+        // server's `SET` on every connection. Refused on SQLite too: the deadline is
+        // also the transports' and the crash slot's.
+        if self.batch_deadline < Duration::from_millis(1)
+            || self.batch_deadline > MAX_DATABASE_TIMEOUT
+        {
             return Err(Error::invalid(
                 "batch_deadline",
-                "at least 1 ms",
+                "at least 1 ms and at most 2147483647 ms (MAX_DATABASE_TIMEOUT)",
                 format_args!("{:?}", self.batch_deadline),
             ));
         }
@@ -663,13 +734,13 @@ fn routes<C: StoreConnection>(
 fn first_connection<C: StoreConnection>(
     url: &str,
     schema: Option<&str>,
-    migrate: bool,
+    (migrate, setup): (bool, &[Setup<C>]),
     check_schema: bool,
 ) -> Result<C> {
     let mut first = C::establish_url(url).map_err(|source| Error::connect(url, &source))?;
     C::on_acquire(&mut first, schema)?;
-    if migrate {
-        C::migrate(&mut first, schema)?;
+    if migrate || !setup.is_empty() {
+        C::migrate(&mut first, schema, migrate, setup)?;
     }
     if check_schema {
         verify::check(&C::catalog(&mut first)?)?;

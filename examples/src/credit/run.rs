@@ -147,13 +147,15 @@ pub fn store_builder<C: StoreConnection + CreditDb>(
     builder
 }
 
-/// Builds the store, then applies the example's own migrations.
+/// Builds the store with the example's own migrations as its setup: they run right
+/// after the framework's, under the same migration lock, so processes that start at
+/// once on a fresh database all start.
 pub fn build_store<C: StoreConnection + CreditDb>(
     builder: StoreBuilder<C>,
 ) -> Result<Store<C>, BoxError> {
-    let store = builder.build()?;
-    store.connection()?.migrate_credit()?;
-    Ok(store)
+    Ok(builder
+        .setup(|conn: &mut C| conn.migrate_credit())
+        .build()?)
 }
 
 /// Submits `count` jobs of `user` at `cost`: each one transaction that inserts the

@@ -11,7 +11,7 @@ use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use chrono::{DateTime, Utc};
 use inbox_core::{
     ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, DynHandler, HandlerFailure,
-    MessageKey, ProjectionLock,
+    MessageKey, ProjectionLock, MAX_RETRY_DELAY,
 };
 
 use super::delivery::Delivery;
@@ -61,7 +61,11 @@ pub(super) fn decide(stored: Option<&Stored>, digest: &[u8], now: DateTime<Utc>)
         Some(ClaimStatus::Dead) => Found::Decision(Decision::AlreadyDeadLettered),
         Some(ClaimStatus::Failed | ClaimStatus::Started) => {
             match s.next_attempt_at.map(|t| (t - now).to_std()) {
-                Some(Ok(wait)) if !wait.is_zero() => Found::Decision(Decision::RetryAfter(wait)),
+                // At most the longest retry delay: after the clock stepped back, a stored
+                // retry can lie further ahead than any delay ever asked for.
+                Some(Ok(wait)) if !wait.is_zero() => {
+                    Found::Decision(Decision::RetryAfter(wait.min(MAX_RETRY_DELAY)))
+                }
                 _ => Found::Phantom(
                     "the claim insert conflicted with a row it should have taken over".to_owned(),
                 ),

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use inbox_core::{
-    delta, ClaimKey, ConsumerGroup, DeadLetterReason, Decision, HandlerError, HandlerErrorKind,
+    later_by, ClaimKey, ConsumerGroup, DeadLetterReason, Decision, HandlerError, HandlerErrorKind,
     HandlerFailure, RetryPolicy, MAX_RETRY_DELAY,
 };
 
@@ -96,10 +96,8 @@ impl<C: StoreConnection> Inner<C> {
             } else {
                 ClaimStatus::Dead
             },
-            next_attempt_at: outcome.as_ref().ok().map(|delay| {
-                now.checked_add_signed(delta(*delay))
-                    .unwrap_or(DateTime::<Utc>::MAX_UTC)
-            }),
+            // Within the years the stores hold, whatever the clock says.
+            next_attempt_at: outcome.as_ref().ok().map(|delay| later_by(now, *delay)),
             last_error: &last_error,
             // Kept only while a retry is pending, so the message can be redriven.
             payload: outcome.is_ok().then_some(d.env.payload.as_slice()),

@@ -50,8 +50,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::{
-    delta, judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStatus, Judgement, LeaseToken, Settlement,
+    judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
+    Judgement, LeaseToken, Settlement,
 };
 
 use crate::backend::StoreConnection;
@@ -187,7 +187,8 @@ pub struct NewRequest<'a> {
     pub key: &'a IdempotencyKey,
     /// The request's fingerprint (see [`inbox_core::RequestFields`]).
     pub fingerprint: &'a Fingerprint,
-    /// The end of the lease: the request's deadline.
+    /// The end of the lease: the request's deadline (stored within years 1 to 9999:
+    /// a later one ends on 9999-12-31, for ever).
     pub lease_until: DateTime<Utc>,
 }
 
@@ -227,7 +228,8 @@ fn begin_on<C: StoreConnection>(
                 key,
                 request.fingerprint.as_bytes(),
                 token.as_bytes(),
-                request.lease_until,
+                // Within the years the stores hold (SQLite orders four-digit years only).
+                inbox_core::stored_time(request.lease_until),
                 now,
             )
         })?;
@@ -395,9 +397,8 @@ fn purge_on<C: StoreConnection>(
     batch: usize,
     now: DateTime<Utc>,
 ) -> Result<usize> {
-    let Some(cutoff) = now.checked_sub_signed(delta(retention)) else {
-        return Ok(0);
-    };
+    // A retention reaching before year 1 keeps every record.
+    let cutoff = inbox_core::earlier_by(now, retention);
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);
     Ok(C::write_transaction(conn, |conn| {
         C::purge(conn, cutoff, limit)

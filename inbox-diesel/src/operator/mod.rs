@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use inbox_core::{delta, payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
+use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
 use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
@@ -770,13 +770,8 @@ impl<C: StoreConnection> Store<C> {
         target: &ReplayTarget,
     ) -> Result<BulkReport> {
         let now = self.clock().now();
-        let cutoff = now
-            .checked_sub_signed(delta(filter.overdue_for))
-            .ok_or_else(|| Error::InvalidSetting {
-                setting: "overdue_for",
-                expected: "a window that ends after the calendar begins",
-                found: format!("{:?}", filter.overdue_for),
-            })?;
+        // A window reaching before year 1 starts there: nothing is that overdue.
+        let cutoff = inbox_core::earlier_by(now, filter.overdue_for);
         let mut conn = self.connection()?;
         let candidates = C::op_redrivable(
             &mut conn,
@@ -909,10 +904,8 @@ impl<C: StoreConnection> Store<C> {
         discarded: Duration,
     ) -> Result<PurgeReport> {
         let now = self.clock().now();
-        let before = |d: Duration| {
-            now.checked_sub_signed(delta(d))
-                .unwrap_or(DateTime::<Utc>::MIN_UTC)
-        };
+        // As the purges: a window reaching before year 1 counts nothing.
+        let before = |d: Duration| inbox_core::earlier_by(now, d);
         let mut conn = self.connection()?;
         let (published, done, letters) = C::op_count_purgeable(
             &mut conn,

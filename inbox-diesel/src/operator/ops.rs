@@ -244,11 +244,12 @@ macro_rules! operator_ops {
                 if let Some(k) = &filter.message_key {
                     q = q.filter(message_key.eq(k.clone()));
                 }
+                // Within the years the stores hold: "since 10,000 years ago" is all.
                 if let Some(since) = filter.since {
-                    q = q.filter(dead_lettered_at.ge(since));
+                    q = q.filter(dead_lettered_at.ge(inbox_core::stored_time(since)));
                 }
                 if let Some(until) = filter.until {
-                    q = q.filter(dead_lettered_at.lt(until));
+                    q = q.filter(dead_lettered_at.lt(inbox_core::stored_time(until)));
                 }
                 q = match filter.status {
                     None => q.filter(discarded_at.is_null()),

@@ -36,7 +36,7 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
 /// key of a two-key advisory lock whose second key is the hash of the schema's name, so
 /// stores in different schemas of one database never wait for each other's migrations
 /// (advisory locks are per database).
-const MIGRATION_LOCK: i32 = 0x1b0c_5a11;
+const MIGRATION_LOCK: i32 = crate::MIGRATION_LOCK_CLASS;
 
 impl StoreConnection for PgConnection {}
 
@@ -171,7 +171,12 @@ impl Sealed for PgConnection {
         ))
     }
 
-    fn migrate(conn: &mut Self, schema: Option<&str>) -> Result<()> {
+    fn migrate(
+        conn: &mut Self,
+        schema: Option<&str>,
+        framework: bool,
+        setup: &[crate::store::Setup<Self>],
+    ) -> Result<()> {
         // The lock comes first: two stores creating one schema at once would otherwise
         // race in `CREATE SCHEMA IF NOT EXISTS` (a unique violation in pg_namespace).
         let lock = |conn: &mut Self, verb: &str| {
@@ -184,15 +189,22 @@ impl Sealed for PgConnection {
         };
         lock(conn, "lock")?;
         let ran = (|| {
-            if let Some(schema) = schema {
-                let q = quoted(schema);
-                conn.batch_execute(&format!(
-                    "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
-                ))?;
+            if framework {
+                if let Some(schema) = schema {
+                    let q = quoted(schema);
+                    conn.batch_execute(&format!(
+                        "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}"
+                    ))?;
+                }
+                conn.run_pending_migrations(MIGRATIONS)
+                    .map_err(Error::Migration)?;
             }
-            conn.run_pending_migrations(MIGRATIONS)
-                .map(|_| ())
-                .map_err(Error::Migration)
+            // The application's own tables, under the same lock: two processes'
+            // `CREATE TABLE IF NOT EXISTS` at once would meet in the catalog.
+            for step in setup {
+                step(conn)?;
+            }
+            Ok(())
         })();
         lock(conn, "unlock")?;
         ran

@@ -18,6 +18,10 @@ pub const DEFAULT_REBUILD_EVERY: Duration = Duration::from_secs(3_600);
 /// The default [`RebuildRunner::window`]: two partitions (today and yesterday).
 pub const DEFAULT_REBUILD_WINDOW: u32 = 2;
 
+/// The longest [`RebuildRunner::every`] and [`RebuildRunner::lease`]: a year; longer
+/// ones saturate to it.
+pub const MAX_REBUILD_EVERY: Duration = Duration::from_secs(365 * 86_400);
+
 /// The default [`RebuildRunner::lease`].
 pub(super) const DEFAULT_LEASE: Duration = Duration::from_secs(600);
 
@@ -89,9 +93,10 @@ impl<C: StoreConnection> RebuildRunner<C> {
         }
     }
 
-    /// The interval between two runs (default 1 h).
+    /// The interval between two runs (default 1 h). Saturates to
+    /// [`MAX_REBUILD_EVERY`] (a year); 0 runs back to back.
     pub fn every(mut self, every: Duration) -> Self {
-        self.every = every;
+        self.every = every.min(MAX_REBUILD_EVERY);
         self
     }
 
@@ -102,9 +107,12 @@ impl<C: StoreConnection> RebuildRunner<C> {
     }
 
     /// How long a lease lasts without renewal (default 10 min); renewed before every
-    /// partition, so it must outlast one partition's rebuild.
+    /// partition, so it must outlast one partition's rebuild. Saturates to
+    /// [`MAX_REBUILD_EVERY`] (a year; a runner that dies holding it blocks the others
+    /// that long); 0 ends the lease as it is taken, so another runner may take the
+    /// projection between two partitions.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = lease.min(MAX_REBUILD_EVERY);
         self
     }
 

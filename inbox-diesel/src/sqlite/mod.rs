@@ -74,10 +74,29 @@ impl Sealed for SqliteConnection {
         Ok(true)
     }
 
-    fn migrate(conn: &mut Self, _schema: Option<&str>) -> Result<()> {
-        conn.run_pending_migrations(MIGRATIONS)
-            .map(|_| ())
-            .map_err(Error::Migration)
+    fn migrate(
+        conn: &mut Self,
+        _schema: Option<&str>,
+        framework: bool,
+        setup: &[crate::store::Setup<Self>],
+    ) -> Result<()> {
+        if framework {
+            // One write transaction for the lot (each migration a savepoint in it): two
+            // processes starting at once on a fresh file would otherwise both read "none
+            // applied" and the second fail on the first's tables.
+            conn.immediate_transaction(|conn| {
+                conn.run_pending_migrations(MIGRATIONS)
+                    .map(|_| ())
+                    .map_err(Error::Migration)
+            })?;
+        }
+        // One writer: each DDL statement takes the write lock and SQLite checks the
+        // schema again under it, so two processes' `CREATE TABLE IF NOT EXISTS` never
+        // both create; a step that needs more opens its own `BEGIN IMMEDIATE`.
+        for step in setup {
+            step(conn)?;
+        }
+        Ok(())
     }
 
     fn catalog(conn: &mut Self) -> Result<Catalog> {
