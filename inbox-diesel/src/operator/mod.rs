@@ -38,18 +38,23 @@ use ops::{EntryTuple, NewReplay};
 pub enum LetterStatus {
     /// Neither replayed nor discarded.
     Pending,
-    /// Replayed at least once (and not discarded).
+    /// Replayed (and not discarded).
     Replayed,
+    /// Resolved by a projection rebuild that counted its event (and not discarded):
+    /// never replayed (a replay would count the event a second time).
+    Resolved,
     /// Discarded (archived): kept for its retention, never replayed.
     Discarded,
 }
 
 impl LetterStatus {
-    /// The status as the CLI and JSON name it: `pending`, `replayed`, `discarded`.
+    /// The status as the CLI and JSON name it: `pending`, `replayed`, `resolved`,
+    /// `discarded`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Pending => "pending",
             Self::Replayed => "replayed",
+            Self::Resolved => "resolved",
             Self::Discarded => "discarded",
         }
     }
@@ -59,6 +64,7 @@ impl LetterStatus {
         Some(match s {
             "pending" => Self::Pending,
             "replayed" => Self::Replayed,
+            "resolved" => Self::Resolved,
             "discarded" => Self::Discarded,
             _ => return None,
         })
@@ -93,7 +99,8 @@ pub struct DeadLetterFilter {
     pub until: Option<DateTime<Utc>>,
     /// The failure group's fingerprint (see [`FailureGroup`]).
     pub failure_group: Option<String>,
-    /// The status; `None` matches pending and replayed letters, not discarded ones.
+    /// The status; `None` matches every letter that is not discarded (pending,
+    /// replayed and resolved ones).
     pub status: Option<LetterStatus>,
 }
 
@@ -175,6 +182,8 @@ pub struct DeadLetterEntry {
     pub replayed_at: Option<DateTime<Utc>>,
     /// When it was discarded.
     pub discarded_at: Option<DateTime<Utc>>,
+    /// When a projection rebuild resolved it (counted its event).
+    pub resolved_at: Option<DateTime<Utc>>,
     /// Its failure group's fingerprint.
     pub failure_group: String,
     /// Where it stands.
@@ -442,6 +451,8 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
     let signature = fingerprint::signature(&t.7, &t.3, t.8.as_deref());
     let status = if t.12.is_some() {
         LetterStatus::Discarded
+    } else if t.13.is_some() {
+        LetterStatus::Resolved
     } else if t.10.is_some() {
         LetterStatus::Replayed
     } else {
@@ -460,6 +471,7 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
         replayed_at: t.10,
         replay_count: t.11,
         discarded_at: t.12,
+        resolved_at: t.13,
         failure_group: signature.fingerprint,
         status,
         delivered_by_replay: headers
@@ -472,9 +484,27 @@ fn as_limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// How often a replay is tried again when another group's replay of the same key took
-/// the sequence number first.
+/// How often a replay is tried again after contention, or when a replay sequence
+/// written before the counter existed took the number.
 const SEQUENCE_RETRIES: u32 = 5;
+
+/// Why a resolved letter is not replayed.
+const RESOLVED_ADVICE: &str = "a projection rebuild counted this event already (the letter is \
+     resolved): a replay would count it twice; discard the letter";
+
+/// Ends a replay's transaction without writing: an answer decided by a guard (the
+/// transaction rolls back, so a letter marked before the claim's guard failed is
+/// unmarked), or a database error.
+enum Undo {
+    Answer(ReplayOutcome),
+    Database(diesel::result::Error),
+}
+
+impl From<diesel::result::Error> for Undo {
+    fn from(err: diesel::result::Error) -> Self {
+        Self::Database(err)
+    }
+}
 
 impl<C: StoreConnection> Store<C> {
     /// Dead letters matching `filter`, newest first: `limit` of them after skipping
@@ -519,7 +549,10 @@ impl<C: StoreConnection> Store<C> {
         Ok(Some(DeadLetterDetails {
             first_failure_at: first.unwrap_or(entry.dead_lettered_at),
             last_failure_at: last.unwrap_or(entry.dead_lettered_at),
-            replay_refusal: replay_refusal(&entry.reason),
+            replay_refusal: match entry.status {
+                LetterStatus::Resolved => Some(RESOLVED_ADVICE),
+                _ => replay_refusal(&entry.reason),
+            },
             payload,
             headers,
             claim_status,
@@ -579,11 +612,14 @@ impl<C: StoreConnection> Store<C> {
         Ok(out)
     }
 
-    /// Replays one dead letter, in one transaction: the guarded reset of its claim
-    /// (`dead` with the letter's payload digest becomes a due `failed` claim with no
-    /// attempts or starts) and, only if that took the claim, an outbox row for the
-    /// letter's group alone, with the original message key and the next replay
-    /// sequence of that key; the letter's replay count and time are recorded.
+    /// Replays one dead letter, in one transaction decided by two guarded writes,
+    /// never by a read before them: first the letter is marked replayed where it is
+    /// neither discarded, nor replayed, nor resolved by a rebuild; only then is its
+    /// claim taken where it is `dead` with the letter's payload digest (it becomes a
+    /// due `failed` claim with no attempts or starts). Only if both touched their row
+    /// is an outbox row enqueued for the letter's group alone, with the original
+    /// message key and the key's next replay sequence; otherwise the transaction rolls
+    /// back and nothing was written.
     pub fn replay_dead_letter(&self, id: i64, target: &ReplayTarget) -> Result<ReplayOutcome> {
         let mut conn = self.connection()?;
         let mut tries = 0;
@@ -591,19 +627,29 @@ impl<C: StoreConnection> Store<C> {
             let now = self.clock().now();
             let attempt = C::write_transaction(&mut *conn, |conn| {
                 let Some(letter) = C::op_letter(conn, id)? else {
-                    return Ok(ReplayOutcome::NotFound);
+                    return Err(Undo::Answer(ReplayOutcome::NotFound));
                 };
-                if letter.discarded {
-                    return Ok(ReplayOutcome::Discarded);
-                }
+                // The reason never changes: read once, it decides nothing that a
+                // concurrent writer could change.
                 if let Some(advice) = replay_refusal(&letter.reason) {
-                    return Ok(ReplayOutcome::Refused {
+                    // Nothing is written either way: the read only picks the answer.
+                    if letter.discarded {
+                        return Err(Undo::Answer(ReplayOutcome::Discarded));
+                    }
+                    return Err(Undo::Answer(ReplayOutcome::Refused {
                         reason: letter.reason,
                         advice,
-                    });
+                    }));
+                }
+                // The guard on the letter: a discard, a replay or a rebuild that
+                // committed first leaves nothing to mark (and one still open holds the
+                // row until it commits).
+                if C::op_mark_replayed(conn, letter.id, now)? != 1 {
+                    return Err(Undo::Answer(Self::why_not_replayed(conn, &letter)?));
                 }
                 let digest = payload_digest(&letter.payload);
-                // The guard: only the transaction that takes the dead claim enqueues.
+                // The guard on the claim: only the transaction that takes the dead
+                // claim enqueues (a rebuild's cover empties the digest).
                 let took = C::op_reset_dead_claim(
                     conn,
                     &letter.group,
@@ -615,7 +661,7 @@ impl<C: StoreConnection> Store<C> {
                 if took != 1 {
                     let status = C::op_claim_state(conn, &letter.group, &letter.key)?
                         .and_then(|(s, _)| ClaimStatus::parse(&s));
-                    return Ok(ReplayOutcome::ClaimNotDead { status });
+                    return Err(Undo::Answer(ReplayOutcome::ClaimNotDead { status }));
                 }
                 let sequence = C::op_next_sequence(conn, &letter.key)?;
                 let headers = replay_headers(&letter.headers, &letter.group, sequence);
@@ -633,32 +679,54 @@ impl<C: StoreConnection> Store<C> {
                         now,
                     },
                 )?;
-                C::op_mark_replayed(conn, letter.id, now)?;
                 C::notify_enqueue(conn)?;
-                Ok::<_, diesel::result::Error>(ReplayOutcome::Replayed {
+                Ok::<_, Undo>(ReplayOutcome::Replayed {
                     sequence,
                     outbox_id,
                 })
             });
             match attempt {
                 Ok(outcome) => {
-                    if matches!(outcome, ReplayOutcome::Replayed { .. }) {
-                        metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
-                        tracing::info!(id, ?outcome, "dead letter replayed");
-                    }
+                    metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
+                    tracing::info!(id, ?outcome, "dead letter replayed");
                     return Ok(outcome);
                 }
-                // Another group's replay of the same key took the sequence number.
-                Err(diesel::result::Error::DatabaseError(
+                Err(Undo::Answer(outcome)) => return Ok(outcome),
+                // An older sequence the counter does not know of (written before the
+                // counter existed) took the number: the next try takes the next one.
+                Err(Undo::Database(diesel::result::Error::DatabaseError(
                     diesel::result::DatabaseErrorKind::UniqueViolation,
                     _,
-                )) if tries < SEQUENCE_RETRIES => tries += 1,
-                Err(err) if crate::backend::is_retryable(&err) && tries < SEQUENCE_RETRIES => {
+                ))) if tries < SEQUENCE_RETRIES => tries += 1,
+                Err(Undo::Database(err))
+                    if crate::backend::is_retryable(&err) && tries < SEQUENCE_RETRIES =>
+                {
                     tries += 1;
                 }
-                Err(err) => return Err(err.into()),
+                Err(Undo::Database(err)) => return Err(err.into()),
             }
         }
+    }
+
+    /// Why a letter's guarded mark touched nothing, read after the guard (in the same
+    /// transaction, which rolls back).
+    fn why_not_replayed(
+        conn: &mut C,
+        letter: &ops::Letter,
+    ) -> std::result::Result<ReplayOutcome, diesel::result::Error> {
+        Ok(match C::op_letter(conn, letter.id)? {
+            None => ReplayOutcome::NotFound,
+            Some(now) if now.discarded => ReplayOutcome::Discarded,
+            Some(now) if now.resolved => ReplayOutcome::Refused {
+                reason: now.reason,
+                advice: RESOLVED_ADVICE,
+            },
+            // Replayed already: its claim says where that replay stands.
+            Some(now) => ReplayOutcome::ClaimNotDead {
+                status: C::op_claim_state(conn, &now.group, &now.key)?
+                    .and_then(|(s, _)| ClaimStatus::parse(&s)),
+            },
+        })
     }
 
     /// Replays up to `limit` letters matching `filter` (oldest of the newest first:
