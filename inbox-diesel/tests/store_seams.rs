@@ -132,6 +132,15 @@ fn a_letter_is_replayed_once<F: Fixture>(fx: &F) {
     // collision's stand-in: the claim is not dead with this payload any more).
     let again = newest_letter(&s, "k-1");
     assert_ne!(again, id);
+    // The claim is dead again with the same payload: the replayed letter is still
+    // not replayed a second time (its newer letter is the one to replay).
+    assert_eq!(
+        s.store.replay_dead_letter(id, &target).unwrap(),
+        ReplayOutcome::ClaimNotDead {
+            status: Some(ClaimStatus::Dead)
+        }
+    );
+    assert_eq!(relay(&s, &mut t), 0, "nothing more was enqueued");
     fx.execute("UPDATE inbox_claims SET status = 'done'");
     assert_eq!(
         s.store.replay_dead_letter(again, &target).unwrap(),

@@ -1309,6 +1309,10 @@ mod operator_writes {
         blocker.release();
         rebuild.join().unwrap().unwrap();
         let outcome = replay.join().unwrap();
+        assert!(
+            matches!(outcome, ReplayOutcome::Replayed { .. }),
+            "the replay committed before the cover locked its rows: {outcome:?}"
+        );
         settle_and_check(&s.store, &s.healed, s.high, letter, &outcome);
     }
 
