@@ -2,9 +2,84 @@
 //! the outbox to their group alone, discarded; failed claims redriven; halted consumer
 //! groups listed and resumed; stats.
 //!
-//! Every write is one short transaction decided by a guarded statement, never by a
-//! read before it: a second or concurrent replay of the same letter finds the claim no
-//! longer `dead` and enqueues nothing.
+//! # Every write decided by a guarded statement
+//!
+//! Every write is one short transaction decided by guarded statements, never by a
+//! read before them: the guard updates (or locks) the row the decision depends on, and
+//! the write is judged by the rows each statement touched. A read may pick candidates
+//! (bulk actions) or an answer (why nothing happened), never a write. Per write, its
+//! guard, what a concurrent writer of the same row finds, and the test that forces
+//! the race (`store_seams` and `store_operator` are this crate's tests,
+//! `projection_rebuild` the workspace's):
+//!
+//! - **replay** ([`Store::replay_dead_letter`]): first marks the letter replayed
+//!   `WHERE discarded_at IS NULL AND replayed_at IS NULL AND resolved_at IS NULL`, then,
+//!   only if that touched the row, takes the claim `WHERE status = 'dead' AND
+//!   payload_digest = <the letter's>`; only if both touched their row is the copy
+//!   enqueued, otherwise the transaction rolls back (the mark too). The letter stays
+//!   locked from the mark to the commit, so a discard, a second replay or a rebuild's
+//!   cover waits for it and then finds it replayed; one that committed first leaves
+//!   the replay nothing to mark (`Discarded`, `ClaimNotDead`, or `Refused` for a
+//!   resolved letter). Tests: `store_seams` `races::a_replay_queued_behind_a_discard_is_refused`,
+//!   `races::a_discard_during_a_replay_is_never_followed_by_the_replay`,
+//!   `races::two_replays_of_one_letter_at_once_enqueue_one_copy`,
+//!   `a_letter_is_replayed_once` (the rollback, and a replayed letter never replayed
+//!   again); `projection_rebuild` `operator_writes::*` (against a rebuild's cover).
+//! - **bulk replay** ([`Store::replay_dead_letters`]): the filter's read only picks
+//!   candidates; each is a replay as above, counted by its answer (refused: its reason
+//!   or resolved; skipped: discarded, replayed or claim not dead meanwhile). Tests:
+//!   `projection_rebuild` `operator_writes::a_bulk_replay_landing_inside_the_cover_counts_its_event_once`,
+//!   `a_replay_before_or_after_a_rebuild_counts_its_event_once`.
+//! - **discard** ([`Store::discard_dead_letter`]): `SET discarded_at WHERE id = $1 AND
+//!   discarded_at IS NULL`; one row touched is `Discarded`, none `AlreadyDiscarded` or
+//!   `NotFound` (read after). Against a replay, whichever takes the letter first
+//!   commits first: a replay after the discard enqueues nothing; a discard after a
+//!   replay archives a replayed letter whose copy is out already (it is never
+//!   replayed again). Tests: `store_seams`
+//!   `races::a_discard_queued_behind_a_replay_comes_after_it`,
+//!   `races::a_replay_queued_behind_a_discard_is_refused`,
+//!   `a_replay_after_a_discard_enqueues_nothing`.
+//! - **redrive** ([`Store::redrive_failed_claims`]): marks the claim `WHERE status =
+//!   'failed' AND updated_at = <as read> AND payload IS NOT NULL` (two redrives at once
+//!   send one copy), then enqueues. Against a rebuild's cover, which locks the claim:
+//!   a redrive that commits first leaves a failed claim the cover converts (its copy a
+//!   duplicate); one after finds the claim done and skips it. Tests: `store_operator`
+//!   `a_failed_claim_whose_retry_copy_was_lost_is_redriven_once`; `projection_rebuild`
+//!   `operator_writes::a_redrive_racing_the_cover_counts_its_event_once`.
+//! - **revive** (`Store::revive_outbox_rows`): `WHERE dead_at IS NOT NULL AND
+//!   published_at IS NULL`, judged by rows touched (test: `store_outbox`
+//!   `a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing`).
+//! - **resume** ([`Store::resume_group`]): deletes the group's halt row; one row
+//!   deleted is `true`, so of two resumes at once one says it resumed (test:
+//!   `store_operator` `a_halt_is_recorded_listed_and_resumed_once`).
+//! - **purge** ([`Store::purge_discarded_dead_letters`] and the retention purges):
+//!   deletes rows matching the purge's condition `FOR UPDATE SKIP LOCKED`, so a row a
+//!   replay, a discard or a rebuild's cover holds is left for the next purge, never
+//!   waited for (tests: `store_retention`
+//!   `racing_purges_delete_every_old_discarded_letter_once_and_nothing_else`,
+//!   `a_purge_skips_claims_a_running_transaction_holds_instead_of_waiting`).
+//!
+//! The lock order across writers is letter, then claim: a replay marks its letter,
+//! then takes its claim; a rebuild's cover locks the letters of its keys (by id),
+//! then their claims (by key). No two of them wait for each other in a circle.
+//!
+//! # Replay sequences
+//!
+//! A replay carries its key's next sequence ([`REPLAY_SEQUENCE_HEADER`], and the
+//! outbox's `(message_key, replay_seq)`). It is counted on a row of its own per key,
+//! `inbox_replay_sequences`, raised under the row's lock in the replay's transaction,
+//! and no purge deletes that row: a sequence never repeats for a key when the
+//! published outbox rows that carried the earlier ones are purged (it used to be
+//! `max(replay_seq) + 1` over the outbox, which restarted at 1; test: `store_seams`
+//! `a_replay_sequence_never_repeats_across_a_purge`). A counter rather than a random
+//! value: the sequence is an ordinal an operator reads ("replay 2 failed again") and
+//! part of the outbox's unique key, an `INTEGER` that a random 128-bit value would
+//! have to replace in every outbox row. What a counter does not survive is a failover
+//! that loses committed transactions: the counter's row goes back with the outbox
+//! rows it numbered, and a copy published from a lost row shares its sequence with
+//! the next replay. That copy's identity at a consumer is its message key (the claim
+//! absorbs a second arrival), not its sequence, which only links a letter to the
+//! replay that delivered it (`delivered_by_replay`).
 
 mod canary;
 mod catalog;
