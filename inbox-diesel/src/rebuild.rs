@@ -14,12 +14,41 @@
 //!    statement, after the lock is held) and derive from that one result both the new
 //!    rows and the covered events;
 //! 3. rewrite the partition's rows when they differ;
-//! 4. record a claim for every covered event, marked covered (`covered_at`, an empty
-//!    payload digest): a new claim is `done`; an existing `done` claim stays as it is; a
+//! 4. cover the events, as one step over locked rows: lock the unresolved dead letters
+//!    of the covered keys (by id), then their existing claims (by key), then record a
+//!    claim for every covered event, marked covered (`covered_at`, an empty payload
+//!    digest): a new claim is `done`; an existing `done` claim stays as it is; a
 //!    `failed` or `started` one becomes `done` and covered (its payload dropped, so its
 //!    retry is a duplicate); a `dead` one becomes covered and its dead letters are
-//!    marked resolved (`resolved_at`; a replay, guarded by the digest, refuses it);
+//!    marked resolved (`resolved_at`: listed `resolved`, refused by replay and bulk
+//!    replay);
 //! 5. commit.
+//!
+//! Operator writes take no projection lock: the standalone CLI never knows the lock's
+//! name (it lives in the user's handler). They are guarded by the rows the cover
+//! locks instead. A replay marks its letter, then takes its claim (`dead` with its
+//! digest), in one transaction; the cover locks the letters, then the claims, so each
+//! statement of the cover sees rows no replay can change before the commit. Whichever
+//! takes the letter first goes first (each is a test in `tests/tests/projection_rebuild.rs`,
+//! `operator_writes`, forced with a third connection's row lock on PostgreSQL):
+//!
+//! - **A replay committed before the cover's locks**: its claim is `failed` with the
+//!   replay's copy queued; the cover converts it to done and covered; the copy is a
+//!   duplicate (`a_replay_committed_before_the_cover_locks_its_rows_is_seen_by_it`).
+//! - **A replay arriving while the cover holds (or waits for) its rows**: it waits
+//!   for the letter, then finds it resolved: refused, nothing enqueued
+//!   (`a_replay_landing_inside_the_cover_counts_its_event_once`, its bulk twin,
+//!   `a_replay_of_a_key_the_cover_holds_waits_and_is_refused`). Before the cover was
+//!   one locked step, a replay committing `dead -> failed` between its statements
+//!   left the event summed *and* its copy queued on a claim the cover had passed: the
+//!   copy was applied on top (counted twice).
+//! - **A redrive**: it changes a `failed` claim only; before the cover it is
+//!   converted with it, after it finds the claim done and skips it
+//!   (`a_redrive_racing_the_cover_counts_its_event_once`).
+//!
+//! On SQLite the rebuild's `BEGIN IMMEDIATE` transaction excludes every other writer,
+//! a replay's included: the two never interleave, and the two orders are the only
+//! cases (`a_replay_before_or_after_a_rebuild_counts_its_event_once`, both backends).
 //!
 //! Live batches take the same lock shared before they claim (the batch path does it
 //! for every handler with a lock), so a live batch and a rebuild of one projection

@@ -536,6 +536,14 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
         "{err}"
     );
     fx.execute("CREATE TABLE inbox_group_halts (consumer_group TEXT PRIMARY KEY, message_key TEXT, detail TEXT, halted_at TEXT)");
+    fx.execute("DROP TABLE inbox_replay_sequences");
+    let err = fx.builder().run_migrations(false).build().unwrap_err();
+    assert!(
+        matches!(&err, Error::OperatorSchema { expected, found, .. }
+            if expected == "table inbox_replay_sequences with column message_key" && found.starts_with("no such table")),
+        "{err}"
+    );
+    fx.execute("CREATE TABLE inbox_replay_sequences (message_key TEXT PRIMARY KEY, last_seq INTEGER NOT NULL)");
     // The retention index on the column goes first (SQLite keeps a column an index uses).
     fx.execute("DROP INDEX inbox_dead_letters_discarded");
     fx.execute("ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -93,6 +93,8 @@ struct Gated {
     gate: Arc<Gate>,
     with_lock: bool,
     reads: Arc<AtomicUsize>,
+    /// Once set, user 0 exists: its events (replayed, say) apply.
+    healed: Arc<AtomicBool>,
 }
 
 impl Gated {
@@ -102,6 +104,7 @@ impl Gated {
             gate: Arc::clone(gate),
             with_lock: true,
             reads: Arc::default(),
+            healed: Arc::default(),
         }
     }
 }
@@ -128,6 +131,10 @@ impl<C: UsageDb> Handler<C> for Gated {
         ctx: &MessageContext<'_>,
     ) -> Result<(), HandlerError> {
         self.gate.pass(Stage::Live);
+        if msg.user_id == 0 && self.healed.load(Ordering::SeqCst) {
+            conn.add_usage(msg.user_id, msg.day, msg.amount)?;
+            return Ok(());
+        }
         Handler::<C>::handle(&self.inner, conn, msg, ctx)
     }
 
@@ -137,6 +144,9 @@ impl<C: UsageDb> Handler<C> for Gated {
         batch: &[(UsageRecorded, MessageContext<'_>)],
     ) -> Option<Result<(), HandlerError>> {
         self.gate.pass(Stage::Live);
+        if self.healed.load(Ordering::SeqCst) {
+            return None;
+        }
         Handler::<C>::fold(&self.inner, conn, batch)
     }
 
@@ -601,12 +611,139 @@ where
     store.verify_schema().unwrap();
 }
 
+// ---------------------------------------------------------------------------------
+// Operator writes against a rebuild: replay, bulk replay and redrive take no
+// projection lock (they cannot know its name), so the cover locks the rows it
+// depends on. An event is counted once whichever commits first.
+
+/// Delivers `e` (user 0) until it is dead-lettered.
+fn dead_letter<C: StoreConnection>(store: &Store<C>, e: Event) {
+    loop {
+        match &deliver(store, &[e])[0] {
+            Decision::RetryAfter(wait) => std::thread::sleep(*wait),
+            Decision::DeadLettered(_) => return,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// The id of the dead letter of `e`'s key.
+fn letter_of<C: StoreConnection>(store: &Store<C>, e: Event) -> i64 {
+    let filter =
+        inbox_diesel::DeadLetterFilter::default().message_key(ledger_event_key(e.id).to_string());
+    let letters = store.list_dead_letters(&filter, 0, 10).unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    letters[0].id
+}
+
+/// The letter's status, as list and JSON name it.
+fn letter_status<C: StoreConnection>(store: &Store<C>, id: i64) -> &'static str {
+    store
+        .dead_letter_details(id)
+        .unwrap()
+        .unwrap()
+        .entry
+        .status
+        .as_str()
+}
+
+/// After an operator write and a rebuild, in either order: a replay that enqueued a
+/// copy left a claim the copy finds covered (a duplicate); one the rebuild came
+/// before it was refused, the letter resolved. The copy is delivered, healed, and
+/// the projection counts the event once.
+fn settle_and_check<C: StoreConnection + UsageDb>(
+    store: &Store<C>,
+    healed: &AtomicBool,
+    e: Event,
+    letter: i64,
+    outcome: &inbox_diesel::ReplayOutcome,
+) {
+    use inbox_diesel::ReplayOutcome;
+    healed.store(true, Ordering::SeqCst);
+    let claim = store.claim_record(&e.claim_key()).unwrap().unwrap();
+    match outcome {
+        ReplayOutcome::Replayed { .. } => {
+            // The replay's copy arrives (the same envelope, its key's claim decides).
+            let decisions = deliver(store, &[e]);
+            assert_eq!(
+                totals(store),
+                ledger_sums(store, &[today()]),
+                "the replay's copy was {decisions:?} after the rebuild summed its event \
+                 (claim before the copy: {claim:?})"
+            );
+            assert_eq!(decisions, [Decision::Duplicate]);
+            assert_eq!(
+                claim.status,
+                ClaimStatus::Done,
+                "the rebuild saw the replay's failed claim and covered it: {claim:?}"
+            );
+            assert_eq!(letter_status(store, letter), "replayed");
+        }
+        ReplayOutcome::Refused { .. } => {
+            assert_eq!(claim.status, ClaimStatus::Dead, "{claim:?}");
+            assert_eq!(letter_status(store, letter), "resolved");
+            assert_eq!(deliver(store, &[e]), [Decision::AlreadyDeadLettered]);
+        }
+        other => panic!("the replay answered {other:?}"),
+    }
+    assert_eq!(
+        totals(store),
+        ledger_sums(store, &[today()]),
+        "the event is counted once (replay: {outcome:?})"
+    );
+}
+
+/// SQLite has one writer: a replay and a rebuild's cover are never interleaved (each
+/// is one `BEGIN IMMEDIATE` transaction), so the two orders are the only cases; on
+/// PostgreSQL `operator_writes` forces the interleavings with row locks.
+fn a_replay_before_or_after_a_rebuild_counts_its_event_once<F: Fixture>(fx: &F)
+where
+    F::Conn: UsageDb,
+{
+    let gate = Arc::new(Gate::default());
+    let projection = Gated::new(&gate);
+    let healed = Arc::clone(&projection.healed);
+    let store = setup(fx.builder(), projection);
+    let before = write(&store, 0, today(), 5);
+    let after = write(&store, 0, today(), 6);
+    dead_letter(&store, before);
+    dead_letter(&store, after);
+    let target = inbox_diesel::ReplayTarget::default();
+    // Replayed before the rebuild: the rebuild covers the replay's failed claim.
+    let first = letter_of(&store, before);
+    let replayed = store.replay_dead_letter(first, &target).unwrap();
+    assert!(
+        matches!(replayed, inbox_diesel::ReplayOutcome::Replayed { .. }),
+        "{replayed:?}"
+    );
+    let report = store.rebuilder(PROJECTION).unwrap().rebuild(1).unwrap();
+    assert_eq!((report.claims_converted, report.dead_covered), (1, 1));
+    // Replayed after: refused, the letter resolved; bulk replay refuses it too.
+    let second = letter_of(&store, after);
+    assert_eq!(letter_status(&store, second), "resolved");
+    let details = store.dead_letter_details(second).unwrap().unwrap();
+    assert!(details.replay_refusal.is_some(), "{details:?}");
+    let bulk = store
+        .replay_dead_letters(
+            &inbox_diesel::DeadLetterFilter::default()
+                .message_key(ledger_event_key(after.id).to_string()),
+            None,
+            &target,
+        )
+        .unwrap();
+    assert_eq!((bulk.affected, bulk.refused), (0, 1), "{bulk:?}");
+    let refused = store.replay_dead_letter(second, &target).unwrap();
+    settle_and_check(&store, &healed, before, first, &replayed);
+    settle_and_check(&store, &healed, after, second, &refused);
+}
+
 inbox_test_support::on_both_backends!(
     drift_is_audited_then_healed_inside_the_window_only,
     after_a_rebuild_every_event_of_the_ledger_is_a_duplicate,
     failed_started_and_dead_claims_are_taken_over,
     a_projection_without_a_lock_is_refused_at_build,
     missing_rebuild_objects_are_reported,
+    a_replay_before_or_after_a_rebuild_counts_its_event_once,
 );
 
 // ---------------------------------------------------------------------------------
@@ -945,5 +1082,310 @@ mod interleavings {
         assert_eq!(decisions, [Decision::Duplicate]);
         assert_eq!(report.claims_recorded, 1);
         assert!(gate.was_reached());
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Operator writes racing a rebuild's cover on PostgreSQL, forced with row locks: a
+// third connection holds a row the cover needs, the rebuild waits behind it (seen in
+// `pg_blocking_pids`, not guessed from a sleep), the operator write runs, the third
+// connection lets go.
+
+mod operator_writes {
+    use super::*;
+    use diesel::connection::SimpleConnection;
+    use diesel::sql_types::Integer;
+    use diesel::PgConnection;
+    use inbox_diesel::{DeadLetterFilter, RedriveFilter, ReplayOutcome, ReplayTarget};
+
+    #[derive(QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = Integer)]
+        pid: i32,
+    }
+
+    /// A connection holding one row lock in an open transaction.
+    struct Blocker {
+        conn: PgConnection,
+        pid: i32,
+        monitor: PgConnection,
+    }
+
+    impl Blocker {
+        fn hold(fx: &PgFixture, sql: &str) -> Self {
+            let mut conn = fx.connect();
+            conn.batch_execute("BEGIN").unwrap();
+            conn.batch_execute(sql).unwrap();
+            let pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+                .get_result::<Pid>(&mut conn)
+                .unwrap()
+                .pid;
+            Self {
+                conn,
+                pid,
+                monitor: fx.connect(),
+            }
+        }
+
+        fn claim(fx: &PgFixture, e: Event) -> Self {
+            Self::hold(
+                fx,
+                &format!(
+                    "SELECT 1 FROM inbox_claims WHERE message_key = '{}' FOR UPDATE",
+                    ledger_event_key(e.id)
+                ),
+            )
+        }
+
+        fn letter(fx: &PgFixture, id: i64) -> Self {
+            Self::hold(
+                fx,
+                &format!("SELECT 1 FROM inbox_dead_letters WHERE id = {id} FOR UPDATE"),
+            )
+        }
+
+        /// Backends waiting for this one (`depth` 1), or for one of those (`depth` 2).
+        fn waiters(&mut self, depth: u8) -> i64 {
+            let sql = match depth {
+                1 => format!(
+                    "SELECT COUNT(*) AS n FROM pg_stat_activity \
+                     WHERE {} = ANY(pg_blocking_pids(pid))",
+                    self.pid
+                ),
+                _ => format!(
+                    "SELECT COUNT(*) AS n FROM pg_stat_activity a WHERE EXISTS ( \
+                       SELECT 1 FROM pg_stat_activity b \
+                       WHERE {} = ANY(pg_blocking_pids(b.pid)) \
+                         AND b.pid = ANY(pg_blocking_pids(a.pid)))",
+                    self.pid
+                ),
+            };
+            diesel::sql_query(sql)
+                .get_result::<Count>(&mut self.monitor)
+                .unwrap()
+                .n
+        }
+
+        /// Waits until `thread` waits behind this connection (at `depth`) or ended.
+        fn wait_behind<T>(&mut self, depth: u8, thread: &JoinHandle<T>) {
+            let until = Instant::now() + Duration::from_secs(30);
+            while self.waiters(depth) == 0 && !thread.is_finished() {
+                assert!(Instant::now() < until, "never blocked, never finished");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+
+        fn release(mut self) {
+            self.conn.batch_execute("ROLLBACK").unwrap();
+        }
+    }
+
+    struct Scene {
+        fx: PgFixture,
+        healed: Arc<AtomicBool>,
+        store: Store<PgConnection>,
+        /// Two dead events of user 0, `low`'s key sorting before `high`'s.
+        low: Event,
+        high: Event,
+    }
+
+    fn scene() -> Option<Scene> {
+        let fx = PgFixture::new()?;
+        let gate = Arc::new(Gate::default());
+        let projection = Gated::new(&gate);
+        let healed = Arc::clone(&projection.healed);
+        let store = setup(fx.builder(), projection);
+        let a = write(&store, 0, today(), 5);
+        let b = write(&store, 0, today(), 6);
+        let (low, high) = if ledger_event_key(a.id).to_string() < ledger_event_key(b.id).to_string()
+        {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        // In key order, so the claims' and the letters' order agree.
+        dead_letter(&store, low);
+        dead_letter(&store, high);
+        Some(Scene {
+            fx,
+            healed,
+            store,
+            low,
+            high,
+        })
+    }
+
+    /// Every lock wait of the rebuild's transaction is bounded by its lock timeout:
+    /// long enough here for the test to release the blocker.
+    fn rebuild_in_thread(
+        store: &Store<PgConnection>,
+    ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
+        let rebuilder = store
+            .rebuilder(PROJECTION)
+            .unwrap()
+            .lock_timeout(Duration::from_secs(60));
+        std::thread::spawn(move || rebuilder.rebuild(1))
+    }
+
+    fn replay_in_thread(
+        store: &Store<PgConnection>,
+        letter: i64,
+        bulk: bool,
+    ) -> JoinHandle<ReplayOutcome> {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let target = ReplayTarget::default();
+            if !bulk {
+                return store.replay_dead_letter(letter, &target).unwrap();
+            }
+            let key = store
+                .dead_letter_details(letter)
+                .unwrap()
+                .unwrap()
+                .entry
+                .message_key;
+            let report = store
+                .replay_dead_letters(&DeadLetterFilter::default().message_key(key), None, &target)
+                .unwrap();
+            // The single replay's answer, as the bulk report counts it.
+            match (report.affected, report.refused) {
+                (1, 0) => ReplayOutcome::Replayed {
+                    sequence: 0,
+                    outbox_id: 0,
+                },
+                (0, 1) => store.replay_dead_letter(letter, &target).unwrap(),
+                _ => panic!("bulk replay: {report:?}"),
+            }
+        })
+    }
+
+    /// The cover waits behind the claim of the lower key while the replay of the
+    /// higher key's letter runs: before the cover locked its rows in one step, the
+    /// replay committed `dead -> failed` between the cover's statements, the rebuild
+    /// summed the event and the replay's copy was applied on top (counted twice).
+    fn a_replay_landing_inside_the_cover(bulk: bool) {
+        let Some(s) = scene() else { return };
+        let letter = letter_of(&s.store, s.high);
+        let mut blocker = Blocker::claim(&s.fx, s.low);
+        let rebuild = rebuild_in_thread(&s.store);
+        blocker.wait_behind(1, &rebuild);
+        assert!(
+            !rebuild.is_finished(),
+            "the cover waits for the locked claim"
+        );
+        let replay = replay_in_thread(&s.store, letter, bulk);
+        blocker.wait_behind(2, &replay);
+        blocker.release();
+        let report = rebuild.join().unwrap().unwrap();
+        let outcome = replay.join().unwrap();
+        assert_eq!(report.events_covered, 2, "{report:?}");
+        settle_and_check(&s.store, &s.healed, s.high, letter, &outcome);
+    }
+
+    #[test]
+    fn a_replay_landing_inside_the_cover_counts_its_event_once() {
+        a_replay_landing_inside_the_cover(false);
+    }
+
+    #[test]
+    fn a_bulk_replay_landing_inside_the_cover_counts_its_event_once() {
+        a_replay_landing_inside_the_cover(true);
+    }
+
+    /// The cover waits behind the lower key's letter before it locks anything of the
+    /// higher key: the replay of the higher key commits first, and the rebuild sees
+    /// it (the replay's failed claim is covered, its copy a duplicate).
+    #[test]
+    fn a_replay_committed_before_the_cover_locks_its_rows_is_seen_by_it() {
+        let Some(s) = scene() else { return };
+        let low_letter = letter_of(&s.store, s.low);
+        let letter = letter_of(&s.store, s.high);
+        assert!(low_letter < letter, "letters in key order");
+        let mut blocker = Blocker::letter(&s.fx, low_letter);
+        let rebuild = rebuild_in_thread(&s.store);
+        blocker.wait_behind(1, &rebuild);
+        let replay = replay_in_thread(&s.store, letter, false);
+        blocker.wait_behind(2, &replay);
+        blocker.release();
+        rebuild.join().unwrap().unwrap();
+        let outcome = replay.join().unwrap();
+        assert!(
+            matches!(outcome, ReplayOutcome::Replayed { .. }),
+            "the replay committed before the cover locked its rows: {outcome:?}"
+        );
+        settle_and_check(&s.store, &s.healed, s.high, letter, &outcome);
+    }
+
+    /// The cover holds the lower key's rows and waits behind the higher key's claim;
+    /// the replay of the lower key waits for the cover, then finds its letter
+    /// resolved: refused, nothing enqueued.
+    #[test]
+    fn a_replay_of_a_key_the_cover_holds_waits_and_is_refused() {
+        let Some(s) = scene() else { return };
+        let letter = letter_of(&s.store, s.low);
+        let mut blocker = Blocker::claim(&s.fx, s.high);
+        let rebuild = rebuild_in_thread(&s.store);
+        blocker.wait_behind(1, &rebuild);
+        let replay = replay_in_thread(&s.store, letter, false);
+        blocker.wait_behind(2, &replay);
+        blocker.release();
+        rebuild.join().unwrap().unwrap();
+        let outcome = replay.join().unwrap();
+        assert!(
+            matches!(outcome, ReplayOutcome::Refused { .. }),
+            "{outcome:?}"
+        );
+        settle_and_check(&s.store, &s.healed, s.low, letter, &outcome);
+    }
+
+    /// A redrive of a failed claim the cover is about to take: it commits first (the
+    /// cover waits behind the lower key) and the rebuild converts the redriven claim,
+    /// or it waits for the cover and finds the claim done: skipped. Counted once.
+    #[test]
+    fn a_redrive_racing_the_cover_counts_its_event_once() {
+        let Some(s) = scene() else { return };
+        // A failed claim with its payload kept, due: user 0's next event, failed once.
+        let e = write(&s.store, 0, today(), 7);
+        let wait = match &deliver(&s.store, &[e])[0] {
+            Decision::RetryAfter(wait) => *wait,
+            other => panic!("{other:?}"),
+        };
+        std::thread::sleep(wait);
+        let (blocked, redriven) =
+            if ledger_event_key(s.low.id).to_string() < ledger_event_key(e.id).to_string() {
+                (s.low, e)
+            } else {
+                (s.high, e)
+            };
+        let mut blocker = Blocker::claim(&s.fx, blocked);
+        let rebuild = rebuild_in_thread(&s.store);
+        blocker.wait_behind(1, &rebuild);
+        let store = s.store.clone();
+        let key = ledger_event_key(redriven.id).to_string();
+        let redrive = std::thread::spawn(move || {
+            store
+                .redrive_failed_claims(
+                    &RedriveFilter::default()
+                        .message_key(key)
+                        .overdue_for(Duration::ZERO),
+                    None,
+                    &ReplayTarget::default(),
+                )
+                .unwrap()
+        });
+        blocker.wait_behind(2, &redrive);
+        blocker.release();
+        rebuild.join().unwrap().unwrap();
+        let report = redrive.join().unwrap();
+        s.healed.store(true, Ordering::SeqCst);
+        let claim = s
+            .store
+            .claim_record(&redriven.claim_key())
+            .unwrap()
+            .unwrap();
+        assert_eq!(claim.status, ClaimStatus::Done, "{report:?} {claim:?}");
+        // The redriven copy, if one was enqueued, is a duplicate.
+        assert_eq!(deliver(&s.store, &[redriven]), [Decision::Duplicate]);
+        assert_eq!(totals(&s.store), ledger_sums(&s.store, &[today()]));
     }
 }

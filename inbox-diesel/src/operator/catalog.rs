@@ -1,7 +1,7 @@
 //! What `verify_schema` checks of the operator migration's objects: outbox rows unique
 //! by (message_key, replay_seq), and nothing unique on the key alone (a replay keeps
 //! the original key, and would be refused); the dead-letter columns replays and
-//! discards write; the canary and group-halt tables.
+//! discards write; the canary and group-halt tables; the replay sequences' counters.
 
 use diesel::result::QueryResult;
 
@@ -32,6 +32,9 @@ pub struct OperatorCatalog {
     pub halt_table: String,
     /// Columns of `inbox_group_halts`.
     pub halt_columns: Vec<String>,
+    pub sequence_table: String,
+    /// Columns of `inbox_replay_sequences`.
+    pub sequence_columns: Vec<String>,
 }
 
 /// Reads the catalog; per backend.
@@ -146,6 +149,19 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
                 &catalog.halt_table,
                 &format!("table inbox_group_halts with column {column}"),
                 if catalog.halt_columns.is_empty() {
+                    "no such table (were the migrations run?)".to_owned()
+                } else {
+                    "no such column (were the migrations run?)".to_owned()
+                },
+            ));
+        }
+    }
+    for column in ["message_key", "last_seq"] {
+        if !catalog.sequence_columns.iter().any(|c| c == column) {
+            return Err(mismatch(
+                &catalog.sequence_table,
+                &format!("table inbox_replay_sequences with column {column}"),
+                if catalog.sequence_columns.is_empty() {
                     "no such table (were the migrations run?)".to_owned()
                 } else {
                     "no such column (were the migrations run?)".to_owned()

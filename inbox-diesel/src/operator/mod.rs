@@ -2,9 +2,84 @@
 //! the outbox to their group alone, discarded; failed claims redriven; halted consumer
 //! groups listed and resumed; stats.
 //!
-//! Every write is one short transaction decided by a guarded statement, never by a
-//! read before it: a second or concurrent replay of the same letter finds the claim no
-//! longer `dead` and enqueues nothing.
+//! # Every write decided by a guarded statement
+//!
+//! Every write is one short transaction decided by guarded statements, never by a
+//! read before them: the guard updates (or locks) the row the decision depends on, and
+//! the write is judged by the rows each statement touched. A read may pick candidates
+//! (bulk actions) or an answer (why nothing happened), never a write. Per write, its
+//! guard, what a concurrent writer of the same row finds, and the test that forces
+//! the race (`store_seams` and `store_operator` are this crate's tests,
+//! `projection_rebuild` the workspace's):
+//!
+//! - **replay** ([`Store::replay_dead_letter`]): first marks the letter replayed
+//!   `WHERE discarded_at IS NULL AND replayed_at IS NULL AND resolved_at IS NULL`, then,
+//!   only if that touched the row, takes the claim `WHERE status = 'dead' AND
+//!   payload_digest = <the letter's>`; only if both touched their row is the copy
+//!   enqueued, otherwise the transaction rolls back (the mark too). The letter stays
+//!   locked from the mark to the commit, so a discard, a second replay or a rebuild's
+//!   cover waits for it and then finds it replayed; one that committed first leaves
+//!   the replay nothing to mark (`Discarded`, `ClaimNotDead`, or `Refused` for a
+//!   resolved letter). Tests: `store_seams` `races::a_replay_queued_behind_a_discard_is_refused`,
+//!   `races::a_discard_during_a_replay_is_never_followed_by_the_replay`,
+//!   `races::two_replays_of_one_letter_at_once_enqueue_one_copy`,
+//!   `a_letter_is_replayed_once` (the rollback, and a replayed letter never replayed
+//!   again); `projection_rebuild` `operator_writes::*` (against a rebuild's cover).
+//! - **bulk replay** ([`Store::replay_dead_letters`]): the filter's read only picks
+//!   candidates; each is a replay as above, counted by its answer (refused: its reason
+//!   or resolved; skipped: discarded, replayed or claim not dead meanwhile). Tests:
+//!   `projection_rebuild` `operator_writes::a_bulk_replay_landing_inside_the_cover_counts_its_event_once`,
+//!   `a_replay_before_or_after_a_rebuild_counts_its_event_once`.
+//! - **discard** ([`Store::discard_dead_letter`]): `SET discarded_at WHERE id = $1 AND
+//!   discarded_at IS NULL`; one row touched is `Discarded`, none `AlreadyDiscarded` or
+//!   `NotFound` (read after). Against a replay, whichever takes the letter first
+//!   commits first: a replay after the discard enqueues nothing; a discard after a
+//!   replay archives a replayed letter whose copy is out already (it is never
+//!   replayed again). Tests: `store_seams`
+//!   `races::a_discard_queued_behind_a_replay_comes_after_it`,
+//!   `races::a_replay_queued_behind_a_discard_is_refused`,
+//!   `a_replay_after_a_discard_enqueues_nothing`.
+//! - **redrive** ([`Store::redrive_failed_claims`]): marks the claim `WHERE status =
+//!   'failed' AND updated_at = <as read> AND payload IS NOT NULL` (two redrives at once
+//!   send one copy), then enqueues. Against a rebuild's cover, which locks the claim:
+//!   a redrive that commits first leaves a failed claim the cover converts (its copy a
+//!   duplicate); one after finds the claim done and skips it. Tests: `store_operator`
+//!   `a_failed_claim_whose_retry_copy_was_lost_is_redriven_once`; `projection_rebuild`
+//!   `operator_writes::a_redrive_racing_the_cover_counts_its_event_once`.
+//! - **revive** (`Store::revive_outbox_rows`): `WHERE dead_at IS NOT NULL AND
+//!   published_at IS NULL`, judged by rows touched (test: `store_outbox`
+//!   `a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing`).
+//! - **resume** ([`Store::resume_group`]): deletes the group's halt row; one row
+//!   deleted is `true`, so of two resumes at once one says it resumed (test:
+//!   `store_operator` `a_halt_is_recorded_listed_and_resumed_once`).
+//! - **purge** ([`Store::purge_discarded_dead_letters`] and the retention purges):
+//!   deletes rows matching the purge's condition `FOR UPDATE SKIP LOCKED`, so a row a
+//!   replay, a discard or a rebuild's cover holds is left for the next purge, never
+//!   waited for (tests: `store_retention`
+//!   `racing_purges_delete_every_old_discarded_letter_once_and_nothing_else`,
+//!   `a_purge_skips_claims_a_running_transaction_holds_instead_of_waiting`).
+//!
+//! The lock order across writers is letter, then claim: a replay marks its letter,
+//! then takes its claim; a rebuild's cover locks the letters of its keys (by id),
+//! then their claims (by key). No two of them wait for each other in a circle.
+//!
+//! # Replay sequences
+//!
+//! A replay carries its key's next sequence ([`REPLAY_SEQUENCE_HEADER`], and the
+//! outbox's `(message_key, replay_seq)`). It is counted on a row of its own per key,
+//! `inbox_replay_sequences`, raised under the row's lock in the replay's transaction,
+//! and no purge deletes that row: a sequence never repeats for a key when the
+//! published outbox rows that carried the earlier ones are purged (it used to be
+//! `max(replay_seq) + 1` over the outbox, which restarted at 1; test: `store_seams`
+//! `a_replay_sequence_never_repeats_across_a_purge`). A counter rather than a random
+//! value: the sequence is an ordinal an operator reads ("replay 2 failed again") and
+//! part of the outbox's unique key, an `INTEGER` that a random 128-bit value would
+//! have to replace in every outbox row. What a counter does not survive is a failover
+//! that loses committed transactions: the counter's row goes back with the outbox
+//! rows it numbered, and a copy published from a lost row shares its sequence with
+//! the next replay. That copy's identity at a consumer is its message key (the claim
+//! absorbs a second arrival), not its sequence, which only links a letter to the
+//! replay that delivered it (`delivered_by_replay`).
 
 mod canary;
 mod catalog;
@@ -38,18 +113,23 @@ use ops::{EntryTuple, NewReplay};
 pub enum LetterStatus {
     /// Neither replayed nor discarded.
     Pending,
-    /// Replayed at least once (and not discarded).
+    /// Replayed (and not discarded).
     Replayed,
+    /// Resolved by a projection rebuild that counted its event (and not discarded):
+    /// never replayed (a replay would count the event a second time).
+    Resolved,
     /// Discarded (archived): kept for its retention, never replayed.
     Discarded,
 }
 
 impl LetterStatus {
-    /// The status as the CLI and JSON name it: `pending`, `replayed`, `discarded`.
+    /// The status as the CLI and JSON name it: `pending`, `replayed`, `resolved`,
+    /// `discarded`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Pending => "pending",
             Self::Replayed => "replayed",
+            Self::Resolved => "resolved",
             Self::Discarded => "discarded",
         }
     }
@@ -59,6 +139,7 @@ impl LetterStatus {
         Some(match s {
             "pending" => Self::Pending,
             "replayed" => Self::Replayed,
+            "resolved" => Self::Resolved,
             "discarded" => Self::Discarded,
             _ => return None,
         })
@@ -93,7 +174,8 @@ pub struct DeadLetterFilter {
     pub until: Option<DateTime<Utc>>,
     /// The failure group's fingerprint (see [`FailureGroup`]).
     pub failure_group: Option<String>,
-    /// The status; `None` matches pending and replayed letters, not discarded ones.
+    /// The status; `None` matches every letter that is not discarded (pending,
+    /// replayed and resolved ones).
     pub status: Option<LetterStatus>,
 }
 
@@ -175,6 +257,8 @@ pub struct DeadLetterEntry {
     pub replayed_at: Option<DateTime<Utc>>,
     /// When it was discarded.
     pub discarded_at: Option<DateTime<Utc>>,
+    /// When a projection rebuild resolved it (counted its event).
+    pub resolved_at: Option<DateTime<Utc>>,
     /// Its failure group's fingerprint.
     pub failure_group: String,
     /// Where it stands.
@@ -442,6 +526,8 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
     let signature = fingerprint::signature(&t.7, &t.3, t.8.as_deref());
     let status = if t.12.is_some() {
         LetterStatus::Discarded
+    } else if t.13.is_some() {
+        LetterStatus::Resolved
     } else if t.10.is_some() {
         LetterStatus::Replayed
     } else {
@@ -460,6 +546,7 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
         replayed_at: t.10,
         replay_count: t.11,
         discarded_at: t.12,
+        resolved_at: t.13,
         failure_group: signature.fingerprint,
         status,
         delivered_by_replay: headers
@@ -472,9 +559,27 @@ fn as_limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// How often a replay is tried again when another group's replay of the same key took
-/// the sequence number first.
+/// How often a replay is tried again after contention, or when a replay sequence
+/// written before the counter existed took the number.
 const SEQUENCE_RETRIES: u32 = 5;
+
+/// Why a resolved letter is not replayed.
+const RESOLVED_ADVICE: &str = "a projection rebuild counted this event already (the letter is \
+     resolved): a replay would count it twice; discard the letter";
+
+/// Ends a replay's transaction without writing: an answer decided by a guard (the
+/// transaction rolls back, so a letter marked before the claim's guard failed is
+/// unmarked), or a database error.
+enum Undo {
+    Answer(ReplayOutcome),
+    Database(diesel::result::Error),
+}
+
+impl From<diesel::result::Error> for Undo {
+    fn from(err: diesel::result::Error) -> Self {
+        Self::Database(err)
+    }
+}
 
 impl<C: StoreConnection> Store<C> {
     /// Dead letters matching `filter`, newest first: `limit` of them after skipping
@@ -519,7 +624,10 @@ impl<C: StoreConnection> Store<C> {
         Ok(Some(DeadLetterDetails {
             first_failure_at: first.unwrap_or(entry.dead_lettered_at),
             last_failure_at: last.unwrap_or(entry.dead_lettered_at),
-            replay_refusal: replay_refusal(&entry.reason),
+            replay_refusal: match entry.status {
+                LetterStatus::Resolved => Some(RESOLVED_ADVICE),
+                _ => replay_refusal(&entry.reason),
+            },
             payload,
             headers,
             claim_status,
@@ -579,11 +687,14 @@ impl<C: StoreConnection> Store<C> {
         Ok(out)
     }
 
-    /// Replays one dead letter, in one transaction: the guarded reset of its claim
-    /// (`dead` with the letter's payload digest becomes a due `failed` claim with no
-    /// attempts or starts) and, only if that took the claim, an outbox row for the
-    /// letter's group alone, with the original message key and the next replay
-    /// sequence of that key; the letter's replay count and time are recorded.
+    /// Replays one dead letter, in one transaction decided by two guarded writes,
+    /// never by a read before them: first the letter is marked replayed where it is
+    /// neither discarded, nor replayed, nor resolved by a rebuild; only then is its
+    /// claim taken where it is `dead` with the letter's payload digest (it becomes a
+    /// due `failed` claim with no attempts or starts). Only if both touched their row
+    /// is an outbox row enqueued for the letter's group alone, with the original
+    /// message key and the key's next replay sequence; otherwise the transaction rolls
+    /// back and nothing was written.
     pub fn replay_dead_letter(&self, id: i64, target: &ReplayTarget) -> Result<ReplayOutcome> {
         let mut conn = self.connection()?;
         let mut tries = 0;
@@ -591,19 +702,29 @@ impl<C: StoreConnection> Store<C> {
             let now = self.clock().now();
             let attempt = C::write_transaction(&mut *conn, |conn| {
                 let Some(letter) = C::op_letter(conn, id)? else {
-                    return Ok(ReplayOutcome::NotFound);
+                    return Err(Undo::Answer(ReplayOutcome::NotFound));
                 };
-                if letter.discarded {
-                    return Ok(ReplayOutcome::Discarded);
-                }
+                // The reason never changes: read once, it decides nothing that a
+                // concurrent writer could change.
                 if let Some(advice) = replay_refusal(&letter.reason) {
-                    return Ok(ReplayOutcome::Refused {
+                    // Nothing is written either way: the read only picks the answer.
+                    if letter.discarded {
+                        return Err(Undo::Answer(ReplayOutcome::Discarded));
+                    }
+                    return Err(Undo::Answer(ReplayOutcome::Refused {
                         reason: letter.reason,
                         advice,
-                    });
+                    }));
+                }
+                // The guard on the letter: a discard, a replay or a rebuild that
+                // committed first leaves nothing to mark (and one still open holds the
+                // row until it commits).
+                if C::op_mark_replayed(conn, letter.id, now)? != 1 {
+                    return Err(Undo::Answer(Self::why_not_replayed(conn, &letter)?));
                 }
                 let digest = payload_digest(&letter.payload);
-                // The guard: only the transaction that takes the dead claim enqueues.
+                // The guard on the claim: only the transaction that takes the dead
+                // claim enqueues (a rebuild's cover empties the digest).
                 let took = C::op_reset_dead_claim(
                     conn,
                     &letter.group,
@@ -615,7 +736,7 @@ impl<C: StoreConnection> Store<C> {
                 if took != 1 {
                     let status = C::op_claim_state(conn, &letter.group, &letter.key)?
                         .and_then(|(s, _)| ClaimStatus::parse(&s));
-                    return Ok(ReplayOutcome::ClaimNotDead { status });
+                    return Err(Undo::Answer(ReplayOutcome::ClaimNotDead { status }));
                 }
                 let sequence = C::op_next_sequence(conn, &letter.key)?;
                 let headers = replay_headers(&letter.headers, &letter.group, sequence);
@@ -633,32 +754,54 @@ impl<C: StoreConnection> Store<C> {
                         now,
                     },
                 )?;
-                C::op_mark_replayed(conn, letter.id, now)?;
                 C::notify_enqueue(conn)?;
-                Ok::<_, diesel::result::Error>(ReplayOutcome::Replayed {
+                Ok::<_, Undo>(ReplayOutcome::Replayed {
                     sequence,
                     outbox_id,
                 })
             });
             match attempt {
                 Ok(outcome) => {
-                    if matches!(outcome, ReplayOutcome::Replayed { .. }) {
-                        metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
-                        tracing::info!(id, ?outcome, "dead letter replayed");
-                    }
+                    metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
+                    tracing::info!(id, ?outcome, "dead letter replayed");
                     return Ok(outcome);
                 }
-                // Another group's replay of the same key took the sequence number.
-                Err(diesel::result::Error::DatabaseError(
+                Err(Undo::Answer(outcome)) => return Ok(outcome),
+                // An older sequence the counter does not know of (written before the
+                // counter existed) took the number: the next try takes the next one.
+                Err(Undo::Database(diesel::result::Error::DatabaseError(
                     diesel::result::DatabaseErrorKind::UniqueViolation,
                     _,
-                )) if tries < SEQUENCE_RETRIES => tries += 1,
-                Err(err) if crate::backend::is_retryable(&err) && tries < SEQUENCE_RETRIES => {
+                ))) if tries < SEQUENCE_RETRIES => tries += 1,
+                Err(Undo::Database(err))
+                    if crate::backend::is_retryable(&err) && tries < SEQUENCE_RETRIES =>
+                {
                     tries += 1;
                 }
-                Err(err) => return Err(err.into()),
+                Err(Undo::Database(err)) => return Err(err.into()),
             }
         }
+    }
+
+    /// Why a letter's guarded mark touched nothing, read after the guard (in the same
+    /// transaction, which rolls back).
+    fn why_not_replayed(
+        conn: &mut C,
+        letter: &ops::Letter,
+    ) -> std::result::Result<ReplayOutcome, diesel::result::Error> {
+        Ok(match C::op_letter(conn, letter.id)? {
+            None => ReplayOutcome::NotFound,
+            Some(now) if now.discarded => ReplayOutcome::Discarded,
+            Some(now) if now.resolved => ReplayOutcome::Refused {
+                reason: now.reason,
+                advice: RESOLVED_ADVICE,
+            },
+            // Replayed already: its claim says where that replay stands.
+            Some(now) => ReplayOutcome::ClaimNotDead {
+                status: C::op_claim_state(conn, &now.group, &now.key)?
+                    .and_then(|(s, _)| ClaimStatus::parse(&s)),
+            },
+        })
     }
 
     /// Replays up to `limit` letters matching `filter` (oldest of the newest first:

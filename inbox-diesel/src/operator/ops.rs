@@ -22,6 +22,7 @@ pub(crate) type EntryTuple = (
     Option<DateTime<Utc>>,
     i32,
     Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
 );
 
 /// The first and last time a key was dead-lettered in a group.
@@ -38,6 +39,7 @@ pub struct Letter {
     pub headers: String,
     pub reason: String,
     pub discarded: bool,
+    pub resolved: bool,
 }
 
 /// An outbox row addressed to one group.
@@ -134,7 +136,8 @@ pub trait OperatorOps: Sized {
         key: &str,
     ) -> QueryResult<Option<(String, Vec<u8>)>>;
 
-    /// The next replay sequence of a message key in the outbox.
+    /// The next replay sequence of a message key: its counter row's, raised by one
+    /// (the row is never purged, so a sequence never repeats for a key).
     #[doc(hidden)]
     fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32>;
 
@@ -142,7 +145,8 @@ pub trait OperatorOps: Sized {
     #[doc(hidden)]
     fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64>;
 
-    /// Counts a replay against a dead letter.
+    /// Counts a replay against a dead letter, only if it is neither discarded, nor
+    /// replayed, nor resolved by a rebuild; returns rows touched (the guard).
     #[doc(hidden)]
     fn op_mark_replayed(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
 
@@ -255,10 +259,15 @@ macro_rules! operator_ops {
                     None => q.filter(discarded_at.is_null()),
                     Some(LetterStatus::Pending) => q
                         .filter(discarded_at.is_null())
+                        .filter(resolved_at.is_null())
                         .filter(replayed_at.is_null()),
                     Some(LetterStatus::Replayed) => q
                         .filter(discarded_at.is_null())
+                        .filter(resolved_at.is_null())
                         .filter(replayed_at.is_not_null()),
+                    Some(LetterStatus::Resolved) => q
+                        .filter(discarded_at.is_null())
+                        .filter(resolved_at.is_not_null()),
                     Some(LetterStatus::Discarded) => q.filter(discarded_at.is_not_null()),
                 };
                 let mut q = q
@@ -278,6 +287,7 @@ macro_rules! operator_ops {
                         replayed_at,
                         replay_count,
                         discarded_at,
+                        resolved_at,
                     ));
                 if let Some(limit) = limit {
                     q = q.limit(limit);
@@ -300,6 +310,7 @@ macro_rules! operator_ops {
                     String,
                     String,
                     Option<DateTime<Utc>>,
+                    Option<DateTime<Utc>>,
                 )> = op_dead_letters
                     .find(letter)
                     .select((
@@ -312,6 +323,7 @@ macro_rules! operator_ops {
                         headers,
                         reason,
                         discarded_at,
+                        resolved_at,
                     ))
                     .first(conn)
                     .optional()?;
@@ -325,6 +337,7 @@ macro_rules! operator_ops {
                     headers: r.6,
                     reason: r.7,
                     discarded: r.8.is_some(),
+                    resolved: r.9.is_some(),
                 }))
             }
 
@@ -349,6 +362,7 @@ macro_rules! operator_ops {
                         replayed_at,
                         replay_count,
                         discarded_at,
+                        resolved_at,
                     ))
                     .first(conn)
                     .optional()?;
@@ -423,12 +437,17 @@ macro_rules! operator_ops {
             }
 
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
-                use crate::operator::tables::$schema::op_outbox::dsl::*;
-                let last: Option<i32> = op_outbox
-                    .filter(message_key.eq(key))
-                    .select(diesel::dsl::max(replay_seq))
-                    .first(conn)?;
-                Ok(last.unwrap_or(0).saturating_add(1))
+                use crate::operator::tables::$schema::inbox_replay_sequences::dsl::*;
+                // One row per key, raised under its row lock: two replays of one key
+                // (in two groups) take two numbers, and a purge of the outbox rows
+                // that carried the earlier ones leaves the counter where it was.
+                diesel::insert_into(inbox_replay_sequences)
+                    .values((message_key.eq(key), last_seq.eq(1)))
+                    .on_conflict(message_key)
+                    .do_update()
+                    .set(last_seq.eq(last_seq + 1))
+                    .returning(last_seq)
+                    .get_result(conn)
             }
 
             fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64> {
@@ -457,9 +476,15 @@ macro_rules! operator_ops {
                 now: DateTime<Utc>,
             ) -> QueryResult<usize> {
                 use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                diesel::update(op_dead_letters.find(letter))
-                    .set((replay_count.eq(replay_count + 1), replayed_at.eq(Some(now))))
-                    .execute(conn)
+                diesel::update(
+                    op_dead_letters
+                        .find(letter)
+                        .filter(discarded_at.is_null())
+                        .filter(replayed_at.is_null())
+                        .filter(resolved_at.is_null()),
+                )
+                .set((replay_count.eq(replay_count + 1), replayed_at.eq(Some(now))))
+                .execute(conn)
             }
 
             fn op_discard(conn: &mut Self, letter: i64, now: DateTime<Utc>) -> QueryResult<usize> {
@@ -629,6 +654,7 @@ macro_rules! operator_ops {
                     stats.letters = op_dead_letters
                         .filter(discarded_at.is_null())
                         .filter(replayed_at.is_null())
+                        .filter(resolved_at.is_null())
                         .group_by((consumer_group, reason))
                         .select((consumer_group, reason, count_star()))
                         .order((consumer_group, reason))

@@ -1,6 +1,7 @@
 //! The columns operator statements reach, one module per backend. diesel's tables stop
 //! at 16 columns, so these are views of the store's tables with the columns the
-//! operator migration added (`replay_count`, `discarded_at`, `replay_seq`).
+//! operator migration added (`replay_count`, `discarded_at`, `replay_seq`) and the
+//! rebuild's `resolved_at`, and the replay sequences' counters.
 
 macro_rules! operator_tables {
     ($ts:ident) => {
@@ -23,6 +24,16 @@ macro_rules! operator_tables {
                 replayed_at -> Nullable<$ts>,
                 replay_count -> Integer,
                 discarded_at -> Nullable<$ts>,
+                resolved_at -> Nullable<$ts>,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            inbox_replay_sequences (message_key) {
+                message_key -> Text,
+                last_seq -> Integer,
             }
         }
 

@@ -60,6 +60,7 @@ impl CatalogOps for diesel::PgConnection {
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
         let canary_columns = columns(conn, "inbox_canary")?;
         let halt_columns = columns(conn, "inbox_group_halts")?;
+        let sequence_columns = columns(conn, "inbox_replay_sequences")?;
         let indexes: Vec<PgIndex> = diesel::sql_query(format!(
             "SELECT ic.relname::text AS name, (i.indpred IS NOT NULL) AS is_partial, \
                     ARRAY(SELECT a.attname::text \
@@ -92,6 +93,8 @@ impl CatalogOps for diesel::PgConnection {
             canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
             halt_table: format!("{schema}.inbox_group_halts"),
             halt_columns: halt_columns.into_iter().map(|c| c.name).collect(),
+            sequence_table: format!("{schema}.inbox_replay_sequences"),
+            sequence_columns: sequence_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }

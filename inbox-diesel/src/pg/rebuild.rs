@@ -76,6 +76,32 @@ impl RebuildOps for PgConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
+        // The cover is one step over locked rows. Operator writes (replay, bulk
+        // replay, redrive) take no projection lock (they cannot know its name), so
+        // each statement below must see rows no replay can change until the commit:
+        // first the letters the cover may resolve (by id), then the claims it covers
+        // (by key), the order a replay takes them in (its letter, then its claim), so
+        // the two never wait for each other in a circle. A replay that committed
+        // before these locks is seen (its claim is `failed`: covered, its copy a
+        // duplicate); one that comes after waits, then finds its letter resolved or
+        // its claim's digest gone.
+        diesel::sql_query(
+            "SELECT id FROM inbox_dead_letters \
+             WHERE consumer_group = $1 AND message_key = ANY($2::text[]) \
+               AND resolved_at IS NULL \
+             ORDER BY id FOR UPDATE",
+        )
+        .bind::<Text, _>(c.group)
+        .bind::<Array<Text>, _>(c.keys)
+        .execute(conn)?;
+        diesel::sql_query(
+            "SELECT message_key FROM inbox_claims \
+             WHERE consumer_group = $1 AND message_key = ANY($2::text[]) \
+             ORDER BY message_key FOR UPDATE",
+        )
+        .bind::<Text, _>(c.group)
+        .bind::<Array<Text>, _>(c.keys)
+        .execute(conn)?;
         // One statement over an array whatever the partition's size: a row per
         // covered event that has no claim yet, in key order.
         let recorded = diesel::sql_query(

@@ -48,6 +48,7 @@ impl CatalogOps for diesel::SqliteConnection {
         let dead_letter_columns = columns(conn, "inbox_dead_letters")?;
         let canary_columns = columns(conn, "inbox_canary")?;
         let halt_columns = columns(conn, "inbox_group_halts")?;
+        let sequence_columns = columns(conn, "inbox_replay_sequences")?;
         let rows: Vec<SqliteIndex> = diesel::sql_query(
             "SELECT name, partial AS is_partial FROM pragma_index_list('outbox_messages') \
              WHERE \"unique\" = 1 ORDER BY name",
@@ -79,6 +80,8 @@ impl CatalogOps for diesel::SqliteConnection {
             canary_columns: canary_columns.into_iter().map(|c| c.name).collect(),
             halt_table: "main.inbox_group_halts".to_owned(),
             halt_columns: halt_columns.into_iter().map(|c| c.name).collect(),
+            sequence_table: "main.inbox_replay_sequences".to_owned(),
+            sequence_columns: sequence_columns.into_iter().map(|c| c.name).collect(),
         })
     }
 }

@@ -1,6 +1,8 @@
 //! The rebuild's SQLite statements. SQLite has one writer: the rebuild's `BEGIN
 //! IMMEDIATE` transaction is its exclusive lock, and a live batch's write transaction
-//! waits for it (`busy_timeout`) before it claims.
+//! waits for it (`busy_timeout`) before it claims. The same holds for operator writes
+//! (a replay, a redrive): none can commit between the cover's statements, so the
+//! cover needs no row locks here (PostgreSQL's takes them).
 
 use std::time::Duration;
 

@@ -1,0 +1,14 @@
+-- A replay's sequence per message key, counted on a row of its own that no purge
+-- deletes: `max(replay_seq) + 1` over the outbox restarted at 1 once the published
+-- rows of earlier replays were purged, and a key's second replay reused a sequence.
+-- Raised under the row's lock (`INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), so
+-- two replays of one key (in two groups) take two numbers without a retry.
+CREATE TABLE inbox_replay_sequences (
+    message_key TEXT COLLATE "C" NOT NULL PRIMARY KEY,
+    last_seq    INTEGER          NOT NULL CHECK (last_seq > 0)
+);
+-- The replays the outbox still holds: the counter goes on from the highest.
+INSERT INTO inbox_replay_sequences (message_key, last_seq)
+SELECT message_key, max(replay_seq) FROM outbox_messages
+WHERE replay_seq > 0
+GROUP BY message_key;
