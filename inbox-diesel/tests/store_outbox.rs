@@ -1072,9 +1072,11 @@ mod postgres_only {
     }
 
     /// T1 enqueues A (key K) first and stays open; T2's enqueue of B (key K) waits
-    /// on K's ordering lock until T1 commits, so B's id is drawn after A's commit:
-    /// commit order is A, B, and so is id order. Without the lock T2 commits B first
-    /// with the higher id, and id order (A first) would not be commit order.
+    /// on K's ordering lock until T1 commits, so B's id is drawn after T1's commit;
+    /// T1 enqueues A2 meanwhile: commit order is A, A2, B, and so is id order.
+    /// Without the lock T2 commits B first with an id between A's and A2's; with the
+    /// lock taken after the INSERT, B's id is drawn before A2's though B commits
+    /// after it: either way id order would not be commit order.
     #[test]
     fn an_enqueue_of_a_key_waits_for_the_open_transaction_that_enqueued_it_first() {
         let Some(fx) = PgFixture::new() else { return };
@@ -1115,9 +1117,11 @@ mod postgres_only {
             assert!(store.lease("relay-1", 10, LEASE).unwrap().rows.is_empty());
         }
 
+        // T1 enqueues again while T2 waits: A2 commits with A, before B.
+        let a2 = id_of(enqueue(&mut t1, &msg("a2").with_ordering_key("K"), clock.now()).unwrap());
         diesel::sql_query("COMMIT").execute(&mut t1).unwrap();
         let b = writer.join().unwrap();
-        assert!(a < b, "B's id is drawn after A's commit");
+        assert!(a < a2 && a2 < b, "B's id is drawn after A's commit");
         assert_eq!(
             lease_at_least(&store, "relay-1", 1),
             [a],
@@ -1128,6 +1132,8 @@ mod postgres_only {
             "B waits for A"
         );
         assert_eq!(store.mark_published("relay-1", &[a]).unwrap(), 1);
+        assert_eq!(lease_at_least(&store, "relay-2", 1), [a2], "then A2");
+        assert_eq!(store.mark_published("relay-2", &[a2]).unwrap(), 1);
         assert_eq!(lease_at_least(&store, "relay-2", 1), [b], "then B");
     }
 
@@ -1199,7 +1205,7 @@ mod postgres_only {
             let writer = std::thread::spawn(move || {
                 let outcome = conn.transaction(|conn| enqueue_all(conn, &batch, now));
                 let _ = done.send(());
-                outcome.map_err(|err| format!("{name}: {err}"))
+                outcome.map_err(|err| format!("{name}: {err:?}"))
             });
             (pid, finished, writer)
         };
@@ -1264,7 +1270,6 @@ mod postgres_only {
         let stripes: BTreeSet<i32> = (0..keys)
             .map(|k| ordering_lock_stripe(&format!("key-{k}")))
             .collect();
-        assert_eq!(stripes.len(), ORDERING_LOCK_STRIPES as usize);
 
         for (round, one_call) in [(0, true), (1, false)] {
             let mut conn = fx.connect();
@@ -1303,6 +1308,11 @@ mod postgres_only {
                 keys
             );
         }
+        assert_eq!(
+            stripes.len(),
+            ORDERING_LOCK_STRIPES as usize,
+            "every stripe used"
+        );
     }
 
     /// Two keys of one stripe: an enqueue of K2 waits for the open transaction that
