@@ -5,6 +5,46 @@
 //! Neutral: the statements are each backend's (`pg/outbox.rs`, `sqlite/outbox.rs`,
 //! the shared DSL in `dsl.rs`), and so is waking a relay (PostgreSQL NOTIFY/LISTEN in
 //! `pg/listen.rs`; SQLite polls).
+//!
+//! # Ordering keys: the writers that race, and what happens
+//!
+//! Rows of one ordering key go out in commit order. Per key, id order is commit
+//! order, and the lease takes a key's live row of lowest id only.
+//!
+//! - **Two producers enqueue one key** (PostgreSQL). Each takes the key's ordering
+//!   lock ([`ORDERING_LOCK_CLASS`], striped by [`ordering_lock_stripe`]) before its
+//!   INSERT draws an id, and holds it to commit: the second waits for the first's
+//!   commit (or rollback), and its id comes after. Proved by
+//!   `store_outbox::postgres_only::an_enqueue_of_a_key_waits_for_the_open_transaction_that_enqueued_it_first`
+//!   (a row the first transaction enqueues while the second waits still goes out
+//!   before the second's; it fails with the lock taken after the INSERT) and
+//!   `a_transaction_that_wrote_first_but_enqueued_later_goes_out_later` (a
+//!   transaction that wrote first and enqueued later goes out later; it fails with a
+//!   lease in transaction-id order).
+//! - **Two producers enqueue several keys in opposite orders**. One call takes its
+//!   locks sorted by stripe, so two calls never deadlock
+//!   (`opposite_key_orders_in_one_call_never_deadlock`, which sees 40P01 without the
+//!   sort). Across calls, locks are taken in call order and two transactions can
+//!   deadlock; PostgreSQL aborts one (40P01), a contention error.
+//! - **Keys of one stripe** wait for each other at enqueue, never at the lease
+//!   (`keys_that_share_a_stripe_wait_at_enqueue_but_go_out_apart`); a transaction
+//!   holds at most [`ORDERING_LOCK_STRIPES`] ordering locks
+//!   (`a_bulk_enqueue_of_many_keys_holds_a_bounded_number_of_locks`, 1,000 locks
+//!   without the stripes).
+//! - **A lease and an enqueue.** A lease never sees an uncommitted row. It needs no
+//!   wait for older transactions: with the lock, a committed row of a key never has
+//!   an uncommitted lower id of that key beside it, and a snapshot that sees a
+//!   transaction's commit sees every commit before its lock was granted. Two relays
+//!   leasing at once: `FOR UPDATE SKIP LOCKED`, and a row whose lower sibling is
+//!   leased waits (`concurrent_relays_lease_disjoint_rows`,
+//!   `ordering_key_waits_for_earlier_unpublished_rows`).
+//! - **SQLite** has one writer: a transaction's first write takes the database's
+//!   write lock until it commits, so no two producers race and no lock is taken
+//!   (`store_outbox::sqlite_only::one_writer_so_an_enqueue_after_another_transactions_first_write_comes_later`).
+//!
+//! Rows written by other means than [`enqueue`] (a hand-written INSERT) take no lock
+//! and are ordered by id only. The id sequence must hand out ids in time order
+//! across sessions (`CACHE 1`, the `BIGSERIAL` default).
 
 use std::time::Duration;
 
