@@ -1,7 +1,8 @@
 //! The outbox against real PostgreSQL and SQLite: enqueue in the caller's
 //! transaction, leasing, ordering keys, lease take-over, failures, retention and
-//! wake-ups. One schema or file per test, time driven by a manual clock, assertions
-//! on stored rows.
+//! wake-ups, and the commit order of ordering keys under concurrent producers (races
+//! forced with open transactions and threads, a wait observed in `pg_locks`). One
+//! schema or file per test, time driven by a manual clock, assertions on stored rows.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -71,9 +72,8 @@ fn dead(id: i64, error: &str) -> OutboxFailure {
 }
 
 /// Leases as `relay` until the lease holds `expected` rows, for at most 30 s of wall
-/// time. On PostgreSQL an ordered row waits until every transaction older than its
-/// own has ended, on the whole server: other tests' open transactions can hold it
-/// back for a moment.
+/// time. An ordered row no longer waits for other transactions of the server, so one
+/// lease usually holds them all; the loop keeps the tests honest should that change.
 fn lease_at_least<C: StoreConnection>(store: &Store<C>, relay: &str, expected: usize) -> Vec<i64>
 where
     Store<C>: OutboxStore,
