@@ -25,8 +25,10 @@ pub struct OutboxMessage {
     pub headers: BTreeMap<String, String>,
     /// The tenant, published as the `tenant` header.
     pub tenant: Option<String>,
-    /// Rows with the same ordering key reach the broker in commit order (on
-    /// PostgreSQL: the order of their transactions, then of their ids).
+    /// Rows with the same ordering key reach the broker in the order their
+    /// transactions committed (inbox-diesel on PostgreSQL: an enqueue holds the
+    /// key's ordering lock from its INSERT to the commit, so id order is commit
+    /// order; SQLite has one writer).
     pub ordering_key: Option<String>,
     /// Not published before this time.
     pub not_before: Option<DateTime<Utc>>,

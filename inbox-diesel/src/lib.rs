@@ -74,8 +74,9 @@ pub use operator::{
     ReplayTarget, CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
-    enqueue, enqueue_with, AsStoreConnection, EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD,
-    MAX_OUTBOX_NAME_LEN, OUTBOX_CHANNEL,
+    enqueue, enqueue_all, enqueue_all_with, enqueue_with, ordering_lock_stripe, AsStoreConnection,
+    EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, ORDERING_LOCK_CLASS,
+    ORDERING_LOCK_STRIPES, OUTBOX_CHANNEL,
 };
 #[doc(hidden)] // the plan tests read PostgreSQL's purge statement
 pub use pg::retention::purge_statement as pg_purge_statement;

@@ -5,6 +5,46 @@
 //! Neutral: the statements are each backend's (`pg/outbox.rs`, `sqlite/outbox.rs`,
 //! the shared DSL in `dsl.rs`), and so is waking a relay (PostgreSQL NOTIFY/LISTEN in
 //! `pg/listen.rs`; SQLite polls).
+//!
+//! # Ordering keys: the writers that race, and what happens
+//!
+//! Rows of one ordering key go out in commit order. Per key, id order is commit
+//! order, and the lease takes a key's live row of lowest id only.
+//!
+//! - **Two producers enqueue one key** (PostgreSQL). Each takes the key's ordering
+//!   lock ([`ORDERING_LOCK_CLASS`], striped by [`ordering_lock_stripe`]) before its
+//!   INSERT draws an id, and holds it to commit: the second waits for the first's
+//!   commit (or rollback), and its id comes after. Proved by
+//!   `store_outbox::postgres_only::an_enqueue_of_a_key_waits_for_the_open_transaction_that_enqueued_it_first`
+//!   (a row the first transaction enqueues while the second waits still goes out
+//!   before the second's; it fails with the lock taken after the INSERT) and
+//!   `a_transaction_that_wrote_first_but_enqueued_later_goes_out_later` (a
+//!   transaction that wrote first and enqueued later goes out later; it fails with a
+//!   lease in transaction-id order).
+//! - **Two producers enqueue several keys in opposite orders**. One call takes its
+//!   locks sorted by stripe, so two calls never deadlock
+//!   (`opposite_key_orders_in_one_call_never_deadlock`, which sees 40P01 without the
+//!   sort). Across calls, locks are taken in call order and two transactions can
+//!   deadlock; PostgreSQL aborts one (40P01), a contention error.
+//! - **Keys of one stripe** wait for each other at enqueue, never at the lease
+//!   (`keys_that_share_a_stripe_wait_at_enqueue_but_go_out_apart`); a transaction
+//!   holds at most [`ORDERING_LOCK_STRIPES`] ordering locks
+//!   (`a_bulk_enqueue_of_many_keys_holds_a_bounded_number_of_locks`, 1,000 locks
+//!   without the stripes).
+//! - **A lease and an enqueue.** A lease never sees an uncommitted row. It needs no
+//!   wait for older transactions: with the lock, a committed row of a key never has
+//!   an uncommitted lower id of that key beside it, and a snapshot that sees a
+//!   transaction's commit sees every commit before its lock was granted. Two relays
+//!   leasing at once: `FOR UPDATE SKIP LOCKED`, and a row whose lower sibling is
+//!   leased waits (`concurrent_relays_lease_disjoint_rows`,
+//!   `ordering_key_waits_for_earlier_unpublished_rows`).
+//! - **SQLite** has one writer: a transaction's first write takes the database's
+//!   write lock until it commits, so no two producers race and no lock is taken
+//!   (`store_outbox::sqlite_only::one_writer_so_an_enqueue_after_another_transactions_first_write_comes_later`).
+//!
+//! Rows written by other means than [`enqueue`] (a hand-written INSERT) take no lock
+//! and are ordered by id only. The id sequence must hand out ids in time order
+//! across sessions (`CACHE 1`, the `BIGSERIAL` default).
 
 use std::time::Duration;
 
@@ -80,6 +120,21 @@ impl EnqueueLimits {
 /// [`Store::clock`]). On PostgreSQL it also notifies [`OUTBOX_CHANNEL`]; the
 /// notification is delivered at commit, so a rolled-back enqueue wakes nobody.
 ///
+/// A message with an ordering key reaches the broker in commit order among the
+/// key's messages. On PostgreSQL the enqueue first takes the key's ordering lock (a
+/// transaction-scoped advisory lock, [`ORDERING_LOCK_CLASS`], one of
+/// [`ORDERING_LOCK_STRIPES`] per schema) and holds it until the business transaction
+/// ends, so the key's rows draw their ids in commit order: an enqueue of a key waits
+/// while another open transaction has enqueued the same key (or a key of the same
+/// stripe). Enqueue ordered messages late in the transaction, since the lock is held
+/// from the enqueue to the commit. Locks are taken in call order across calls: two
+/// transactions that enqueue several ordering keys in separate calls can deadlock,
+/// and PostgreSQL then aborts one of them (SQLSTATE 40P01, a contention error a
+/// consumer's batch reruns); [`enqueue_all`] takes a call's locks in one sorted step.
+/// The wait is bounded by the connection's `statement_timeout`. SQLite has one
+/// writer: a transaction's first write holds the database until it commits, so ids
+/// are commit order there and no lock is taken.
+///
 /// Refuses up front what the relay could never publish or the store never read
 /// back: an empty routing key, message type or ordering key (use `None` for no
 /// ordering; an empty exchange is the default exchange); an exchange, routing key,
@@ -148,6 +203,63 @@ pub fn enqueue_with<C: AsStoreConnection + ?Sized>(
     enqueue_on(conn.as_store_connection(), message, now, limits)
 }
 
+/// Enqueues `messages` on `conn` in one call, inside the caller's transaction, in
+/// the given order (their ids follow it); returns one outcome per message, in the
+/// same order. Each message is checked as [`enqueue`] checks it, all of them before
+/// anything is written.
+///
+/// The call's ordering locks (PostgreSQL; see [`enqueue`]) are taken together,
+/// before the first row, in stripe order: two transactions enqueuing the same keys
+/// in opposite orders in one call each never deadlock. Enqueue a transaction's
+/// ordered messages in one call rather than several.
+///
+/// ```
+/// use diesel::{Connection, SqliteConnection};
+/// use inbox_core::{EnqueueOutcome, MessageKey, OutboxMessage};
+/// use inbox_diesel::{enqueue_all, Store};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = std::env::temp_dir().join(format!("inbox-enqueue-all-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("app.db");
+/// let store = Store::<SqliteConnection>::builder(format!("sqlite://{}", path.display())).build()?;
+/// let mut conn = store.connection()?;
+/// let msg = |row: &str, user: &str| {
+///     let key = MessageKey::derive("billing", row, "usage.recorded");
+///     OutboxMessage::new(key, "billing", "usage.recorded", b"{}".to_vec())
+///         .with_ordering_key(user)
+/// };
+/// let outcomes = conn.transaction(|conn| {
+///     enqueue_all(conn, &[msg("row-1", "user-9"), msg("row-2", "user-3")], store.clock().now())
+/// })?;
+/// assert!(matches!(outcomes[..], [EnqueueOutcome::Enqueued { .. }, EnqueueOutcome::Enqueued { .. }]));
+/// # drop(conn);
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(()) }
+/// ```
+pub fn enqueue_all<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    messages: &[OutboxMessage],
+    now: DateTime<Utc>,
+) -> Result<Vec<EnqueueOutcome>> {
+    enqueue_all_on(
+        conn.as_store_connection(),
+        messages,
+        now,
+        &EnqueueLimits::default(),
+    )
+}
+
+/// [`enqueue_all`] with other limits.
+pub fn enqueue_all_with<C: AsStoreConnection + ?Sized>(
+    conn: &mut C,
+    messages: &[OutboxMessage],
+    now: DateTime<Utc>,
+    limits: &EnqueueLimits,
+) -> Result<Vec<EnqueueOutcome>> {
+    enqueue_all_on(conn.as_store_connection(), messages, now, limits)
+}
+
 /// A connection [`enqueue`] runs on: a store connection (`PgConnection`,
 /// `SqliteConnection`) or a pooled one, such as the `&mut PooledConnection` a
 /// transaction on [`Store::connection`]'s connection hands its closure.
@@ -181,29 +293,98 @@ fn enqueue_on<C: StoreConnection>(
     now: DateTime<Utc>,
     limits: &EnqueueLimits,
 ) -> Result<EnqueueOutcome> {
-    validate(message, limits)?;
-    let headers = serde_json::to_string(&message.headers)
-        .map_err(|err| invalid(message, format!("headers do not serialize as JSON: {err}")))?;
-    let now = micros(now);
-    let row = NewOutbox {
-        key: message.message_key.as_str(),
-        exchange: &message.exchange,
-        routing_key: &message.routing_key,
-        message_type: &message.message_type,
-        tenant: message.tenant.as_deref(),
-        payload: &message.payload,
-        headers,
-        ordering_key: message.ordering_key.as_deref(),
-        created_at: now,
-        available_at: message.not_before.map_or(now, micros),
-    };
-    match C::insert_outbox(conn, &row)? {
-        Some(id) => {
-            C::notify_enqueue(conn)?;
-            Ok(EnqueueOutcome::Enqueued { id })
-        }
-        None => Ok(EnqueueOutcome::AlreadyEnqueued),
+    let outcomes = enqueue_all_on(conn, std::slice::from_ref(message), now, limits)?;
+    outcomes.into_iter().next().ok_or(Error::Internal(
+        "an enqueue of one message returned no outcome",
+    ))
+}
+
+fn enqueue_all_on<C: StoreConnection>(
+    conn: &mut C,
+    messages: &[OutboxMessage],
+    now: DateTime<Utc>,
+    limits: &EnqueueLimits,
+) -> Result<Vec<EnqueueOutcome>> {
+    let mut all_headers = Vec::with_capacity(messages.len());
+    for message in messages {
+        validate(message, limits)?;
+        let headers = serde_json::to_string(&message.headers)
+            .map_err(|err| invalid(message, format!("headers do not serialize as JSON: {err}")))?;
+        all_headers.push(headers);
     }
+    // The ordering locks come before the first INSERT: the id a row draws from the
+    // sequence must be drawn while its key's lock is held, or id order is not commit
+    // order. Sorted and distinct, so two calls never take two locks in opposite orders.
+    let mut stripes: Vec<i32> = messages
+        .iter()
+        .filter_map(|m| m.ordering_key.as_deref())
+        .map(ordering_lock_stripe)
+        .collect();
+    stripes.sort_unstable();
+    stripes.dedup();
+    C::lock_ordering(conn, &stripes)?;
+    let now = micros(now);
+    let mut outcomes = Vec::with_capacity(messages.len());
+    for (message, headers) in messages.iter().zip(all_headers) {
+        let row = NewOutbox {
+            key: message.message_key.as_str(),
+            exchange: &message.exchange,
+            routing_key: &message.routing_key,
+            message_type: &message.message_type,
+            tenant: message.tenant.as_deref(),
+            payload: &message.payload,
+            headers,
+            ordering_key: message.ordering_key.as_deref(),
+            created_at: now,
+            available_at: message.not_before.map_or(now, micros),
+        };
+        outcomes.push(match C::insert_outbox(conn, &row)? {
+            Some(id) => EnqueueOutcome::Enqueued { id },
+            None => EnqueueOutcome::AlreadyEnqueued,
+        });
+    }
+    if outcomes
+        .iter()
+        .any(|o| matches!(o, EnqueueOutcome::Enqueued { .. }))
+    {
+        C::notify_enqueue(conn)?;
+    }
+    Ok(outcomes)
+}
+
+/// The first key of the ordering lock (PostgreSQL): a transaction-scoped advisory
+/// lock `pg_advisory_xact_lock(ORDERING_LOCK_CLASS, hashtext(current_schema()) #
+/// stripe)` that [`enqueue`] takes for a message's ordering key, before its row
+/// draws an id, held until the business transaction ends. A class of its own, apart
+/// from the projection locks (one-key advisory locks), the purge lock
+/// ([`PURGE_LOCK_CLASS`](crate::PURGE_LOCK_CLASS)) and the migration lock. Visible
+/// in `pg_locks` as `locktype = 'advisory'`, `classid = ORDERING_LOCK_CLASS`,
+/// `objsubid = 2`.
+pub const ORDERING_LOCK_CLASS: i32 = 0x6f72_6472;
+
+/// How many ordering locks there are per schema: ordering keys are striped into this
+/// many, so a transaction holds at most this many whatever number of keys it
+/// enqueues (PostgreSQL's `max_locks_per_transaction` is 64 by default, and its lock
+/// table is shared by the whole server). Two keys of one stripe serialize each
+/// other's enqueues (a wait, never a wrong order): the price of the bound.
+pub const ORDERING_LOCK_STRIPES: u32 = 64;
+
+/// The stripe of [`ORDERING_LOCK_STRIPES`] whose lock serializes the enqueues of
+/// `ordering_key`: FNV-1a of its bytes, modulo the stripes, the same in every
+/// process and version (producers that disagreed would not serialize each other).
+///
+/// ```
+/// use inbox_diesel::{ordering_lock_stripe, ORDERING_LOCK_STRIPES};
+/// let stripe = ordering_lock_stripe("user-42");
+/// assert!((0..ORDERING_LOCK_STRIPES as i32).contains(&stripe));
+/// assert_eq!(stripe, ordering_lock_stripe("user-42"));
+/// ```
+pub fn ordering_lock_stripe(ordering_key: &str) -> i32 {
+    let hash = ordering_key.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    // Below 64, so it fits.
+    i32::try_from(hash % ORDERING_LOCK_STRIPES).unwrap_or(0)
 }
 
 fn validate(message: &OutboxMessage, limits: &EnqueueLimits) -> Result<()> {

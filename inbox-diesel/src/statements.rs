@@ -75,6 +75,10 @@ pub trait ClaimOps: Sized {
 
 /// The outbox statements every backend runs, on its own connection type.
 pub trait OutboxOps: Sized {
+    /// Takes the ordering locks of `stripes` (sorted, distinct) in that order, held to
+    /// the end of the caller's transaction (PostgreSQL); nothing on SQLite.
+    fn lock_ordering(conn: &mut Self, stripes: &[i32]) -> QueryResult<()>;
+
     /// Inserts a row unless its message key exists; returns its id if it did.
     fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>>;
 

@@ -1,42 +1,49 @@
-//! PostgreSQL's outbox statements: leasing (SKIP LOCKED, in commit order per
-//! ordering key) and the NOTIFY that wakes relays; the rest is the shared DSL.
+//! PostgreSQL's outbox statements: the ordering lock an enqueue takes, leasing (SKIP
+//! LOCKED, in id order, which is commit order per ordering key) and the NOTIFY that
+//! wakes relays; the rest is the shared DSL.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{Array, BigInt, Integer, Text};
 use diesel::{PgConnection, QueryResult};
 
 use crate::statements::OutboxOps;
-use crate::OUTBOX_CHANNEL;
+use crate::{ORDERING_LOCK_CLASS, OUTBOX_CHANNEL};
 
 /// Delivered at commit, with the enqueuing connection's schema as its payload.
 const NOTIFY: &str = "SELECT pg_notify($1, coalesce(current_schema(), ''))";
 
+/// The ordering locks of a call, one per stripe, taken in the order of the array
+/// (the caller sorts it: two calls never take two stripes in opposite orders) and
+/// held to the end of the transaction. The second key mixes the stripe into the
+/// schema's hash (a bijection per schema), so stores in other schemas of the
+/// database rarely share a lock; advisory locks are per database.
+const LOCK_ORDERING: &str = "\
+    SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')) # s) \
+    FROM unnest($2::int4[]) AS s";
+
 /// SKIP LOCKED: concurrent relays lease disjoint rows without waiting for each
 /// other. Dead rows are never leased and hold nothing up.
 ///
-/// Rows with an ordering key go out per key in (writing transaction, id) order,
-/// which is commit order: ids are not (a row with a lower id can commit later,
-/// and until then the NOT EXISTS cannot see it). So an ordered row is leased only
-/// once its transaction is older than every transaction still running
-/// (`pg_snapshot_xmin`): every row that precedes it has then committed (or rolled
-/// back) and is visible; and only while no live row precedes it (leased, failed
-/// or not yet due). A NULL `xact_id` (a row from before the column) counts as
-/// long committed. Rows without an ordering key are leased at once.
+/// Rows with an ordering key go out per key in id order, which is their commit
+/// order: [`enqueue`](crate::enqueue) takes the key's ordering lock before the
+/// INSERT draws the id and holds it to commit, so a row of the key with a higher
+/// id was drawn after every lower id's transaction had ended, and a snapshot that
+/// sees it sees them. A row is leased only while no live row of its key has a
+/// lower id (leased, failed or not yet due). No wait for older transactions
+/// (`xact_id` against the snapshot's xmin) is needed: a lower id of the key that is
+/// still uncommitted cannot exist beside a committed higher one. Rows without an
+/// ordering key are leased at once.
 const LEASE: &str = "\
     UPDATE outbox_messages SET leased_until = $2, leased_by = $3 \
     WHERE id IN ( \
         SELECT o.id FROM outbox_messages o \
         WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $1 \
           AND (o.leased_until IS NULL OR o.leased_until <= $1) \
-          AND (o.ordering_key IS NULL OR ( \
-              coalesce(o.xact_id, '0'::xid8) < pg_snapshot_xmin(pg_current_snapshot()) \
-              AND NOT EXISTS ( \
-                  SELECT 1 FROM outbox_messages e \
-                  WHERE e.ordering_key = o.ordering_key \
-                    AND e.published_at IS NULL AND e.dead_at IS NULL \
-                    AND (coalesce(e.xact_id, '0'::xid8), e.id) \
-                      < (coalesce(o.xact_id, '0'::xid8), o.id)))) \
+          AND (o.ordering_key IS NULL OR NOT EXISTS ( \
+              SELECT 1 FROM outbox_messages e \
+              WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
+                AND e.published_at IS NULL AND e.dead_at IS NULL)) \
         ORDER BY o.id LIMIT $4 \
         FOR UPDATE SKIP LOCKED) \
     RETURNING id";
@@ -48,6 +55,17 @@ struct LeasedId {
 }
 
 impl OutboxOps for PgConnection {
+    fn lock_ordering(conn: &mut Self, stripes: &[i32]) -> QueryResult<()> {
+        if stripes.is_empty() {
+            return Ok(());
+        }
+        diesel::sql_query(LOCK_ORDERING)
+            .bind::<Integer, _>(ORDERING_LOCK_CLASS)
+            .bind::<Array<Integer>, _>(stripes)
+            .execute(conn)
+            .map(|_| ())
+    }
+
     fn notify_enqueue(conn: &mut Self) -> QueryResult<()> {
         diesel::sql_query(NOTIFY)
             .bind::<Text, _>(OUTBOX_CHANNEL)

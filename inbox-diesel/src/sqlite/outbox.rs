@@ -1,5 +1,6 @@
-//! SQLite's outbox statements: leasing (one writer at a time, so id order is
-//! commit order) and no wake-up (relays poll); the rest is the shared DSL.
+//! SQLite's outbox statements: no ordering lock and no wake-up (one writer at a
+//! time, so id order is commit order; relays poll), and leasing; the rest is the
+//! shared DSL.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
@@ -9,7 +10,9 @@ use diesel::{QueryResult, SqliteConnection};
 use crate::statements::OutboxOps;
 
 /// One writer at a time, so ids are handed out in commit order: id order is
-/// an ordering key's order, and no transaction id is needed.
+/// an ordering key's order, with no lock and no transaction id. A transaction's
+/// first write takes the database's write lock and holds it to commit, so no other
+/// transaction draws an id between a transaction's first write and its commit.
 const LEASE: &str = "\
     UPDATE outbox_messages SET leased_until = ?2, leased_by = ?3 \
     WHERE id IN ( \
@@ -30,6 +33,12 @@ struct LeasedId {
 }
 
 impl OutboxOps for SqliteConnection {
+    fn lock_ordering(conn: &mut Self, stripes: &[i32]) -> QueryResult<()> {
+        // The database's write lock, taken by the INSERT, serializes every writer.
+        let _ = (conn, stripes);
+        Ok(())
+    }
+
     fn notify_enqueue(conn: &mut Self) -> QueryResult<()> {
         // Relays poll: nothing to wake.
         let _ = conn;
