@@ -23,6 +23,8 @@ macro_rules! operator_tables {
                 replayed_at -> Nullable<$ts>,
                 replay_count -> Integer,
                 discarded_at -> Nullable<$ts>,
+                payload_length -> Nullable<BigInt>,
+                payload_sha256 -> Nullable<Binary>,
             }
         }
 
