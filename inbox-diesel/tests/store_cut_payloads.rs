@@ -30,7 +30,9 @@ fn cut_envelope(body: &[u8]) -> Envelope {
 fn a_cut_payload_keeps_its_prefix_length_and_digest<F: Fixture>(fx: &F) {
     let store = fx.builder().build().unwrap();
     let g = group(GROUP);
-    let body: Vec<u8> = (0..3 * CUT_PAYLOAD_PREFIX as u32).map(|i| i as u8).collect();
+    let body: Vec<u8> = (0..3 * CUT_PAYLOAD_PREFIX as u32)
+        .map(|i| i as u8)
+        .collect();
     let outcome = store
         .dead_letter(
             &g,
@@ -54,12 +56,18 @@ fn a_cut_payload_keeps_its_prefix_length_and_digest<F: Fixture>(fx: &F) {
         sha256: payload_digest(&body),
     };
     assert_eq!(dead[0].payload_cut, Some(expected));
-    assert_eq!((dead[1].payload.clone(), dead[1].payload_cut), (vec![1], None));
+    assert_eq!(
+        (dead[1].payload.clone(), dead[1].payload_cut),
+        (vec![1], None)
+    );
 
     let details = store.dead_letter_details(dead[0].id).unwrap().unwrap();
     assert_eq!(details.payload, body[..CUT_PAYLOAD_PREFIX]);
     assert_eq!(details.payload_cut, Some(expected));
-    assert!(details.replay_refusal.is_some(), "a cut letter is not replayable");
+    assert!(
+        details.replay_refusal.is_some(),
+        "a cut letter is not replayable"
+    );
     let details = store.dead_letter_details(dead[1].id).unwrap().unwrap();
     assert_eq!(details.payload_cut, None);
 }
@@ -76,12 +84,15 @@ fn a_half_recorded_cut_is_an_unreadable_letter<F: Fixture>(fx: &F) {
         )
         .unwrap();
     let unreadable = |problem: &str| {
-        let err = store.dead_letters(&g).expect_err(problem);
-        let text = inbox_core::ErrorChain(&err).to_string();
+        let text = match store.dead_letters(&g) {
+            Err(err) => inbox_core::ErrorChain(&err).to_string(),
+            Ok(read) => panic!("{problem}: read as {:?}", read[0].payload_cut),
+        };
         assert!(text.contains(problem), "{text}");
-        let id = 1;
-        let err = store.dead_letter_details(id).expect_err(problem);
-        let text = inbox_core::ErrorChain(&err).to_string();
+        let text = match store.dead_letter_details(1) {
+            Err(err) => inbox_core::ErrorChain(&err).to_string(),
+            Ok(read) => panic!("{problem}: read as {:?}", read.map(|d| d.payload_cut)),
+        };
         assert!(text.contains(problem), "{text}");
     };
     fx.execute("UPDATE inbox_dead_letters SET payload_sha256 = NULL");
