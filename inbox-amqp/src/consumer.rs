@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use inbox_core::display::Escaped;
 use inbox_core::{
     check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
     DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally,
@@ -46,8 +47,12 @@ pub struct ConsumerSettings {
     pub batch_size: usize,
     /// Longest wait for a batch to fill once its first delivery arrived (default 10 ms).
     pub batch_wait: Duration,
-    /// Largest body accepted; a larger one is dead-lettered as malformed (default 1 MiB;
-    /// at least 1, else refused).
+    /// Largest body accepted (default 1 MiB; at least 1, else refused); a larger one is
+    /// dead-lettered as malformed with only its first `inbox_core::CUT_PAYLOAD_PREFIX`
+    /// bytes, its length and its SHA-256: the consumer never copies such a body. lapin
+    /// assembles a whole body before handing it over, so what a worker holds is bounded
+    /// by `prefetch` times the broker's `max_message_size`, not by this setting: set the
+    /// broker's limit to match it (see the RabbitMQ guide).
     pub max_body_bytes: usize,
     /// First wait before reconnecting or after a store failure (default 100 ms).
     pub backoff_min: Duration,
@@ -845,7 +850,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
         if run.resumed.is_cancelled() {
             // A batch of a run resumed since: its delivery, held, goes back to the
             // queue, and the current run stops on it again if the cause is not fixed.
-            tracing::warn!(group = %group, %cause, "a stop of a run resumed since; its delivery goes back to the queue");
+            tracing::warn!(group = %group, cause = %Escaped(&cause.to_string()), "a stop of a run resumed since; its delivery goes back to the queue");
             return;
         }
         self.halt_run(
@@ -867,7 +872,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
     ) {
         let _ = run.cause.set(cause.clone());
         if self.stats.halt(group, cause.to_string()) {
-            tracing::error!(group = %group, %cause, "consumer group {why}");
+            tracing::error!(group = %group, cause = %Escaped(&cause.to_string()), "consumer group {why}");
             metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
         }
         run.halted.cancel();
@@ -990,7 +995,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
             Ok(decisions) => decisions,
             Err(err) => {
                 // Nothing of the batch committed: everything comes back.
-                tracing::error!(parent: &span, error = %ErrorChain(&err), "store failed; requeueing the batch");
+                tracing::error!(parent: &span, error = %Escaped(&ErrorChain(&err).to_string()), "store failed; requeueing the batch");
                 let requeued = actions.iter().filter(|a| **a == Action::Requeue).count();
                 stats.add(Counter::Requeued, requeued as u64);
                 self.settle(channel, &deliveries, &actions).await?;
@@ -1052,7 +1057,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
                     Action::Hold
                 }
                 TransportAction::HoldAndStop(cause) => {
-                    tracing::error!(parent: span, group = %group, key = %envelope.message_key, %cause, "delivery left unacked; its group halts");
+                    tracing::error!(parent: span, group = %group, key = %Escaped(envelope.message_key.as_str()), cause = %Escaped(&cause.to_string()), "delivery left unacked; its group halts");
                     // The first cause is the one recorded (and the one to fix).
                     halt.get_or_insert(cause);
                     Action::Hold
@@ -1097,7 +1102,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
                     let recorded =
                         store.dead_letter(&g, &m.envelope, DeadLetterReason::Malformed, &m.reason);
                     if let Err(err) = &recorded {
-                        tracing::error!(error = %ErrorChain(&err), "recording a malformed delivery failed");
+                        tracing::error!(key = %Escaped(m.envelope.message_key.as_str()), error = %Escaped(&ErrorChain(&err).to_string()), "recording a malformed delivery failed");
                     }
                     (i, recorded.is_ok())
                 })
@@ -1283,7 +1288,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
                 match outcome {
                     Ok(outcome) => break Some(outcome),
                     Err(err) => {
-                        tracing::error!(group = %group, key = %envelope.message_key, error = %ErrorChain(&err), ?backoff, "recording a broker dead letter failed; keeping the message and trying again");
+                        tracing::error!(group = %group, key = %Escaped(envelope.message_key.as_str()), error = %Escaped(&ErrorChain(&err).to_string()), ?backoff, "recording a broker dead letter failed; keeping the message and trying again");
                         tokio::select! {
                             biased;
                             () = tokens.stop.cancelled() => break None,
@@ -1319,7 +1324,9 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
         let broker_reason = headers
             .get("x-first-death-reason")
             .map_or("unknown", String::as_str);
-        match delivery::read(d, usize::MAX) {
+        // The same body limit as the workers': a body over it (one a client
+        // published straight to the `:dlq`) is cut, never stored whole.
+        match delivery::read(d, self.settings.max_body_bytes) {
             Ok(mut envelope) => {
                 let group_queue = self.topology.queue(group);
                 let limit = self.topology.group_delivery_limit();

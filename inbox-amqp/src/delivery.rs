@@ -7,7 +7,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use sha2::{Digest, Sha256};
 
-use inbox_core::{Envelope, MessageKey};
+use inbox_core::{Envelope, MessageKey, PayloadCut};
 
 /// The header carrying the tenant.
 pub const TENANT_HEADER: &str = "tenant";
@@ -150,11 +150,21 @@ pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box
         .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
         .map(|t| t.with_timezone(&Utc));
 
+    // A body over the limit is never copied: the letter keeps its first
+    // `CUT_PAYLOAD_PREFIX` bytes, its length and its SHA-256 (the one the made-up key
+    // is derived from), so the consumer adds a few KiB to what lapin already holds.
     let malformed = |reason: String| {
-        let digest = Sha256::digest(&delivery.data);
+        let digest: [u8; 32] = Sha256::digest(&delivery.data).into();
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
         let key = MessageKey::derive("inbox.malformed", &hex, &message_type);
-        let mut envelope = Envelope::new(key, message_type.clone(), delivery.data.clone());
+        let (payload, cut) = if delivery.data.len() > max_body {
+            let (prefix, cut) = PayloadCut::with_digest(&delivery.data, digest);
+            (prefix, Some(cut))
+        } else {
+            (delivery.data.clone(), None)
+        };
+        let mut envelope = Envelope::new(key, message_type.clone(), payload);
+        envelope.payload_cut = cut;
         envelope.headers = headers.clone();
         envelope.tenant = tenant.clone();
         Box::new(Malformed { envelope, reason })
@@ -179,6 +189,7 @@ pub(crate) fn read(delivery: &Delivery, max_body: usize) -> Result<Envelope, Box
         tenant,
         occurred_at,
         redelivered: delivery.redelivered,
+        payload_cut: None,
     })
 }
 
@@ -237,6 +248,37 @@ mod tests {
         assert_eq!(message_type(&typed), "usage.typed");
         let plain = Delivery::mock(1, "x".into(), "usage.plain".into(), false, Vec::new());
         assert_eq!(message_type(&plain), "usage.plain");
+    }
+
+    #[test]
+    fn a_body_over_the_limit_is_cut_to_its_prefix_with_its_length_and_digest() {
+        let body: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+        let digest: [u8; 32] = Sha256::digest(&body).into();
+        let with_id = |id: Option<&str>| {
+            let mut d = Delivery::mock(1, "".into(), "t".into(), false, body.clone());
+            if let Some(id) = id {
+                d.properties = BasicProperties::default().with_message_id(id.into());
+            }
+            d
+        };
+        for d in [with_id(Some("k")), with_id(None)] {
+            let Err(m) = read(&d, 10_000) else {
+                panic!("a body over the limit is malformed");
+            };
+            assert_eq!(m.envelope.payload, body[..inbox_core::CUT_PAYLOAD_PREFIX]);
+            let cut = m.envelope.payload_cut.expect("the cut is recorded");
+            assert_eq!((cut.length, cut.sha256), (20_000, digest));
+        }
+        // At the limit, or malformed for another reason: kept whole.
+        let Err(m) = read(&with_id(None), 20_000) else {
+            panic!("no message id is malformed");
+        };
+        assert_eq!(
+            (m.envelope.payload, m.envelope.payload_cut),
+            (body.clone(), None)
+        );
+        let read_whole = read(&with_id(Some("k")), 20_000).map_err(|m| m.reason);
+        assert_eq!(read_whole.map(|e| e.payload_cut), Ok(None));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_core::display::Escaped;
 use inbox_core::ErrorChain;
 use lapin::Connection;
 use tokio::time::Instant;
@@ -143,12 +144,12 @@ impl<'a> Supervisor<'a> {
                 Err(SessionEnd::Fatal(err)) => return Err(err),
                 Err(SessionEnd::Lost(reason)) => {
                     backoff = self.backoff_after_session(backoff, started.elapsed());
-                    tracing::warn!(%reason, ?backoff, "connection lost; reconnecting");
+                    tracing::warn!(reason = %Escaped(&reason), ?backoff, "connection lost; reconnecting");
                     pause(shutdown, &mut backoff, self.backoff_max).await;
                 }
                 Err(SessionEnd::Unreadable(reason)) => {
                     backoff = self.backoff_min;
-                    tracing::warn!(%reason, ?backoff, "connection lost to a frame the client cannot read; reconnecting cautiously");
+                    tracing::warn!(reason = %Escaped(&reason), ?backoff, "connection lost to a frame the client cannot read; reconnecting cautiously");
                     tokio::select! {
                         () = tokio::time::sleep(self.backoff_min) => {}
                         () = shutdown.cancelled() => {}

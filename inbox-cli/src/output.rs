@@ -118,6 +118,12 @@ pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
     if let Value::Object(map) = &mut v {
         map.insert("payload".into(), json!(text));
         map.insert("payload_hex".into(), json!(hex(&d.payload)));
+        map.insert(
+            "payload_cut".into(),
+            json!(d
+                .payload_cut
+                .map(|c| json!({"length": c.length, "sha256": hex(&c.sha256)}))),
+        );
         map.insert("headers".into(), json!(d.headers));
         map.insert(
             "traceparent".into(),
@@ -189,7 +195,19 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     for (k, v) in &d.headers {
         let _ = writeln!(out, "  {k}: {}", one_line(v));
     }
-    let _ = writeln!(out, "payload ({} bytes):", d.payload.len());
+    let cut = d.payload_cut.map(|c| {
+        format!(
+            ", cut: the first of {} bytes, sha256 {}",
+            c.length,
+            hex(&c.sha256)
+        )
+    });
+    let _ = writeln!(
+        out,
+        "payload ({} bytes{}):",
+        d.payload.len(),
+        cut.unwrap_or_default()
+    );
     match std::str::from_utf8(&d.payload) {
         Ok(text) => {
             let _ = writeln!(out, "  {text}");

@@ -24,6 +24,49 @@ pub struct Envelope {
     pub redelivered: bool,
     /// Transport hint: the broker's delivery count, if it keeps one.
     pub delivery_count: Option<u32>,
+    /// Set when `payload` is only the first [`CUT_PAYLOAD_PREFIX`] bytes of a body the
+    /// transport refused as too large: the whole body's length and SHA-256. Only a
+    /// dead letter (`malformed`) carries a cut payload; no handler sees one.
+    pub payload_cut: Option<PayloadCut>,
+}
+
+/// How many bytes of a body over the transport's limit a dead letter keeps (4 KiB):
+/// enough to tell what it was, never the body itself.
+pub const CUT_PAYLOAD_PREFIX: usize = 4096;
+
+/// What is kept of a body that was cut to its first [`CUT_PAYLOAD_PREFIX`] bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PayloadCut {
+    /// The whole body's length in bytes.
+    pub length: u64,
+    /// SHA-256 of the whole body.
+    pub sha256: [u8; 32],
+}
+
+impl PayloadCut {
+    /// The first [`CUT_PAYLOAD_PREFIX`] bytes of `body` (copied: the body itself is
+    /// never cloned) and what is kept of the whole.
+    ///
+    /// ```
+    /// use inbox_core::{PayloadCut, CUT_PAYLOAD_PREFIX};
+    /// let body = vec![7u8; 10 * CUT_PAYLOAD_PREFIX];
+    /// let (prefix, cut) = PayloadCut::of(&body);
+    /// assert_eq!(prefix.len(), CUT_PAYLOAD_PREFIX);
+    /// assert_eq!(cut.length, body.len() as u64);
+    /// ```
+    pub fn of(body: &[u8]) -> (Vec<u8>, Self) {
+        Self::with_digest(body, payload_digest(body))
+    }
+
+    /// [`PayloadCut::of`] with the body's SHA-256 computed already.
+    pub fn with_digest(body: &[u8], sha256: [u8; 32]) -> (Vec<u8>, Self) {
+        let prefix = body[..body.len().min(CUT_PAYLOAD_PREFIX)].to_vec();
+        let cut = Self {
+            length: body.len() as u64,
+            sha256,
+        };
+        (prefix, cut)
+    }
 }
 
 impl Envelope {
@@ -46,6 +89,7 @@ impl Envelope {
             occurred_at: None,
             redelivered: false,
             delivery_count: None,
+            payload_cut: None,
         }
     }
 

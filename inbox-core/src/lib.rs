@@ -39,6 +39,7 @@
 
 mod clock;
 mod decision;
+pub mod display;
 mod duration;
 mod envelope;
 mod error;
@@ -64,7 +65,7 @@ pub use decision::{
     TransportAction,
 };
 pub use duration::{database_timeout, parse_duration, parse_ladder, MAX_DATABASE_TIMEOUT};
-pub use envelope::{payload_digest, Envelope};
+pub use envelope::{payload_digest, Envelope, PayloadCut, CUT_PAYLOAD_PREFIX};
 pub use error::{Error, ErrorChain, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,

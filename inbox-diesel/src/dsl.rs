@@ -205,6 +205,8 @@ macro_rules! claim_dsl {
                     reason.eq(dl.reason),
                     last_error.eq(dl.last_error),
                     dead_lettered_at.eq(dl.now),
+                    payload_length.eq(dl.payload_length),
+                    payload_sha256.eq(dl.payload_sha256),
                 ))
                 .execute(conn)
                 .map(|_| ())
@@ -255,6 +257,8 @@ macro_rules! claim_dsl {
                     last_error,
                     dead_lettered_at,
                     replayed_at,
+                    payload_length,
+                    payload_sha256,
                 ))
                 .load(conn)?;
             rows.into_iter().map($crate::rows::dead_letter).collect()

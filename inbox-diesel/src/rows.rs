@@ -4,7 +4,9 @@
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
-use inbox_core::{DeadLetterReason, MessageKey, OutboxMessage, OutboxRow, UnreadableRow};
+use inbox_core::{
+    DeadLetterReason, MessageKey, OutboxMessage, OutboxRow, PayloadCut, UnreadableRow,
+};
 use std::collections::BTreeMap;
 
 /// A claim's state.
@@ -87,8 +89,12 @@ pub struct DeadLetter {
     pub message_type: String,
     /// The tenant.
     pub tenant: Option<String>,
-    /// The payload, as delivered.
+    /// The payload, as delivered; only its first `inbox_core::CUT_PAYLOAD_PREFIX`
+    /// bytes when `payload_cut` is set.
     pub payload: Vec<u8>,
+    /// The whole body's length and SHA-256 when the payload was cut (a body over the
+    /// consumer's limit, dead-lettered `malformed`).
+    pub payload_cut: Option<PayloadCut>,
     /// The transport headers.
     pub headers: BTreeMap<String, String>,
     /// Handled failures when it was dead-lettered.
@@ -160,6 +166,10 @@ pub struct NewDeadLetter<'a> {
     pub reason: &'a str,
     pub last_error: Option<&'a str>,
     pub now: DateTime<Utc>,
+    /// The whole body's length when `payload` is a cut prefix of it.
+    pub payload_length: Option<i64>,
+    /// The whole body's SHA-256 when `payload` is a cut prefix of it.
+    pub payload_sha256: Option<&'a [u8]>,
 }
 
 pub(crate) type ClaimTuple = (
@@ -190,7 +200,30 @@ pub(crate) type DeadLetterTuple = (
     Option<String>,
     DateTime<Utc>,
     Option<DateTime<Utc>>,
+    Option<i64>,
+    Option<Vec<u8>>,
 );
+
+/// The stored length and SHA-256 of a cut payload: both or neither.
+pub(crate) fn payload_cut(
+    length: Option<i64>,
+    sha256: Option<&[u8]>,
+) -> std::result::Result<Option<PayloadCut>, String> {
+    match (length, sha256) {
+        (None, None) => Ok(None),
+        (Some(length), Some(sha256)) => {
+            let length = u64::try_from(length)
+                .map_err(|_| format!("payload_length {length} is negative"))?;
+            let sha256 = <[u8; 32]>::try_from(sha256)
+                .map_err(|_| format!("payload_sha256 has {} bytes, expected 32", sha256.len()))?;
+            Ok(Some(PayloadCut { length, sha256 }))
+        }
+        (length, sha256) => Err(format!(
+            "payload_length {length:?} and payload_sha256 {:?} are not both set or both null",
+            sha256.map(<[u8]>::len)
+        )),
+    }
+}
 
 pub(crate) fn claim_record(t: ClaimTuple) -> QueryResult<ClaimRecord> {
     let status = ClaimStatus::parse(&t.4).ok_or_else(|| {
@@ -237,6 +270,7 @@ pub(crate) fn dead_letter(t: DeadLetterTuple) -> QueryResult<DeadLetter> {
         message_type: t.3,
         tenant: t.4,
         payload: t.5,
+        payload_cut: payload_cut(t.12, t.13.as_deref()).map_err(unreadable)?,
         headers,
         attempts: t.7,
         reason,

@@ -39,6 +39,8 @@ macro_rules! inbox_tables {
                 last_error -> Nullable<Text>,
                 dead_lettered_at -> $ts,
                 replayed_at -> Nullable<$ts>,
+                payload_length -> Nullable<BigInt>,
+                payload_sha256 -> Nullable<Binary>,
             }
         }
 

@@ -864,6 +864,7 @@ where
         );
         assert_eq!(s.tenant.as_deref(), l.tenant, "{}", l.key);
         assert_eq!(s.payload, l.payload, "{}", l.key);
+        assert_eq!(s.payload_cut, None, "{}: stored whole", l.key);
         assert_eq!(s.headers, l.headers, "{}", l.key);
         assert_eq!(s.attempts, l.attempts, "{}", l.key);
         assert_eq!(s.reason.as_str(), l.reason, "{}", l.key);

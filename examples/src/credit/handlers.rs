@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use inbox_core::display::Escaped;
 use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, RetryPolicy};
 use inbox_diesel::{enqueue, StoreConnection};
 
@@ -66,9 +67,9 @@ pub struct SucceededHandler {
 /// A signal for a job that does not exist: permanent (dead-lettered), and loud.
 fn unknown_job(job_id: &str, ctx: &MessageContext<'_>) -> HandlerError {
     tracing::error!(
-        job_id,
-        key = %ctx.message_key(),
-        message_type = %ctx.envelope().message_type,
+        job_id = %Escaped(job_id),
+        key = %Escaped(ctx.message_key().as_str()),
+        message_type = %Escaped(&ctx.envelope().message_type),
         "a signal for a job that does not exist; it is dead-lettered"
     );
     HandlerError::permanent(format!("no job {job_id:?}: a signal for an unknown job"))
@@ -130,7 +131,7 @@ impl<C: StoreConnection + CreditDb> Handler<C> for FailedHandler {
                     last_error: msg.reason.clone(),
                 };
                 enqueue(conn, &dead_message(&self.ledger.exchange, &dead), now)?;
-                tracing::warn!(job_id = %msg.job_id, attempts = fate.attempts, reason = %msg.reason,
+                tracing::warn!(job_id = %Escaped(&msg.job_id), attempts = fate.attempts, reason = %Escaped(&msg.reason),
                     "job is dead after its last attempt; job.dead enqueued");
             }
             _ => {}

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 
 use chrono::{DateTime, Utc};
+use inbox_core::display::Escaped;
 use inbox_core::{
     ClaimInvariantViolated, ConsumerGroup, DeadLetterReason, Decision, DynHandler, HandlerFailure,
     MessageKey, ProjectionLock, MAX_RETRY_DELAY,
@@ -78,7 +79,7 @@ pub(super) fn decide(stored: Option<&Stored>, digest: &[u8], now: DateTime<Utc>)
 /// The claim table rejected or lost a claim its lookup cannot explain: halt the group,
 /// loudly. Acking it as a duplicate would drop the message's effect silently.
 pub(super) fn phantom(group: &ConsumerGroup, key: &MessageKey, detail: &str) -> Decision {
-    tracing::error!(group = %group, key = %key, detail, "claim invariant violated: stopping the consumer group");
+    tracing::error!(group = %group, key = %Escaped(key.as_str()), detail = %Escaped(detail), "claim invariant violated: stopping the consumer group");
     Decision::Stop(ClaimInvariantViolated {
         group: group.clone(),
         key: key.clone(),

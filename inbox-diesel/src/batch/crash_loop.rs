@@ -3,6 +3,7 @@
 //! `crash_loop` without running it.
 
 use chrono::{DateTime, Utc};
+use inbox_core::display::Escaped;
 use inbox_core::{ClaimKey, ConsumerGroup, DeadLetterReason, Decision};
 
 use super::claim::phantom;
@@ -124,7 +125,7 @@ impl<C: StoreConnection> Inner<C> {
                 now,
             ),
         )?;
-        tracing::error!(group = %group, key = %d.env.message_key, unfinished, "crash loop: dead-lettered");
+        tracing::error!(group = %group, key = %Escaped(d.env.message_key.as_str()), unfinished, "crash loop: dead-lettered");
         Ok(Some(Decision::DeadLettered(DeadLetterReason::CrashLoop)))
     }
 

@@ -1,9 +1,18 @@
 //! Dead letters the store writes outside a handler's failure: a key collision, a
 //! delivery the store cannot write as it is (`malformed`), and a delivery the broker
 //! gave up on (see [`inbox_core::InboxStore::dead_letter`]).
+//!
+//! A letter of a body the transport cut (over its `max_body_bytes`) stores the prefix
+//! as `payload` and the whole body's `payload_length` and `payload_sha256`. Both are
+//! written once, by the insert that creates the letter, and no writer updates them:
+//! replay, discard and purge touch other columns or delete the row, so no two writers
+//! race on them.
 
 use chrono::{DateTime, Utc};
-use inbox_core::{ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, Envelope};
+use inbox_core::display::Escaped;
+use inbox_core::{
+    ConsumerGroup, DeadLetterOutcome, DeadLetterReason, Decision, Envelope, PayloadCut,
+};
 
 use super::delivery::Delivery;
 use super::metrics::record_metrics;
@@ -52,7 +61,8 @@ pub(super) fn headers_json(env: &Envelope) -> String {
     serde_json::to_string(&env.headers).unwrap_or_else(|_| "{}".to_owned())
 }
 
-/// The dead-letter row of a delivery: the whole envelope, as delivered.
+/// The dead-letter row of a delivery: the whole envelope, as delivered (a payload the
+/// transport cut keeps the whole body's length and SHA-256 beside its prefix).
 pub(super) fn dead_letter_row<'a>(
     group: &'a ConsumerGroup,
     env: &'a Envelope,
@@ -72,7 +82,14 @@ pub(super) fn dead_letter_row<'a>(
         reason: reason.as_str(),
         last_error: Some(last_error),
         now,
+        payload_length: env.payload_cut.as_ref().map(cut_length),
+        payload_sha256: env.payload_cut.as_ref().map(|c| &c.sha256[..]),
     }
+}
+
+/// A cut body's length as stored (a length past `i64::MAX` cannot be delivered).
+fn cut_length(cut: &PayloadCut) -> i64 {
+    i64::try_from(cut.length).unwrap_or(i64::MAX)
 }
 
 /// What [`mark_dead_or_explain`] found.
@@ -136,7 +153,7 @@ impl<C: StoreConnection> Inner<C> {
             "key collision: payload digest differs from {against} under key {}",
             d.env.message_key
         );
-        tracing::error!(group = %group, key = %d.env.message_key, "{last_error}");
+        tracing::error!(group = %group, key = %Escaped(d.env.message_key.as_str()), "{}", Escaped(&last_error));
         C::insert_dead_letter(
             conn,
             &dead_letter_row(
@@ -204,7 +221,7 @@ impl<C: StoreConnection> Inner<C> {
             Ok::<_, Error>(DeadLetterOutcome::Recorded)
         })?;
         if outcome == DeadLetterOutcome::Recorded {
-            tracing::error!(group = %group, key = %env.message_key, %reason, detail, "delivery dead-lettered");
+            tracing::error!(group = %group, key = %Escaped(env.message_key.as_str()), %reason, detail = %Escaped(&detail), "delivery dead-lettered");
             metrics::counter!("inbox_dead_lettered_total", "group" => group.to_string(), "reason" => reason.as_str())
                 .increment(1);
         }
@@ -249,6 +266,8 @@ impl<C: StoreConnection> Inner<C> {
             reason: DeadLetterReason::Malformed.as_str(),
             last_error: Some(&last_error),
             now,
+            payload_length: env.payload_cut.as_ref().map(cut_length),
+            payload_sha256: env.payload_cut.as_ref().map(|c| &c.sha256[..]),
         };
         let mut conn = self.connection()?;
         // No claim makes this idempotent: a redelivery finds the letter it left.
@@ -259,7 +278,7 @@ impl<C: StoreConnection> Inner<C> {
             C::insert_dead_letter(conn, &row).map(|()| true)
         })?;
         let decision = if recorded {
-            tracing::error!(group = %group, key = %env.message_key, error = %last_error, "delivery dead-lettered as malformed");
+            tracing::error!(group = %group, key = %Escaped(env.message_key.as_str()), error = %Escaped(&last_error), "delivery dead-lettered as malformed");
             Decision::DeadLettered(DeadLetterReason::Malformed)
         } else {
             Decision::AlreadyDeadLettered

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use inbox_core::display::Escaped;
 use inbox_core::{
     later_by, ClaimKey, ConsumerGroup, DeadLetterReason, Decision, HandlerError, HandlerErrorKind,
     HandlerFailure, RetryPolicy, MAX_RETRY_DELAY,
@@ -115,7 +116,7 @@ impl<C: StoreConnection> Inner<C> {
                 ),
             ));
         }
-        tracing::warn!(group = %group, key = %d.env.message_key, attempts, error = %last_error, "handler failed");
+        tracing::warn!(group = %group, key = %Escaped(d.env.message_key.as_str()), attempts, error = %Escaped(&last_error), "handler failed");
         match outcome {
             Ok(delay) => Ok(Decision::RetryAfter(delay)),
             Err(reason) => {
@@ -123,7 +124,7 @@ impl<C: StoreConnection> Inner<C> {
                     conn,
                     &dead_letter_row(group, d.env, attempts, reason, &last_error, now),
                 )?;
-                tracing::error!(group = %group, key = %d.env.message_key, %reason, "message dead-lettered");
+                tracing::error!(group = %group, key = %Escaped(d.env.message_key.as_str()), %reason, "message dead-lettered");
                 Ok(Decision::DeadLettered(reason))
             }
         }

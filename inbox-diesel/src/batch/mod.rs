@@ -35,6 +35,7 @@ mod tx;
 
 use std::collections::HashMap;
 
+use inbox_core::display::Escaped;
 use inbox_core::{ConsumerGroup, Decision, Envelope, MessageKey};
 
 use crate::backend::StoreConnection;
@@ -104,7 +105,7 @@ impl<C: StoreConnection> Inner<C> {
                 let span = tracing::debug_span!(
                     "inbox.delivery",
                     group = %group,
-                    key = %env.message_key,
+                    key = %Escaped(env.message_key.as_str()),
                     attempt = tracing::field::Empty,
                     outcome = tracing::field::Empty,
                     traceparent = tracing::field::Empty,

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use inbox_core::display::Escaped;
 use inbox_core::{ConsumerGroup, Decision};
 
 use super::claim::{phantom, Attempt};
@@ -109,7 +110,7 @@ impl<C: StoreConnection> Inner<C> {
                 )])
             }
             _ => {
-                tracing::warn!(group = %group, size = items.len(), error = %err, "a delivery's data failed its batch: splitting");
+                tracing::warn!(group = %group, size = items.len(), error = %Escaped(&err.to_string()), "a delivery's data failed its batch: splitting");
                 let (left, right) = items.split_at(items.len() / 2);
                 let mut decisions = self.run_with_retries(group, left)?;
                 decisions.extend(self.run_with_retries(group, right)?);

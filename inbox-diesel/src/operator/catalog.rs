@@ -169,7 +169,12 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
             ));
         }
     }
-    for column in ["replay_count", "discarded_at"] {
+    for column in [
+        "replay_count",
+        "discarded_at",
+        "payload_length",
+        "payload_sha256",
+    ] {
         if !catalog.dead_letter_columns.iter().any(|c| c == column) {
             return Err(mismatch(
                 &catalog.dead_letter_table,

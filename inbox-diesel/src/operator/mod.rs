@@ -274,8 +274,12 @@ pub struct DeadLetterEntry {
 pub struct DeadLetterDetails {
     /// What a list shows.
     pub entry: DeadLetterEntry,
-    /// The payload, as delivered.
+    /// The payload, as delivered; only its first `inbox_core::CUT_PAYLOAD_PREFIX`
+    /// bytes when `payload_cut` is set.
     pub payload: Vec<u8>,
+    /// The whole body's length and SHA-256 when the payload was cut (a body over the
+    /// consumer's `max_body_bytes`, dead-lettered `malformed`).
+    pub payload_cut: Option<inbox_core::PayloadCut>,
     /// The transport headers, as delivered.
     pub headers: BTreeMap<String, String>,
     /// When this message was first dead-lettered in this group (any letter of its key).
@@ -612,9 +616,15 @@ impl<C: StoreConnection> Store<C> {
     /// One dead letter in full, or `None`.
     pub fn dead_letter_details(&self, id: i64) -> Result<Option<DeadLetterDetails>> {
         let mut conn = self.connection()?;
-        let Some((tuple, payload)) = C::op_entry(&mut conn, id)? else {
+        let Some((tuple, (payload, length, sha256))) = C::op_entry(&mut conn, id)? else {
             return Ok(None);
         };
+        let payload_cut =
+            crate::rows::payload_cut(length, sha256.as_deref()).map_err(|problem| {
+                diesel::result::Error::DeserializationError(
+                    format!("dead letter {id}: {problem}").into(),
+                )
+            })?;
         let headers = serde_json::from_str(&tuple.5).unwrap_or_default();
         let entry = entry(tuple);
         let (first, last) =
@@ -629,6 +639,7 @@ impl<C: StoreConnection> Store<C> {
                 _ => replay_refusal(&entry.reason),
             },
             payload,
+            payload_cut,
             headers,
             claim_status,
             entry,

@@ -25,6 +25,9 @@ pub(crate) type EntryTuple = (
     Option<DateTime<Utc>>,
 );
 
+/// A letter's payload, and a cut payload's whole length and SHA-256.
+pub(crate) type StoredPayload = (Vec<u8>, Option<i64>, Option<Vec<u8>>);
+
 /// The first and last time a key was dead-lettered in a group.
 pub(crate) type FailureSpan = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
 
@@ -108,9 +111,9 @@ pub trait OperatorOps: Sized {
     #[doc(hidden)]
     fn op_letter(conn: &mut Self, id: i64) -> QueryResult<Option<Letter>>;
 
-    /// One dead letter without its payload.
+    /// One dead letter, and its payload (with a cut payload's length and SHA-256).
     #[doc(hidden)]
-    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, Vec<u8>)>>;
+    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>>;
 
     /// The first and last time a (group, key) was dead-lettered.
     #[doc(hidden)]
@@ -344,7 +347,7 @@ macro_rules! operator_ops {
             fn op_entry(
                 conn: &mut Self,
                 letter: i64,
-            ) -> QueryResult<Option<(EntryTuple, Vec<u8>)>> {
+            ) -> QueryResult<Option<(EntryTuple, StoredPayload)>> {
                 use crate::operator::tables::$schema::op_dead_letters::dsl::*;
                 let entry: Option<EntryTuple> = op_dead_letters
                     .find(letter)
@@ -369,7 +372,10 @@ macro_rules! operator_ops {
                 let Some(entry) = entry else {
                     return Ok(None);
                 };
-                let body: Vec<u8> = op_dead_letters.find(letter).select(payload).first(conn)?;
+                let body: StoredPayload = op_dead_letters
+                    .find(letter)
+                    .select((payload, payload_length, payload_sha256))
+                    .first(conn)?;
                 Ok(Some((entry, body)))
             }
 

@@ -25,6 +25,8 @@ macro_rules! operator_tables {
                 replay_count -> Integer,
                 discarded_at -> Nullable<$ts>,
                 resolved_at -> Nullable<$ts>,
+                payload_length -> Nullable<BigInt>,
+                payload_sha256 -> Nullable<Binary>,
             }
         }
 

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 
 use crate::operator::ops::{
     CanaryRow, ClaimTuple, EntryTuple, FailureSpan, HaltRow, Letter, NewReplay, OperatorOps,
-    RawStats, Redrivable,
+    RawStats, Redrivable, StoredPayload,
 };
 use crate::operator::{CatalogOps, DeadLetterFilter, LetterStatus, OperatorCatalog, UniqueIndex};
 
