@@ -39,6 +39,7 @@
 
 mod clock;
 mod decision;
+pub mod display;
 mod duration;
 mod envelope;
 mod error;
