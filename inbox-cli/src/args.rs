@@ -1,9 +1,76 @@
 //! The command line: clap types a host binary mounts (see the crate docs).
 
-use clap::{Args, Subcommand, ValueEnum};
+use std::fmt;
 
-/// Options every subcommand takes. Mount them with `#[command(flatten)]`.
-#[derive(Clone, Debug, Default, Args)]
+use clap::{Args, Subcommand, ValueEnum};
+use inbox_core::redact_url;
+
+/// A URL as `Debug` shows it: every password replaced by `***`.
+fn redacted(url: Option<&String>) -> Option<String> {
+    url.map(|u| redact_url(u))
+}
+
+impl fmt::Debug for GlobalArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured: a new field must be placed here (and redacted if it is a URL).
+        let Self {
+            database_url,
+            schema,
+            prefix,
+            json,
+        } = self;
+        f.debug_struct("GlobalArgs")
+            .field("database_url", &redacted(database_url.as_ref()))
+            .field("schema", schema)
+            .field("prefix", prefix)
+            .field("json", json)
+            .finish()
+    }
+}
+
+impl fmt::Debug for VerifyArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            amqp_url,
+            ca_cert,
+            exchange,
+            consumer_groups,
+            retry_ladder,
+        } = self;
+        f.debug_struct("VerifyArgs")
+            .field("amqp_url", &redacted(amqp_url.as_ref()))
+            .field("ca_cert", ca_cert)
+            .field("exchange", exchange)
+            .field("consumer_groups", consumer_groups)
+            .field("retry_ladder", retry_ladder)
+            .finish()
+    }
+}
+
+impl fmt::Debug for SelftestArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            count,
+            timeout,
+            exchange,
+            relay,
+            amqp_url,
+            ca_cert,
+        } = self;
+        f.debug_struct("SelftestArgs")
+            .field("count", count)
+            .field("timeout", timeout)
+            .field("exchange", exchange)
+            .field("relay", relay)
+            .field("amqp_url", &redacted(amqp_url.as_ref()))
+            .field("ca_cert", ca_cert)
+            .finish()
+    }
+}
+
+/// Options every subcommand takes. Mount them with `#[command(flatten)]`. Its `Debug`
+/// shows the database URL with its password replaced by `***`.
+#[derive(Clone, Default, Args)]
 pub struct GlobalArgs {
     /// The database: postgres://... or sqlite://... (a password in it is never printed).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
@@ -46,8 +113,8 @@ pub enum Command {
     Selftest(SelftestArgs),
 }
 
-/// `selftest`.
-#[derive(Clone, Debug, Args)]
+/// `selftest`. Its `Debug` shows the broker URL with its password replaced by `***`.
+#[derive(Clone, Args)]
 pub struct SelftestArgs {
     /// Canary messages to send.
     #[arg(long, default_value_t = 10)]
@@ -217,8 +284,8 @@ pub enum GroupCommand {
     },
 }
 
-/// `verify`.
-#[derive(Clone, Debug, Default, Args)]
+/// `verify`. Its `Debug` shows the broker URL with its password replaced by `***`.
+#[derive(Clone, Default, Args)]
 pub struct VerifyArgs {
     /// The broker; with it, the topology is checked too (password never printed).
     /// `amqps://` needs the feature `rustls` of inbox-cli.

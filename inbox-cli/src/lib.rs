@@ -32,6 +32,13 @@
 //!
 //! Exit codes are in [`exit`]; the JSON documents and the commands are described in
 //! the workspace README ("Operating the inbox").
+//!
+//! What a publisher sent is hostile input here: every value a command prints for a
+//! person goes through [`inbox_core::display::escape`] (one record per line, no
+//! control or format character reaches the terminal), and the JSON documents write
+//! those characters as `\u` escapes. [`run`] holds no process-wide lock (not stdout's)
+//! across a database or broker call, so a host whose logger writes to stdout gets
+//! every answer. No URL's password is printed, in errors or in the arguments' `Debug`.
 #![forbid(unsafe_code)]
 
 mod args;
@@ -49,11 +56,15 @@ pub use run::{run, run_with, Failure};
 pub mod exit {
     /// Done.
     pub const OK: u8 = 0;
-    /// The database or broker failed (unreachable, a statement failed).
+    /// The database or broker failed (unreachable, a refused login or TLS handshake, a
+    /// missing SQLite file, a statement failed).
     pub const FAILURE: u8 = 1;
-    /// Bad arguments, or a bulk change without `--yes` (nothing was changed).
+    /// Bad arguments (an invalid `--schema`, a `--database-url` of another form,
+    /// `verify` with nothing to check), or a bulk change without `--yes` (nothing was
+    /// changed).
     pub const USAGE: u8 = 2;
-    /// The schema (or, for `verify`, the topology) does not match what the inbox needs.
+    /// The schema (or, for `verify`, the topology: a missing exchange or queue) does
+    /// not match what the inbox needs.
     pub const SCHEMA: u8 = 3;
     /// No dead letter of that id, no claim of that key, no halt of that group.
     pub const NOT_FOUND: u8 = 4;

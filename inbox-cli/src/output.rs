@@ -1,8 +1,18 @@
 //! Human tables and the JSON documents (field names are a contract: see the README).
+//!
+//! Every value a publisher controls (a key, type, tenant, header, error, payload) and
+//! every stored text is shown through [`inbox_core::display::escape`]: control
+//! characters (C0, DEL, C1), format characters (bidi overrides, zero-width) and line
+//! separators are made visible, so nothing in a letter acts on the operator's terminal
+//! and one record is one line. Tables escape every cell; `dead-letters show` escapes
+//! every field, header and the payload. The JSON documents keep the values exactly and
+//! write those characters as `\u` escapes ([`json_text`]).
 
 use std::fmt::Write as _;
+use std::io;
 
 use chrono::{DateTime, SecondsFormat, Utc};
+use inbox_core::display::{escape, is_escaped};
 use inbox_diesel::{
     ClaimRecord, DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
 };
@@ -57,8 +67,44 @@ impl Table {
     }
 }
 
+/// A value as one line of human output.
 fn one_line(s: &str) -> String {
-    s.replace(['\n', '\r', '\t'], " ")
+    escape(s).into_owned()
+}
+
+/// JSON whose strings write every character [`escape`] would make visible as a
+/// `\uXXXX` escape: the same document for a parser, inert bytes for a terminal.
+struct InertJson;
+
+impl serde_json::ser::Formatter for InertJson {
+    fn write_string_fragment<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        fragment: &str,
+    ) -> io::Result<()> {
+        let mut rest = fragment;
+        while let Some(at) = rest.find(|c| c != '\\' && is_escaped(c)) {
+            writer.write_all(&rest.as_bytes()[..at])?;
+            let c = rest[at..].chars().next().unwrap_or_default();
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                write!(writer, "\\u{unit:04x}")?;
+            }
+            rest = &rest[at + c.len_utf8()..];
+        }
+        writer.write_all(rest.as_bytes())
+    }
+}
+
+/// A JSON document as one line of inert text (see [`InertJson`]).
+pub(crate) fn json_text(value: &Value) -> String {
+    let mut bytes = Vec::new();
+    let mut serializer = serde_json::Serializer::with_formatter(&mut bytes, InertJson);
+    match serde::Serialize::serialize(value, &mut serializer) {
+        // The formatter writes only ASCII escapes and the value's own UTF-8.
+        Ok(()) => String::from_utf8(bytes).unwrap_or_else(|_| value.to_string()),
+        Err(_) => value.to_string(),
+    }
 }
 
 /// A time as RFC 3339 in UTC, to the second.
@@ -148,7 +194,7 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     let e = &d.entry;
     let mut out = String::new();
     let mut field = |name: &str, value: String| {
-        let _ = writeln!(out, "{name:<20} {value}");
+        let _ = writeln!(out, "{name:<20} {}", escape(&value));
     };
     field("id", e.id.to_string());
     field("consumer group", e.consumer_group.clone());
@@ -186,14 +232,14 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     );
     field(
         "last error",
-        one_line(e.last_error.as_deref().unwrap_or("-")),
+        e.last_error.clone().unwrap_or_else(|| "-".to_owned()),
     );
     let _ = writeln!(out, "headers:");
     if d.headers.is_empty() {
         let _ = writeln!(out, "  (none)");
     }
     for (k, v) in &d.headers {
-        let _ = writeln!(out, "  {k}: {}", one_line(v));
+        let _ = writeln!(out, "  {}: {}", escape(k), escape(v));
     }
     let cut = d.payload_cut.map(|c| {
         format!(
@@ -210,7 +256,7 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     );
     match std::str::from_utf8(&d.payload) {
         Ok(text) => {
-            let _ = writeln!(out, "  {text}");
+            let _ = writeln!(out, "  {}", escape(text));
         }
         Err(_) => {
             let _ = writeln!(out, "  hex {}", hex(&d.payload));

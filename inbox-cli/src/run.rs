@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::{PgConnection, SqliteConnection};
+use inbox_core::display::escape;
 use inbox_core::{parse_duration, parse_ladder, redact_message, ConsumerGroup, RetryLadder};
 use inbox_diesel::{
     Backend, DeadLetterFilter, DiscardOutcome, LetterStatus, RedriveFilter, ReplayOutcome,
@@ -49,34 +50,48 @@ impl Failure {
 pub(crate) type Outcome = Result<(), Failure>;
 
 /// Runs `command`, printing to stdout and stderr; returns the exit code.
+///
+/// No lock of stdout is held while the command runs, only while one piece of output
+/// is written: the broker client's I/O thread logs through the host's `tracing`
+/// subscriber, which may write to stdout, and a lock held across the broker calls
+/// would stop that thread and with it the reply the command waits for.
 pub fn run(global: &GlobalArgs, command: &Command) -> std::process::ExitCode {
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let code = run_with(global, command, &mut out);
+    let code = run_with(global, command, &mut std::io::stdout());
     std::process::ExitCode::from(code)
 }
 
 /// Runs `command`, printing its output to `out` and its error to stderr; returns the
-/// exit code. For hosts that capture the output.
+/// exit code. For hosts that capture the output. `out` is written once per piece of
+/// output, after the database and broker calls that produce it; pass no lock that a
+/// logger of the process also needs (such as [`std::io::StdoutLock`]: see [`run`]).
 pub fn run_with(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> u8 {
     match execute(global, command, out) {
         Ok(()) => exit::OK,
         Err(failure) => {
-            let message = match &global.database_url {
-                Some(url) => redact_message(&failure.message, url),
-                None => failure.message,
-            };
+            let message = redact(&failure.message, global, command);
             if global.json && !failure.reported {
-                let _ = writeln!(
-                    out,
-                    "{}",
-                    json!({ "error": message, "exit_code": failure.code })
-                );
+                let _ = print_json(out, &json!({ "error": message, "exit_code": failure.code }));
             }
-            eprintln!("inbox: {message}");
+            // One line, whatever the message quotes (a driver's text, a stored key).
+            eprintln!("inbox: {}", escape(&message));
             failure.code
         }
     }
+}
+
+/// `message` without the password of any URL the command was given.
+fn redact(message: &str, global: &GlobalArgs, command: &Command) -> String {
+    let amqp = match command {
+        Command::Verify(args) => args.amqp_url.as_deref(),
+        Command::Selftest(args) => args.amqp_url.as_deref(),
+        _ => None,
+    };
+    global
+        .database_url
+        .iter()
+        .map(String::as_str)
+        .chain(amqp)
+        .fold(message.to_owned(), |text, url| redact_message(&text, url))
 }
 
 fn execute(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> Outcome {
@@ -86,11 +101,58 @@ fn execute(global: &GlobalArgs, command: &Command, out: &mut dyn Write) -> Outco
             "no database: set DATABASE_URL or pass --database-url",
         )
     })?;
-    let backend = Backend::from_url(&url).map_err(|e| Failure::new(exit::USAGE, e.to_string()))?;
-    match backend {
-        Backend::Postgres => on_store::<PgConnection>(global, &url, command, out),
-        _ => on_store::<SqliteConnection>(global, &url, command, out),
+    match database(&url)? {
+        (Backend::Postgres, url) => on_store::<PgConnection>(global, &url, command, out),
+        (_, url) => on_store::<SqliteConnection>(global, &url, command, out),
     }
+}
+
+/// The forms of `--database-url` the commands take, as an error says them.
+const ACCEPTED_URLS: &str =
+    "a postgres:// (or postgresql://) URL, or sqlite://PATH of an existing SQLite file";
+
+/// The backend of `--database-url`: a `postgres://` or `postgresql://` URL, or a
+/// `sqlite://` URL of a file that exists. Anything else (a libpq `host=... password=...`
+/// string, a bare path, another scheme) is a usage error that never quotes the value:
+/// it may hold a password. A missing SQLite file is never created: the operator
+/// commands run no migrations, so a new file could only fail their schema check.
+fn database(url: &str) -> Result<(Backend, String), Failure> {
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        return Ok((Backend::Postgres, url.to_owned()));
+    }
+    if lower.starts_with("sqlite:") {
+        let rest = &url["sqlite:".len()..];
+        let path = rest.strip_prefix("//").unwrap_or(rest);
+        if path.is_empty() {
+            return Err(Failure::new(
+                exit::USAGE,
+                format!("--database-url (DATABASE_URL): expected {ACCEPTED_URLS}, found sqlite:// without a path"),
+            ));
+        }
+        if !std::path::Path::new(path).is_file() {
+            return Err(Failure::new(
+                exit::FAILURE,
+                format!("no SQLite database at {path:?} (the operator commands never create one)"),
+            ));
+        }
+        return Ok((Backend::Sqlite, format!("sqlite://{path}")));
+    }
+    let found = match url.split_once("://") {
+        Some((scheme, _))
+            if !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            format!("a {scheme}:// URL")
+        }
+        _ => "a value of another form".to_owned(),
+    };
+    Err(Failure::new(
+        exit::USAGE,
+        format!("--database-url (DATABASE_URL): expected {ACCEPTED_URLS}; found {found} (not shown: it may hold a password)"),
+    ))
 }
 
 pub(crate) fn failed(err: impl std::fmt::Display) -> Failure {
@@ -114,6 +176,11 @@ fn open<C: StoreConnection>(
     built.map_err(|e| match e {
         inbox_diesel::Error::SchemaMismatch { .. } | inbox_diesel::Error::OperatorSchema { .. } => {
             Failure::new(exit::SCHEMA, e.to_string())
+        }
+        // `--schema` (the only setting an operator gives the builder) refused before
+        // connecting: a bad argument.
+        inbox_diesel::Error::InvalidSchemaName(_) | inbox_diesel::Error::InvalidSetting { .. } => {
+            Failure::new(exit::USAGE, format!("--schema (INBOX_SCHEMA): {e}"))
         }
         other => failed(other),
     })
@@ -147,7 +214,7 @@ pub(crate) fn print(out: &mut dyn Write, text: impl std::fmt::Display) -> Outcom
 }
 
 pub(crate) fn print_json(out: &mut dyn Write, value: &Value) -> Outcome {
-    writeln!(out, "{value}").map_err(failed)
+    writeln!(out, "{}", output::json_text(value)).map_err(failed)
 }
 
 /// RFC 3339, or a duration ago.
@@ -691,7 +758,9 @@ fn verify<C: StoreConnection>(
         _ => None,
     };
     let schema_error = schema.as_ref().err().map(ToString::to_string);
-    let topology_error = topology.as_ref().and_then(|t| t.as_ref().err().cloned());
+    let topology_error = topology
+        .as_ref()
+        .and_then(|t| t.as_ref().err().map(ToString::to_string));
     let checked = topology
         .as_ref()
         .and_then(|t| t.as_ref().ok().cloned())
@@ -710,23 +779,68 @@ fn verify<C: StoreConnection>(
     } else {
         let mut text = match &schema_error {
             None => "schema: ok\n".to_owned(),
-            Some(e) => format!("schema: error: {e}\n"),
+            Some(e) => format!("schema: error: {}\n", escape(e)),
         };
         text.push_str(&match &topology {
             None if args.amqp_url.is_none() => "topology: skipped (no AMQP_URL)\n".to_owned(),
             None => "topology: skipped (the schema failed)\n".to_owned(),
             Some(Ok(queues)) => format!("topology: ok ({} queues)\n", queues.len()),
-            Some(Err(e)) => format!("topology: error: {e}\n"),
+            Some(Err(e)) => format!("topology: error: {}\n", escape(&e.to_string())),
         });
         print(out, text)?;
     }
     if let Some(e) = schema_error {
         return Err(Failure::new(exit::SCHEMA, e).reported());
     }
-    if let Some(e) = topology_error {
-        return Err(Failure::new(exit::SCHEMA, e).reported());
+    if let Some(Err(e)) = topology {
+        return Err(Failure::new(e.exit_code(), e.to_string()).reported());
     }
     Ok(())
+}
+
+/// Why the topology check did not pass, by whose it is.
+#[derive(Debug)]
+enum TopologyError {
+    /// The broker (or the database) failed: unreachable, refused the login, closed the
+    /// connection, or answered a declare with anything but "not found" (exit 1).
+    Failed(String),
+    /// The exchange or a queue does not exist (exit 3).
+    Missing(String),
+    /// No consumer group to check: none has a claim and none was named (exit 2).
+    NoGroups,
+    /// A bad argument of the check itself (exit 2).
+    Usage(String),
+}
+
+impl TopologyError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            Self::Failed(_) => exit::FAILURE,
+            Self::Missing(_) => exit::SCHEMA,
+            Self::NoGroups | Self::Usage(_) => exit::USAGE,
+        }
+    }
+}
+
+impl std::fmt::Display for TopologyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Failed(e) | Self::Missing(e) | Self::Usage(e) => f.write_str(e),
+            Self::NoGroups => f.write_str(
+                "nothing to check: no consumer group has a claim yet; name the groups with \
+                 --consumer-group",
+            ),
+        }
+    }
+}
+
+/// A declare's failure: "not found" is a missing object, anything else the broker's.
+fn declare_error(what: String, err: &lapin::Error, amqp_url: &str) -> TopologyError {
+    let text = format!("{what}: {}", redact_message(&err.to_string(), amqp_url));
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) if e.get_id() == 404 => TopologyError::Missing(text),
+        _ => TopologyError::Failed(text),
+    }
 }
 
 /// Passive declares of the exchange and of every group's queue, dead-letter queue and
@@ -736,28 +850,34 @@ fn check_topology<C: StoreConnection>(
     store: &Store<C>,
     args: &VerifyArgs,
     amqp_url: &str,
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, TopologyError> {
+    let usage = |e: String| TopologyError::Usage(e);
     let ladder = match &args.retry_ladder {
-        Some(text) => parse_ladder(text).map_err(|e| format!("--retry-ladder: {e}"))?,
+        Some(text) => parse_ladder(text).map_err(|e| usage(format!("--retry-ladder: {e}")))?,
         None => RetryLadder::default(),
     };
     let mut groups = args.consumer_groups.clone();
     if groups.is_empty() {
         groups = store
             .operator_stats()
-            .map_err(|e| e.to_string())?
+            .map_err(|e| TopologyError::Failed(format!("database: {e}")))?
             .groups
             .into_iter()
             .map(|g| g.consumer_group)
             .collect();
     }
+    if groups.is_empty() {
+        // "ok (0 queues)" would say the topology matches having checked nothing.
+        return Err(TopologyError::NoGroups);
+    }
     let mut topology =
         inbox_amqp::Topology::new(args.exchange.clone().unwrap_or_else(|| "unused".to_owned()))
             .and_then(|t| t.prefix(global.prefix.clone()))
-            .map_err(|e| e.to_string())?
+            .map_err(|e| usage(e.to_string()))?
             .ladder(ladder);
     for g in &groups {
-        let group = ConsumerGroup::new(g.as_str()).map_err(|e| e.to_string())?;
+        let group =
+            ConsumerGroup::new(g.as_str()).map_err(|e| usage(format!("--consumer-group: {e}")))?;
         topology = topology.group(group, Vec::<String>::new());
     }
     let queues = topology.queues();
@@ -765,16 +885,27 @@ fn check_topology<C: StoreConnection>(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
-    let redact = |e: lapin::Error| redact_message(&e.to_string(), amqp_url);
+        .map_err(|e| TopologyError::Failed(e.to_string()))?;
+    let broker = |what: &str, e: lapin::Error| {
+        TopologyError::Failed(format!(
+            "{what}: {}",
+            redact_message(&e.to_string(), amqp_url)
+        ))
+    };
     runtime.block_on(async {
         // The consumer's rules: `amqps://` with the feature `rustls`, the CA of
-        // --ca-cert / AMQP_CA_CERT, no password in any error.
+        // --ca-cert / AMQP_CA_CERT, no password in any error. A refused connection or
+        // login is the broker's failure, not a topology that does not match.
         let conn = inbox_amqp::connect(amqp_url, args.ca_cert.as_deref())
             .await
-            .map_err(|e| format!("broker: {}", inbox_core::ErrorChain(&e)))?;
+            .map_err(|e| {
+                TopologyError::Failed(format!("broker: {}", inbox_core::ErrorChain(&e)))
+            })?;
         if let Some(exchange) = &exchange {
-            let channel = conn.create_channel().await.map_err(redact)?;
+            let channel = conn
+                .create_channel()
+                .await
+                .map_err(|e| broker("channel", e))?;
             channel
                 .exchange_declare(
                     exchange.as_str().into(),
@@ -786,12 +917,15 @@ fn check_topology<C: StoreConnection>(
                     lapin::types::FieldTable::default(),
                 )
                 .await
-                .map_err(|e| format!("exchange {exchange:?}: {}", redact(e)))?;
+                .map_err(|e| declare_error(format!("exchange {exchange:?}"), &e, amqp_url))?;
             let _ = channel.close(200, "verified".into()).await;
         }
         for queue in &queues {
             // A failed passive declare closes its channel: one channel per queue.
-            let channel = conn.create_channel().await.map_err(redact)?;
+            let channel = conn
+                .create_channel()
+                .await
+                .map_err(|e| broker("channel", e))?;
             channel
                 .queue_declare(
                     queue.as_str().into(),
@@ -802,11 +936,11 @@ fn check_topology<C: StoreConnection>(
                     lapin::types::FieldTable::default(),
                 )
                 .await
-                .map_err(|e| format!("queue {queue:?}: {}", redact(e)))?;
+                .map_err(|e| declare_error(format!("queue {queue:?}"), &e, amqp_url))?;
             let _ = channel.close(200, "verified".into()).await;
         }
         let _ = conn.close(200, "verified".into()).await;
-        Ok::<_, String>(())
+        Ok::<_, TopologyError>(())
     })?;
     Ok(queues)
 }

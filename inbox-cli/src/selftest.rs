@@ -36,6 +36,21 @@ pub(crate) fn run<C: StoreConnection>(
         (true, Some(url)) => Some(url.clone()),
         (false, _) => None,
     };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(failed)?;
+    if let Some(url) = &args.amqp_url {
+        // A broker that refuses the connection or the login fails the command at
+        // once (exit 1), before a canary is enqueued: it is not a lost canary.
+        runtime.block_on(async {
+            let conn = inbox_amqp::connect(url, args.ca_cert.as_deref())
+                .await
+                .map_err(|e| failed(format!("broker: {}", inbox_core::ErrorChain(&e))))?;
+            let _ = conn.close(200, "selftest".into()).await;
+            Ok::<_, Failure>(())
+        })?;
+    }
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -45,10 +60,6 @@ pub(crate) fn run<C: StoreConnection>(
         .enqueue_canaries(&run, args.count, &exchange)
         .map_err(failed)?;
 
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(failed)?;
     let shutdown = CancellationToken::new();
     let relaying = relay_url.map(|url| {
         let mut settings = RelaySettings::default();

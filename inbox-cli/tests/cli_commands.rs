@@ -429,3 +429,143 @@ fn no_database_and_an_unreachable_one_say_so_without_the_password() {
         }
     }
 }
+
+/// `inbox` with `--database-url` as given, in `dir`, with no other configuration.
+fn inbox_at(dir: &std::path::Path, url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("INBOX_SCHEMA")
+        .env_remove("AMQP_URL")
+        .args(["--database-url", url])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn files_in(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn a_value_that_is_no_database_url_is_a_usage_error_that_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in [
+        "host=127.0.0.1 user=operator password=s3cret-pw dbname=billing",
+        "postgress://operator:s3cret-pw@127.0.0.1/billing",
+        "mysql://operator:s3cret-pw@127.0.0.1/billing",
+        "billing s3cret-pw.db",
+    ] {
+        for args in [
+            &["stats"][..],
+            &["dead-letters", "list"],
+            &["--json", "verify"],
+        ] {
+            let out = inbox_at(dir.path(), url, args);
+            assert_eq!(code(&out), 2, "{url} {args:?}: {}", stderr(&out));
+            let err = stderr(&out);
+            assert!(
+                err.contains("expected a postgres:// (or postgresql://) URL, or sqlite://PATH"),
+                "{err}"
+            );
+            for printed in [stdout(&out), err] {
+                assert!(!printed.contains("s3cret-pw"), "{printed}");
+            }
+        }
+    }
+    assert_eq!(
+        files_in(dir.path()),
+        Vec::<String>::new(),
+        "a file was created"
+    );
+}
+
+#[test]
+fn a_missing_sqlite_file_is_never_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("billing.db");
+    let url = format!("sqlite://{}", path.display());
+    for args in [
+        &["stats"][..],
+        &["dead-letters", "list"],
+        &["claims", "show", "k-1"],
+        &["verify"],
+        &["purge", "--dry-run"],
+        &["dead-letters", "replay", "--yes"],
+    ] {
+        let out = inbox_at(dir.path(), &url, args);
+        assert_eq!(code(&out), 1, "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("no SQLite database at"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(!path.exists(), "{args:?} created {}", path.display());
+    }
+    assert_eq!(files_in(dir.path()), Vec::<String>::new());
+}
+
+#[test]
+fn an_invalid_schema_is_a_usage_error() {
+    let fx = SqliteFixture::new();
+    drop(fx.builder().build().unwrap());
+    let sqlite = format!("sqlite://{}", fx.path);
+    let dir = tempfile::tempdir().unwrap();
+    let pg = PgFixture::new();
+    let mut cases = vec![(sqlite, "inbox")];
+    if let Some(pg) = &pg {
+        cases.push((pg.url().to_owned(), "Bad Schema; DROP"));
+    }
+    for (url, schema) in cases {
+        let out = inbox_at(dir.path(), &url, &["--schema", schema, "stats"]);
+        assert_eq!(code(&out), 2, "{url}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--schema"), "{}", stderr(&out));
+    }
+}
+
+#[test]
+fn debug_of_the_arguments_never_shows_a_password() {
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Ops {
+        #[command(flatten)]
+        inbox: inbox_cli::GlobalArgs,
+        #[command(subcommand)]
+        command: inbox_cli::Command,
+    }
+
+    for argv in [
+        &[
+            "ops",
+            "--database-url",
+            "postgres://op:s3cret-pw@db/x",
+            "stats",
+        ][..],
+        &[
+            "ops",
+            "--database-url",
+            "postgres://op@db/x?password=s3cret-pw",
+            "verify",
+            "--amqp-url",
+            "amqp://guest:s3cret-pw@broker/%2f",
+        ],
+        &[
+            "ops",
+            "--database-url",
+            "host=db password=s3cret-pw",
+            "selftest",
+            "--relay",
+            "--amqp-url",
+            "amqps://guest:s3cret-pw@broker/%2f",
+        ],
+    ] {
+        let ops = Ops::try_parse_from(argv).unwrap();
+        let printed = format!("{ops:?} {ops:#?}");
+        assert!(!printed.contains("s3cret-pw"), "{printed}");
+        assert!(printed.contains("***"), "{printed}");
+    }
+}

@@ -263,8 +263,9 @@ pub struct DeadLetterEntry {
     pub failure_group: String,
     /// Where it stands.
     pub status: LetterStatus,
-    /// The replay that delivered this message, when it failed again after a replay
-    /// (from its [`REPLAY_SEQUENCE_HEADER`]).
+    /// The replay that delivered this message, when it failed again after a replay:
+    /// its [`REPLAY_SEQUENCE_HEADER`], shown only where the store replayed an earlier
+    /// letter of the same group and key (a publisher can set the header itself).
     pub delivered_by_replay: Option<i32>,
 }
 
@@ -559,6 +560,21 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
     }
 }
 
+/// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
+/// replay's provenance only where the store replayed an earlier letter of the same
+/// group and key; otherwise `delivered_by_replay` is `None`.
+fn confirm_replay<C: StoreConnection>(
+    conn: &mut C,
+    mut e: DeadLetterEntry,
+) -> Result<DeadLetterEntry> {
+    if e.delivered_by_replay.is_some()
+        && !C::op_replayed_before(conn, &e.consumer_group, &e.message_key, e.id)?
+    {
+        e.delivered_by_replay = None;
+    }
+    Ok(e)
+}
+
 fn as_limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -595,22 +611,24 @@ impl<C: StoreConnection> Store<C> {
         limit: usize,
     ) -> Result<Vec<DeadLetterEntry>> {
         let mut conn = self.connection()?;
-        match &filter.failure_group {
-            None => Ok(
-                C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
-                    .into_iter()
-                    .map(entry)
-                    .collect(),
-            ),
+        let entries: Vec<DeadLetterEntry> = match &filter.failure_group {
+            None => C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
+                .into_iter()
+                .map(entry)
+                .collect(),
             // The fingerprint is computed, not stored: filter after reading.
-            Some(fp) => Ok(C::op_entries(&mut conn, filter, None, 0)?
+            Some(fp) => C::op_entries(&mut conn, filter, None, 0)?
                 .into_iter()
                 .map(entry)
                 .filter(|e| e.failure_group == *fp)
                 .skip(offset)
                 .take(limit)
-                .collect()),
-        }
+                .collect(),
+        };
+        entries
+            .into_iter()
+            .map(|e| confirm_replay::<C>(&mut conn, e))
+            .collect()
     }
 
     /// One dead letter in full, or `None`.
@@ -626,7 +644,7 @@ impl<C: StoreConnection> Store<C> {
                 )
             })?;
         let headers = serde_json::from_str(&tuple.5).unwrap_or_default();
-        let entry = entry(tuple);
+        let entry = confirm_replay::<C>(&mut conn, entry(tuple))?;
         let (first, last) =
             C::op_failure_span(&mut conn, &entry.consumer_group, &entry.message_key)?;
         let claim_status = C::op_claim_state(&mut conn, &entry.consumer_group, &entry.message_key)?

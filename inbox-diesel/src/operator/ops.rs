@@ -115,6 +115,15 @@ pub trait OperatorOps: Sized {
     #[doc(hidden)]
     fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>>;
 
+    /// Whether a letter of (group, key) older than `before` (by id) was replayed.
+    #[doc(hidden)]
+    fn op_replayed_before(
+        conn: &mut Self,
+        group: &str,
+        key: &str,
+        before: i64,
+    ) -> QueryResult<bool>;
+
     /// The first and last time a (group, key) was dead-lettered.
     #[doc(hidden)]
     fn op_failure_span(conn: &mut Self, group: &str, key: &str) -> QueryResult<FailureSpan>;
@@ -342,6 +351,23 @@ macro_rules! operator_ops {
                     discarded: r.8.is_some(),
                     resolved: r.9.is_some(),
                 }))
+            }
+
+            fn op_replayed_before(
+                conn: &mut Self,
+                group: &str,
+                key: &str,
+                before: i64,
+            ) -> QueryResult<bool> {
+                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                diesel::select(diesel::dsl::exists(
+                    op_dead_letters
+                        .filter(consumer_group.eq(group))
+                        .filter(message_key.eq(key))
+                        .filter(id.lt(before))
+                        .filter(replayed_at.is_not_null()),
+                ))
+                .get_result(conn)
             }
 
             fn op_entry(
