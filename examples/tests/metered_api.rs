@@ -842,8 +842,9 @@ fn closed_by_server(mut socket: std::net::TcpStream, what: &str) {
     }
 }
 
-/// Idle sockets, a slowloris header, a stalled body and an idle kept-alive
-/// connection: each is closed by the header or the idle timeout, and `/v1/health`
+/// Idle sockets, slowloris headers (one silent, one sending a byte every 50 ms, so
+/// that only the header timeout ends it), a stalled body (only the idle timeout
+/// ends it) and an idle kept-alive connection: each is closed, and `/v1/health`
 /// answers meanwhile although they outnumber the connection cap.
 #[test]
 fn idle_and_slow_clients_are_closed_and_health_still_answers() {
@@ -856,12 +857,24 @@ fn idle_and_slow_clients_are_closed_and_health_still_answers() {
         &schema,
         &redis,
         &[
-            ("METERED_HEADER_TIMEOUT_MS", "500"),
+            ("METERED_HEADER_TIMEOUT_MS", "1000"),
             ("METERED_IDLE_TIMEOUT_MS", "500"),
             ("METERED_MAX_CONNECTIONS", "8"),
         ],
     );
     let connect = || std::net::TcpStream::connect(&svc.addr).unwrap();
+    // A header sent a byte at a time: progress, so never idle, but never complete.
+    let mut trickle = connect();
+    trickle.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: ").unwrap();
+    let trickler = std::thread::spawn(move || {
+        for _ in 0..600 {
+            if trickle.write_all(b"a").is_err() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        false
+    });
     let mut held = Vec::new();
     for i in 0..12 {
         let mut s = connect();
@@ -887,6 +900,10 @@ fn idle_and_slow_clients_are_closed_and_health_still_answers() {
     for (socket, what) in held {
         closed_by_server(socket, what);
     }
+    assert!(
+        trickler.join().unwrap(),
+        "a header sent a byte at a time was never cut"
+    );
     let health = svc.get("/v1/health", &[]);
     assert_eq!(health.status, 200, "{}", health.text());
     let stats = svc.stats();
