@@ -473,8 +473,11 @@ fn crash_between_debit_and_refund(amqp: Option<&str>) {
     };
     let schema = Schema::new(&pg);
     let prefix = format!("{}.", schema.name);
+    // The deadline leaves two instances time to start (an AMQP handshake each) on a
+    // loaded machine before the settlement is due: the replay below must find the
+    // request still in flight.
     let mut env = vec![
-        ("METERED_DEADLINE_MS", "1500"),
+        ("METERED_DEADLINE_MS", "4000"),
         ("METERED_SETTLE_MARGIN_MS", "300"),
         ("METERED_CHUNK_DELAY_MS", "100"),
     ];
