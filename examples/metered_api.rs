@@ -212,6 +212,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("could not listen on {listen}: {e}"))?;
+    if cfg!(feature = "test-hooks") {
+        println!("metered_api: test hooks on ([fail-after:N] in a text fails its stream)");
+    }
     println!(
         "metered_api: admin on http://{}",
         admin_listener.local_addr()?

@@ -148,14 +148,16 @@ impl Service {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             let mut admin = None;
+            let mut hooks = false;
             let mut sent = false;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                hooks |= line.starts_with("metered_api: test hooks on");
                 if let Some(addr) = line.strip_prefix("metered_api: admin on http://") {
                     admin = Some(addr.to_owned());
                 }
                 if !sent {
                     if let Some(addr) = line.strip_prefix("metered_api: listening on http://") {
-                        let _ = tx.send((addr.to_owned(), admin.clone().unwrap_or_default()));
+                        let _ = tx.send((addr.to_owned(), admin.clone().unwrap_or_default(), hooks));
                         sent = true;
                     }
                 }
@@ -171,14 +173,24 @@ impl Service {
                 s.push('\n');
             }
         });
-        let (addr, admin_addr) = match rx.recv_timeout(HANG) {
-            Ok(addrs) => addrs,
+        let (addr, admin_addr, hooks) = match rx.recv_timeout(HANG) {
+            Ok(started) => started,
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!("metered_api did not start: {}", stderr_text.lock().unwrap());
             }
         };
+        if hooks != cfg!(feature = "test-hooks") {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the metered_api binary was built {} the test-hooks feature these tests \
+                 were: `cargo build -p inbox-examples --example metered_api{}` first",
+                if hooks { "with" } else { "without" },
+                if hooks { "" } else { " --features test-hooks" },
+            );
+        }
         Self {
             child,
             addr,
