@@ -806,6 +806,75 @@ fn a_broker_refusing_the_credentials_stops_startup_with_exit_1() {
     assert!(!run.stderr.contains("wrong-s3cret"), "{}", run.stderr);
 }
 
+/// A settlement consumer that ends for good after startup (its group's queue was
+/// declared by someone else with other arguments: a topology conflict) stops the
+/// service with exit 1 instead of leaving it serving without settling.
+#[test]
+fn a_settlement_consumer_that_stops_for_good_stops_the_service() {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let Some(amqp) = inbox_test_support::amqp::amqp_url() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let prefix = format!("{}.", schema.name);
+    let queue = format!("{prefix}metered.settlement");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let conn = rt
+        .block_on(Connection::connect(&amqp, ConnectionProperties::default()))
+        .unwrap();
+    let channel = rt.block_on(conn.create_channel()).unwrap();
+    // A classic queue where the consumer declares a quorum one.
+    rt.block_on(channel.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    ))
+    .unwrap();
+    // The queue and the exchange go, whatever the test's outcome.
+    struct Cleanup<'a> {
+        rt: &'a tokio::runtime::Runtime,
+        channel: lapin::Channel,
+        queue: String,
+        exchange: String,
+    }
+    impl Drop for Cleanup<'_> {
+        fn drop(&mut self) {
+            let (q, x) = (self.queue.as_str(), self.exchange.as_str());
+            let _ = self
+                .rt
+                .block_on(self.channel.queue_delete(q.into(), QueueDeleteOptions::default()));
+            let _ = self
+                .rt
+                .block_on(self.channel.exchange_delete(x.into(), ExchangeDeleteOptions::default()));
+        }
+    }
+    let _cleanup = Cleanup {
+        rt: &rt,
+        channel,
+        queue: queue.clone(),
+        exchange: format!("{prefix}metered"),
+    };
+    let run = run_to_exit(
+        &schema,
+        &redis,
+        &[("AMQP_URL", &amqp), ("METERED_AMQP_PREFIX", &prefix)],
+    );
+    assert_eq!(run.code, Some(1), "stdout: {}\nstderr: {}", run.stdout, run.stderr);
+    assert!(
+        run.stderr.contains("metered_api: settlement consumer stopped: "),
+        "{}",
+        run.stderr
+    );
+}
+
 /// A mistyped scheme stops startup with exit 1 and the URL redacted.
 #[test]
 fn a_mistyped_database_scheme_exits_1_without_the_password() {

@@ -185,9 +185,10 @@ impl Service {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "the metered_api binary was built {} the test-hooks feature these tests \
-                 were: `cargo build -p inbox-examples --example metered_api{}` first",
-                if hooks { "with" } else { "without" },
+                "the metered_api binary has test hooks {}, these tests expect them {}: \
+                 run `cargo build -p inbox-examples --example metered_api{}` first",
+                if hooks { "on" } else { "off" },
+                if hooks { "off" } else { "on" },
                 if hooks { "" } else { " --features test-hooks" },
             );
         }
