@@ -161,7 +161,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             {
                 Ok(Ok(0)) => {}
                 Ok(Ok(n)) => tracing::info!(purged = n, "expired idempotency keys purged"),
-                Ok(Err(e)) => tracing::warn!(error = %escaped(&e), "purging idempotency keys failed"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %escaped(&e), "purging idempotency keys failed")
+                }
                 Err(e) => tracing::warn!(error = %escaped(&e), "purging idempotency keys failed"),
             }
             tokio::select! {
@@ -219,7 +221,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         "metered_api: admin on http://{}",
         admin_listener.local_addr()?
     );
-    println!("metered_api: listening on http://{}", listener.local_addr()?);
+    println!(
+        "metered_api: listening on http://{}",
+        listener.local_addr()?
+    );
     std::io::stdout().flush()?;
     let signal_stop = shutdown.clone();
     tokio::spawn(async move {

@@ -749,11 +749,26 @@ fn admin_routes_need_their_listener_and_the_token() {
     let svc = Service::start(&schema, &redis, &[]);
     let body = Some("{\"balance\": 9223372036854775807}");
     let public = metered_support::request(&svc.addr, "POST", "/admin/accounts", &[], body);
-    assert_eq!((public.status, public.code()), (404, "not_found".into()), "{}", public.text());
+    assert_eq!(
+        (public.status, public.code()),
+        (404, "not_found".into()),
+        "{}",
+        public.text()
+    );
     let none = metered_support::request(&svc.admin_addr, "POST", "/admin/accounts", &[], body);
-    assert_eq!((none.status, none.code()), (401, "unauthorized".into()), "{}", none.text());
+    assert_eq!(
+        (none.status, none.code()),
+        (401, "unauthorized".into()),
+        "{}",
+        none.text()
+    );
     let wrong = format!("Bearer {}x", &ADMIN_TOKEN[..ADMIN_TOKEN.len() - 1]);
-    for path in ["/admin/accounts/1", "/admin/usage/1", "/admin/stats", "/admin/nothing"] {
+    for path in [
+        "/admin/accounts/1",
+        "/admin/usage/1",
+        "/admin/stats",
+        "/admin/nothing",
+    ] {
         let r = metered_support::request(
             &svc.admin_addr,
             "GET",
@@ -800,9 +815,19 @@ fn a_broker_refusing_the_credentials_stops_startup_with_exit_1() {
         &redis,
         &[("AMQP_URL", &wrong), ("METERED_AMQP_PREFIX", &prefix)],
     );
-    assert_eq!(run.code, Some(1), "stdout: {}\nstderr: {}", run.stdout, run.stderr);
+    assert_eq!(
+        run.code,
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        run.stdout,
+        run.stderr
+    );
     assert!(!run.stdout.contains("listening"), "{}", run.stdout);
-    assert!(run.stderr.contains("metered_api: startup failed"), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("metered_api: startup failed"),
+        "{}",
+        run.stderr
+    );
     assert!(!run.stderr.contains("wrong-s3cret"), "{}", run.stderr);
 }
 
@@ -848,12 +873,14 @@ fn a_settlement_consumer_that_stops_for_good_stops_the_service() {
     impl Drop for Cleanup<'_> {
         fn drop(&mut self) {
             let (q, x) = (self.queue.as_str(), self.exchange.as_str());
-            let _ = self
-                .rt
-                .block_on(self.channel.queue_delete(q.into(), QueueDeleteOptions::default()));
-            let _ = self
-                .rt
-                .block_on(self.channel.exchange_delete(x.into(), ExchangeDeleteOptions::default()));
+            let _ = self.rt.block_on(
+                self.channel
+                    .queue_delete(q.into(), QueueDeleteOptions::default()),
+            );
+            let _ = self.rt.block_on(
+                self.channel
+                    .exchange_delete(x.into(), ExchangeDeleteOptions::default()),
+            );
         }
     }
     let _cleanup = Cleanup {
@@ -867,9 +894,16 @@ fn a_settlement_consumer_that_stops_for_good_stops_the_service() {
         &redis,
         &[("AMQP_URL", &amqp), ("METERED_AMQP_PREFIX", &prefix)],
     );
-    assert_eq!(run.code, Some(1), "stdout: {}\nstderr: {}", run.stdout, run.stderr);
+    assert_eq!(
+        run.code,
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        run.stdout,
+        run.stderr
+    );
     assert!(
-        run.stderr.contains("metered_api: settlement consumer stopped: "),
+        run.stderr
+            .contains("metered_api: settlement consumer stopped: "),
         "{}",
         run.stderr
     );
@@ -937,7 +971,9 @@ fn idle_and_slow_clients_are_closed_and_health_still_answers() {
     let connect = || std::net::TcpStream::connect(&svc.addr).unwrap();
     // A header sent a byte at a time: progress, so never idle, but never complete.
     let mut trickle = connect();
-    trickle.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: ").unwrap();
+    trickle
+        .write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .unwrap();
     let trickler = std::thread::spawn(move || {
         for _ in 0..600 {
             if trickle.write_all(b"a").is_err() {
@@ -952,7 +988,8 @@ fn idle_and_slow_clients_are_closed_and_health_still_answers() {
         let mut s = connect();
         if i % 2 == 1 {
             // Slowloris: a header that never ends.
-            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: a").unwrap();
+            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+                .unwrap();
         }
         held.push((s, "an idle or slow header"));
     }
@@ -967,7 +1004,8 @@ fn idle_and_slow_clients_are_closed_and_health_still_answers() {
     assert_eq!(health.status, 200, "{}", health.text());
     // A kept-alive connection, answered once, then silent.
     let mut kept = connect();
-    kept.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    kept.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
     held.push((kept, "an idle kept-alive connection"));
     for (socket, what) in held {
         closed_by_server(socket, what);
@@ -1006,7 +1044,8 @@ fn connections_past_the_cap_wait_in_the_backlog() {
         .map(|_| {
             let mut s = std::net::TcpStream::connect(&svc.addr).unwrap();
             s.set_read_timeout(Some(metered_support::HANG)).unwrap();
-            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
             let mut reader = BufReader::new(s.try_clone().unwrap());
             let mut length = 0;
             loop {
@@ -1076,7 +1115,11 @@ fn unknown_keys_from_one_address_are_refused_before_any_look_up() {
     assert!((3..=4).contains(&unauthorized), "{statuses:?}");
     assert!(statuses[..3].iter().all(|(s, _)| *s == 401), "{statuses:?}");
     for (status, code) in &statuses[4..] {
-        assert_eq!((*status, code.as_str()), (429, "auth_rate_limited"), "{statuses:?}");
+        assert_eq!(
+            (*status, code.as_str()),
+            (429, "auth_rate_limited"),
+            "{statuses:?}"
+        );
     }
     let limited = svc.stats()["auth_rate_limited"].as_u64().unwrap();
     assert_eq!(limited as usize, 10 - unauthorized);

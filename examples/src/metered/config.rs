@@ -179,60 +179,60 @@ impl Vars<'_> {
         (self.0)(name).unwrap_or_default()
     }
 
-fn number(&self, name: &'static str, default: u64, min: u64) -> Result<u64, ConfigError> {
-    match self.var(name) {
-        None => Ok(default),
-        Some(v) => v.parse::<u64>().ok().filter(|n| *n >= min).ok_or_else(|| {
-            invalid(
-                name,
-                if min == 0 {
-                    "a whole number"
-                } else {
-                    "a whole number of at least 1"
-                },
-                v,
-            )
-        }),
+    fn number(&self, name: &'static str, default: u64, min: u64) -> Result<u64, ConfigError> {
+        match self.var(name) {
+            None => Ok(default),
+            Some(v) => v.parse::<u64>().ok().filter(|n| *n >= min).ok_or_else(|| {
+                invalid(
+                    name,
+                    if min == 0 {
+                        "a whole number"
+                    } else {
+                        "a whole number of at least 1"
+                    },
+                    v,
+                )
+            }),
+        }
     }
-}
 
-fn millis(&self, name: &'static str, default: u64, min: u64) -> Result<Duration, ConfigError> {
-    self.number(name, default, min).map(Duration::from_millis)
-}
-
-fn address(&self, name: &'static str, default: &str) -> Result<SocketAddr, ConfigError> {
-    let text = self.var(name).unwrap_or_else(|| default.to_owned());
-    text.parse()
-        .map_err(|_| invalid(name, "host:port, such as 127.0.0.1:8080", text))
-}
-
-/// `DATABASE_URL`, which must be a `postgres://` URL; a value that is not is shown
-/// redacted in the error.
-fn database_url(&self) -> Result<String, ConfigError> {
-    let raw = self.raw("DATABASE_URL");
-    if raw.starts_with("postgres://") || raw.starts_with("postgresql://") {
-        Ok(raw)
-    } else {
-        Err(invalid(
-            "DATABASE_URL",
-            "a postgres:// URL",
-            redact_url(&raw),
-        ))
+    fn millis(&self, name: &'static str, default: u64, min: u64) -> Result<Duration, ConfigError> {
+        self.number(name, default, min).map(Duration::from_millis)
     }
-}
 
-fn admin_token(&self) -> Result<AdminToken, ConfigError> {
-    let raw = self.raw("METERED_ADMIN_TOKEN");
-    let chars = raw.chars().count();
-    if chars < MIN_ADMIN_TOKEN_CHARS || raw.chars().any(|c| c.is_control() || c == ' ') {
-        return Err(invalid(
-            "METERED_ADMIN_TOKEN",
-            "a secret of at least 16 printable characters without spaces",
-            format!("a value of {chars} characters"),
-        ));
+    fn address(&self, name: &'static str, default: &str) -> Result<SocketAddr, ConfigError> {
+        let text = self.var(name).unwrap_or_else(|| default.to_owned());
+        text.parse()
+            .map_err(|_| invalid(name, "host:port, such as 127.0.0.1:8080", text))
     }
-    Ok(AdminToken::new(&raw))
-}
+
+    /// `DATABASE_URL`, which must be a `postgres://` URL; a value that is not is shown
+    /// redacted in the error.
+    fn database_url(&self) -> Result<String, ConfigError> {
+        let raw = self.raw("DATABASE_URL");
+        if raw.starts_with("postgres://") || raw.starts_with("postgresql://") {
+            Ok(raw)
+        } else {
+            Err(invalid(
+                "DATABASE_URL",
+                "a postgres:// URL",
+                redact_url(&raw),
+            ))
+        }
+    }
+
+    fn admin_token(&self) -> Result<AdminToken, ConfigError> {
+        let raw = self.raw("METERED_ADMIN_TOKEN");
+        let chars = raw.chars().count();
+        if chars < MIN_ADMIN_TOKEN_CHARS || raw.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(invalid(
+                "METERED_ADMIN_TOKEN",
+                "a secret of at least 16 printable characters without spaces",
+                format!("a value of {chars} characters"),
+            ));
+        }
+        Ok(AdminToken::new(&raw))
+    }
 }
 
 impl Config {
@@ -245,11 +245,15 @@ impl Config {
     pub fn from_vars(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let v = Vars(lookup);
         let database_url = v.database_url()?;
-        let schema = v.var("METERED_SCHEMA").unwrap_or_else(|| "metered".to_owned());
+        let schema = v
+            .var("METERED_SCHEMA")
+            .unwrap_or_else(|| "metered".to_owned());
         let listen = v.address("LISTEN_ADDR", "127.0.0.1:8080")?;
         let admin_listen = v.address("METERED_ADMIN_ADDR", "127.0.0.1:8081")?;
         let admin_token = v.admin_token()?;
-        let redis_url = v.var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
+        let redis_url = v
+            .var("REDIS_URL")
+            .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
         let pool_size = v.number("METERED_POOL_SIZE", 16, 1)?;
         let max_connections = v.number("METERED_MAX_CONNECTIONS", 512, 1)?;
         Ok(Self {
@@ -285,7 +289,8 @@ impl Config {
                 )
             })?,
             relay_poll: v.millis("METERED_RELAY_POLL_MS", 200, 1)?,
-            redis_probe: Some(v.millis("METERED_REDIS_PROBE_MS", 1000, 0)?).filter(|d| !d.is_zero()),
+            redis_probe: Some(v.millis("METERED_REDIS_PROBE_MS", 1000, 0)?)
+                .filter(|d| !d.is_zero()),
             idempotency_retention: v.millis(
                 "METERED_IDEMPOTENCY_RETENTION_MS",
                 inbox_core::DEFAULT_IDEMPOTENCY_RETENTION.as_millis() as u64,
@@ -310,11 +315,7 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        Config::from_vars(&move |name| {
-            vars.iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        })
+        Config::from_vars(&move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
     }
 
     const TOKEN: (&str, &str) = ("METERED_ADMIN_TOKEN", "an-admin-token-of-32-characters!");
@@ -342,18 +343,27 @@ mod tests {
         let text = err.to_string();
         assert!(!text.contains("pg-s3cret"), "{text}");
         assert!(!format!("{err:?}").contains("pg-s3cret"), "{err:?}");
-        assert!(matches!(
-            err,
-            ConfigError::InvalidSetting { setting: "DATABASE_URL", ref found, .. }
-                if found == "postgress://app:***@db/x"
-        ), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                ConfigError::InvalidSetting { setting: "DATABASE_URL", ref found, .. }
+                    if found == "postgress://app:***@db/x"
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]
     fn the_admin_token_is_required_and_never_echoed() {
         let url = ("DATABASE_URL", "postgres://app@db/x");
         let err = parse(&[url]).unwrap_err();
-        assert!(matches!(err, ConfigError::InvalidSetting { setting: "METERED_ADMIN_TOKEN", .. }));
+        assert!(matches!(
+            err,
+            ConfigError::InvalidSetting {
+                setting: "METERED_ADMIN_TOKEN",
+                ..
+            }
+        ));
         let err = parse(&[url, ("METERED_ADMIN_TOKEN", "short-s3cret")]).unwrap_err();
         assert!(!err.to_string().contains("short-s3cret"), "{err}");
         assert!(parse(&[url, TOKEN]).is_ok());

@@ -157,7 +157,8 @@ impl Service {
                 }
                 if !sent {
                     if let Some(addr) = line.strip_prefix("metered_api: listening on http://") {
-                        let _ = tx.send((addr.to_owned(), admin.clone().unwrap_or_default(), hooks));
+                        let _ =
+                            tx.send((addr.to_owned(), admin.clone().unwrap_or_default(), hooks));
                         sent = true;
                     }
                 }
@@ -228,13 +229,19 @@ impl Service {
 
     pub(crate) fn get(&self, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
         let (addr, headers) = self.route(path, headers);
-        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         request(&addr, "GET", path, &headers, None)
     }
 
     pub(crate) fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> HttpResponse {
         let (addr, headers) = self.route(path, headers);
-        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         request(&addr, "POST", path, &headers, Some(body))
     }
 
