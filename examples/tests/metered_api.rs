@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Binary, Text};
 use inbox_core::RequestFields;
-use metered_support::{services, HttpResponse, Schema, Service};
+use metered_support::{run_to_exit, services, HttpResponse, Schema, Service, ADMIN_TOKEN};
 use sha2::{Digest, Sha256};
 
 /// A 27-character text: two chunks.
@@ -70,6 +70,8 @@ fn fifty_concurrent_requests_with_one_key_debit_once() {
     assert_eq!(money(&svc, account).0, 10_000 - 27);
 }
 
+// Needs the `[fail-after:N]` marker: `cargo test -p inbox-examples --features test-hooks`.
+#[cfg(feature = "test-hooks")]
 #[test]
 fn replays_with_other_content_or_another_key_mismatch_and_refunded_ones_conflict() {
     let Some((pg, redis)) = services() else {
@@ -105,6 +107,7 @@ fn replays_with_other_content_or_another_key_mismatch_and_refunded_ones_conflict
     assert_eq!((balance, sum, refunds), (1_000 - 27, 1_000 - 27, 1));
 }
 
+#[cfg(feature = "test-hooks")]
 #[test]
 fn fail_after_two_chunks_ends_with_an_error_line_and_a_refund() {
     let Some((pg, redis)) = services() else {
@@ -470,8 +473,11 @@ fn crash_between_debit_and_refund(amqp: Option<&str>) {
     };
     let schema = Schema::new(&pg);
     let prefix = format!("{}.", schema.name);
+    // The deadline leaves two instances time to start (an AMQP handshake each) on a
+    // loaded machine before the settlement is due: the replay below must find the
+    // request still in flight.
     let mut env = vec![
-        ("METERED_DEADLINE_MS", "1500"),
+        ("METERED_DEADLINE_MS", "4000"),
         ("METERED_SETTLE_MARGIN_MS", "300"),
         ("METERED_CHUNK_DELAY_MS", "100"),
     ];
@@ -577,6 +583,7 @@ fn kill_9_between_debit_and_refund_settles_once_through_rabbitmq() {
 
 /// Every debit's settlement message arrives after the deadline, also for requests
 /// that finished: the guarded write from `debited` makes those a no-op.
+#[cfg(feature = "test-hooks")]
 #[test]
 fn settlements_of_finished_requests_change_nothing() {
     let Some((pg, redis)) = services() else {
@@ -710,4 +717,470 @@ fn a_stream_past_its_deadline_or_left_by_its_client_is_refunded() {
     assert!(refunded);
     let (balance, sum, _, refunds) = money(&svc, account);
     assert_eq!((balance, sum, refunds), (1_000, 1_000, 2));
+}
+
+/// The default build (no `test-hooks` feature) serves a text holding the marker
+/// like any other: streamed whole, charged, no refund.
+#[cfg(not(feature = "test-hooks"))]
+#[test]
+fn a_default_build_ignores_the_fail_after_marker() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &redis, &[]);
+    let (account, key) = svc.account(500, 500);
+    let text = "please say this [fail-after:0] whole"; // 36 characters, 3 chunks
+    let r = svc.speech(&key, None, text);
+    assert!(is_done(&r), "{}", r.text());
+    assert_eq!(r.lines().len(), 4, "{}", r.text());
+    let (balance, sum, _, refunds) = money(&svc, account);
+    assert_eq!((balance, sum, refunds), (500 - 36, 500 - 36, 0));
+}
+
+/// `/admin` is not on the public listener, and the admin listener refuses a request
+/// without the admin token or with a wrong one before any route runs.
+#[test]
+fn admin_routes_need_their_listener_and_the_token() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &redis, &[]);
+    let body = Some("{\"balance\": 9223372036854775807}");
+    let public = metered_support::request(&svc.addr, "POST", "/admin/accounts", &[], body);
+    assert_eq!(
+        (public.status, public.code()),
+        (404, "not_found".into()),
+        "{}",
+        public.text()
+    );
+    let none = metered_support::request(&svc.admin_addr, "POST", "/admin/accounts", &[], body);
+    assert_eq!(
+        (none.status, none.code()),
+        (401, "unauthorized".into()),
+        "{}",
+        none.text()
+    );
+    let wrong = format!("Bearer {}x", &ADMIN_TOKEN[..ADMIN_TOKEN.len() - 1]);
+    for path in [
+        "/admin/accounts/1",
+        "/admin/usage/1",
+        "/admin/stats",
+        "/admin/nothing",
+    ] {
+        let r = metered_support::request(
+            &svc.admin_addr,
+            "GET",
+            path,
+            &[("Authorization", &wrong)],
+            None,
+        );
+        assert_eq!((r.status, r.code()), (401, "unauthorized".into()), "{path}");
+    }
+    // Nothing was created; with the token the same request works.
+    let mut conn = schema.connect();
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let accounts: Count = diesel::sql_query("SELECT count(*) AS n FROM accounts")
+        .get_result(&mut conn)
+        .unwrap();
+    assert_eq!(accounts.n, 0);
+    let (account, _) = svc.account(10, 10);
+    assert!(account > 0);
+    assert_eq!(svc.stats()["admin_unauthorized"], 5);
+}
+
+/// A broker that refuses the service's credentials stops it at startup with exit 1,
+/// before it listens, and the password is not printed.
+#[test]
+fn a_broker_refusing_the_credentials_stops_startup_with_exit_1() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let Some(amqp) = inbox_test_support::amqp::amqp_url() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    // The same broker, a password it does not take.
+    let (scheme, rest) = amqp.split_once("://").unwrap();
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let wrong = format!("{scheme}://guest:wrong-s3cret@{host}");
+    let prefix = format!("{}.", schema.name);
+    let run = run_to_exit(
+        &schema,
+        &redis,
+        &[("AMQP_URL", &wrong), ("METERED_AMQP_PREFIX", &prefix)],
+    );
+    assert_eq!(
+        run.code,
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        run.stdout,
+        run.stderr
+    );
+    assert!(!run.stdout.contains("listening"), "{}", run.stdout);
+    assert!(
+        run.stderr.contains("metered_api: startup failed"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("wrong-s3cret"), "{}", run.stderr);
+}
+
+/// A settlement consumer that ends for good after startup (its group's queue was
+/// declared by someone else with other arguments: a topology conflict) stops the
+/// service with exit 1 instead of leaving it serving without settling.
+#[test]
+fn a_settlement_consumer_that_stops_for_good_stops_the_service() {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let Some(amqp) = inbox_test_support::amqp::amqp_url() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let prefix = format!("{}.", schema.name);
+    let queue = format!("{prefix}metered.settlement");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let conn = rt
+        .block_on(Connection::connect(&amqp, ConnectionProperties::default()))
+        .unwrap();
+    let channel = rt.block_on(conn.create_channel()).unwrap();
+    // A classic queue where the consumer declares a quorum one.
+    rt.block_on(channel.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    ))
+    .unwrap();
+    // The queue and the exchange go, whatever the test's outcome.
+    struct Cleanup<'a> {
+        rt: &'a tokio::runtime::Runtime,
+        channel: lapin::Channel,
+        queue: String,
+        exchange: String,
+    }
+    impl Drop for Cleanup<'_> {
+        fn drop(&mut self) {
+            let (q, x) = (self.queue.as_str(), self.exchange.as_str());
+            let _ = self.rt.block_on(
+                self.channel
+                    .queue_delete(q.into(), QueueDeleteOptions::default()),
+            );
+            let _ = self.rt.block_on(
+                self.channel
+                    .exchange_delete(x.into(), ExchangeDeleteOptions::default()),
+            );
+        }
+    }
+    let _cleanup = Cleanup {
+        rt: &rt,
+        channel,
+        queue: queue.clone(),
+        exchange: format!("{prefix}metered"),
+    };
+    let run = run_to_exit(
+        &schema,
+        &redis,
+        &[("AMQP_URL", &amqp), ("METERED_AMQP_PREFIX", &prefix)],
+    );
+    assert_eq!(
+        run.code,
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        run.stdout,
+        run.stderr
+    );
+    assert!(
+        run.stderr
+            .contains("metered_api: settlement consumer stopped: "),
+        "{}",
+        run.stderr
+    );
+}
+
+/// A mistyped scheme stops startup with exit 1 and the URL redacted.
+#[test]
+fn a_mistyped_database_scheme_exits_1_without_the_password() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let run = run_to_exit(
+        &schema,
+        &redis,
+        &[("DATABASE_URL", "postgress://app:pg-s3cret@127.0.0.1/test")],
+    );
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("postgress://app:***@127.0.0.1/test"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("pg-s3cret"), "{}", run.stderr);
+}
+
+/// Reads from `socket` until the server closes it (EOF or a reset); panics when it
+/// stays open past the hang bound.
+fn closed_by_server(mut socket: std::net::TcpStream, what: &str) {
+    use std::io::Read;
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match socket.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => continue, // a 408 or 400 answer before the close
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("{what}: still open ({e})"),
+        }
+    }
+}
+
+/// Idle sockets, slowloris headers (one silent, one sending a byte every 50 ms, so
+/// that only the header timeout ends it), a stalled body (only the idle timeout
+/// ends it) and an idle kept-alive connection: each is closed, and `/v1/health`
+/// answers meanwhile although they outnumber the connection cap.
+#[test]
+fn idle_and_slow_clients_are_closed_and_health_still_answers() {
+    use std::io::Write;
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(
+        &schema,
+        &redis,
+        &[
+            ("METERED_HEADER_TIMEOUT_MS", "1000"),
+            ("METERED_IDLE_TIMEOUT_MS", "500"),
+            ("METERED_MAX_CONNECTIONS", "8"),
+        ],
+    );
+    let connect = || std::net::TcpStream::connect(&svc.addr).unwrap();
+    // A header sent a byte at a time: progress, so never idle, but never complete.
+    let mut trickle = connect();
+    trickle
+        .write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .unwrap();
+    let trickler = std::thread::spawn(move || {
+        for _ in 0..600 {
+            if trickle.write_all(b"a").is_err() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        false
+    });
+    let mut held = Vec::new();
+    for i in 0..12 {
+        let mut s = connect();
+        if i % 2 == 1 {
+            // Slowloris: a header that never ends.
+            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+                .unwrap();
+        }
+        held.push((s, "an idle or slow header"));
+    }
+    let mut body = connect();
+    body.write_all(
+        b"POST /v1/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"text\":",
+    )
+    .unwrap();
+    held.push((body, "a stalled body"));
+    let health = svc.get("/v1/health", &[]);
+    assert_eq!(health.status, 200, "{}", health.text());
+    // A kept-alive connection, answered once, then silent.
+    let mut kept = connect();
+    kept.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    held.push((kept, "an idle kept-alive connection"));
+    for (socket, what) in held {
+        closed_by_server(socket, what);
+    }
+    assert!(
+        trickler.join().unwrap(),
+        "a header sent a byte at a time was never cut"
+    );
+    let health = svc.get("/v1/health", &[]);
+    assert_eq!(health.status, 200, "{}", health.text());
+    let stats = svc.stats();
+    assert!(stats["connections_peak"].as_u64().unwrap() <= 8, "{stats}");
+}
+
+/// Past the cap, connections wait in the backlog: while two kept-alive connections
+/// hold the two places, six more requests are answered only as places free, and
+/// no more than two connections are ever open at once.
+#[test]
+fn connections_past_the_cap_wait_in_the_backlog() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(
+        &schema,
+        &redis,
+        &[
+            ("METERED_MAX_CONNECTIONS", "2"),
+            ("METERED_HEADER_TIMEOUT_MS", "120000"),
+            ("METERED_IDLE_TIMEOUT_MS", "120000"),
+        ],
+    );
+    // Two connections served once and kept alive: both places taken.
+    let held: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&svc.addr).unwrap();
+            s.set_read_timeout(Some(metered_support::HANG)).unwrap();
+            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let mut reader = BufReader::new(s.try_clone().unwrap());
+            let mut length = 0;
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                if line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0; length];
+            reader.read_exact(&mut body).unwrap();
+            s
+        })
+        .collect();
+    let waiting: Vec<std::net::TcpStream> = (0..6)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&svc.addr).unwrap();
+            s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    drop(held);
+    for mut s in waiting {
+        s.set_read_timeout(Some(metered_support::HANG)).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let stats = svc.stats();
+    assert_eq!(stats["connections_accepted"], 8, "{stats}");
+    assert_eq!(stats["connections_peak"], 2, "{stats}");
+}
+
+/// Unknown keys from one address spend its bucket of failed authentications; past
+/// it, requests are refused with 429 before Redis or PostgreSQL is asked. Found
+/// keys give their token back.
+#[test]
+fn unknown_keys_from_one_address_are_refused_before_any_look_up() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &redis, &[("METERED_AUTH_FAILURE_LIMIT", "3")]);
+    let (_, key) = svc.account(100, 100);
+    for _ in 0..10 {
+        svc.balance(&key);
+    }
+    let looked_up = |svc: &Service| {
+        let s = svc.stats();
+        s["key_cache_hits"].as_u64().unwrap()
+            + s["key_cache_misses"].as_u64().unwrap()
+            + s["key_cache_fallbacks"].as_u64().unwrap()
+    };
+    let before = looked_up(&svc);
+    let statuses: Vec<(u16, String)> = (0..10)
+        .map(|i| {
+            let r = svc.speech(&format!("mk_unknown_{i}"), None, "x");
+            (r.status, r.code())
+        })
+        .collect();
+    // The bucket refills at 3 a minute: one more failure may fit while this runs.
+    let unauthorized = statuses.iter().filter(|(s, _)| *s == 401).count();
+    assert!((3..=4).contains(&unauthorized), "{statuses:?}");
+    assert!(statuses[..3].iter().all(|(s, _)| *s == 401), "{statuses:?}");
+    for (status, code) in &statuses[4..] {
+        assert_eq!(
+            (*status, code.as_str()),
+            (429, "auth_rate_limited"),
+            "{statuses:?}"
+        );
+    }
+    let limited = svc.stats()["auth_rate_limited"].as_u64().unwrap();
+    assert_eq!(limited as usize, 10 - unauthorized);
+    // Only the failures that fit looked anything up.
+    assert_eq!(looked_up(&svc) - before, unauthorized as u64);
+}
+
+/// Two instances setting up one fresh schema at once: the first holds its set-up
+/// transaction open (tables created, not committed) while the second runs its own;
+/// the second waits for the first's advisory lock, then finds the tables. Without
+/// the lock it would wait on the catalog's unique index and fail with a duplicate
+/// key when the first commits.
+#[test]
+fn two_instances_set_up_one_fresh_schema_at_once() {
+    use diesel::connection::SimpleConnection;
+    use inbox_examples::metered::db;
+    let Some((pg, _)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let mut admin = PgConnection::establish(&pg).unwrap();
+    admin
+        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .unwrap();
+    let mut first = schema.connect();
+    let mut second = schema.connect();
+    #[derive(QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let second_pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result::<Pid>(&mut second)
+        .unwrap()
+        .pid;
+    #[derive(QueryableByName)]
+    struct Waiting {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        waiting: bool,
+    }
+    // The first set-up's transaction stays open until the second waits on it.
+    let other = first
+        .transaction(|first| -> QueryResult<_> {
+            db::create_schema(first)?;
+            let other = std::thread::spawn(move || db::create_schema(&mut second));
+            let blocked = (0..6000).any(|_| {
+                let w: Waiting = diesel::sql_query(
+                    "SELECT coalesce(wait_event_type = 'Lock', false) AS waiting \
+                     FROM pg_stat_activity WHERE pid = $1",
+                )
+                .bind::<diesel::sql_types::Integer, _>(second_pid)
+                .get_result(&mut admin)
+                .unwrap();
+                if !w.waiting {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                w.waiting
+            });
+            assert!(blocked, "the second set-up never waited for the first");
+            Ok(other)
+        })
+        .unwrap();
+    other.join().unwrap().unwrap();
 }

@@ -25,7 +25,12 @@ pub const SETTLEMENT_TYPE: &str = "metered.settlement_due";
 /// The consumer group that settles what a dead process left.
 pub const SETTLEMENT_GROUP: &str = "metered.settlement";
 
-/// Creates the tables if missing.
+/// Creates the tables if missing, under a transaction-scoped advisory lock: two
+/// instances setting up one fresh schema at once would otherwise race in
+/// PostgreSQL's catalog (both see no table, the second's insert into `pg_type` waits
+/// for the first and fails with a duplicate key when it commits). With the lock the
+/// second waits for the first's commit and finds the tables
+/// (`tests/metered_api.rs`: `two_instances_set_up_one_fresh_schema_at_once`).
 pub fn create_schema(conn: &mut PgConnection) -> QueryResult<()> {
     conn.transaction(|conn| {
         diesel::sql_query("SELECT pg_advisory_xact_lock($1)")

@@ -1,11 +1,15 @@
-//! The HTTP interface (see the README's "Metered API" section for the contract).
+//! The HTTP interface (see the README's "Metered API" section for the contract):
+//! `/v1` on the public listener, `/admin` on a listener of its own (loopback by
+//! default) where every request carries the admin token.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -15,9 +19,12 @@ use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
+use super::auth_limit::AuthFailures;
 use super::config::Config;
 use super::db;
+use super::log::escaped;
 use super::redis::{Advisory, CacheLookup};
+use super::serve::ConnectionStats;
 use super::settle::SettlementStats;
 
 /// Counters of the request path, for `GET /admin/stats`.
@@ -31,6 +38,10 @@ pub struct ServiceStats {
     pub refund_failures: AtomicU64,
     /// Replays served from a saved response.
     pub replays: AtomicU64,
+    /// Authentications refused because the client's address failed too often.
+    pub auth_rate_limited: AtomicU64,
+    /// Admin requests refused for a missing or wrong admin token.
+    pub admin_unauthorized: AtomicU64,
 }
 
 /// Everything a request needs.
@@ -47,6 +58,10 @@ pub struct App {
     pub stats: ServiceStats,
     /// The exchange settlement messages are published to.
     pub exchange: String,
+    /// Failed authentications per client address.
+    pub auth_failures: AuthFailures,
+    /// The public listener's connections.
+    pub connections: Arc<ConnectionStats>,
 }
 
 /// An error answer: `{"error": {"code": "...", "message": "..."}}`.
@@ -55,6 +70,7 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -63,6 +79,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -71,7 +88,7 @@ impl ApiError {
     }
 
     pub(crate) fn internal(err: impl std::fmt::Display) -> Self {
-        tracing::error!(error = %err, "request failed");
+        tracing::error!(error = %escaped(&err), "request failed");
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
@@ -91,7 +108,13 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
     }
 }
 
@@ -106,7 +129,7 @@ where
     let app = Arc::clone(app);
     tokio::task::spawn_blocking(move || {
         let mut conn = app.store.connection().map_err(|e| {
-            tracing::error!(error = %e, "no database connection");
+            tracing::error!(error = %escaped(&e), "no database connection");
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "database_unavailable",
@@ -124,8 +147,24 @@ pub(crate) fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> ApiResult
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
-/// The service's routes.
+fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+/// The public routes (`/v1`); `/admin` is not among them.
 pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/balance", get(balance))
+        .route("/v1/speech", post(super::speech::speech))
+        .fallback(|| async { not_found() })
+        .with_state(app)
+}
+
+/// The admin routes, for the admin listener: each request needs
+/// `Authorization: Bearer <METERED_ADMIN_TOKEN>` (401 `unauthorized` otherwise,
+/// before any route runs).
+pub fn admin_router(app: Arc<App>) -> Router {
     Router::new()
         .route("/admin/accounts", post(create_account))
         .route("/admin/accounts/{id}", get(show_account))
@@ -133,11 +172,38 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/admin/usage/{id}", get(show_usage))
         .route("/admin/usage/{id}/refund", post(refund_usage))
         .route("/admin/stats", get(stats))
-        .route("/v1/health", get(health))
-        .route("/v1/balance", get(balance))
-        .route("/v1/speech", post(super::speech::speech))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .fallback(|| async { not_found() })
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&app),
+            require_admin_token,
+        ))
         .with_state(app)
+}
+
+/// Refuses an admin request without the admin token (compared in constant time).
+async fn require_admin_token(
+    State(app): State<Arc<App>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(token) if app.config.admin_token.matches(token) => next.run(request).await,
+        _ => {
+            app.stats.admin_unauthorized.fetch_add(1, Ordering::Relaxed);
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "expected Authorization: Bearer <admin token>",
+            )
+            .into_response()
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -287,6 +353,11 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "streams_refunded": load(&app.stats.refunded),
         "refund_failures": load(&app.stats.refund_failures),
         "replays": load(&app.stats.replays),
+        "auth_rate_limited": load(&app.stats.auth_rate_limited),
+        "admin_unauthorized": load(&app.stats.admin_unauthorized),
+        "connections_accepted": load(&app.connections.accepted),
+        "connections_open": load(&app.connections.open),
+        "connections_peak": load(&app.connections.peak),
         "settlements_refunded": load(&app.settlements.refunded),
         "settlements_already_settled": load(&app.settlements.already_settled),
     }))
@@ -322,7 +393,14 @@ pub(crate) struct Caller {
     pub(crate) key_id: i64,
 }
 
-pub(crate) async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResult<Caller> {
+/// Finds the caller's key. An address whose bucket of failed authentications is
+/// empty is refused (429 `auth_rate_limited`) before Redis or PostgreSQL is asked; a
+/// key not found spends a token: see [`AuthFailures`].
+pub(crate) async fn authenticate(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    peer: IpAddr,
+) -> ApiResult<Caller> {
     let raw_key = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -331,6 +409,26 @@ pub(crate) async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResu
         .filter(|k| !k.is_empty())
         .ok_or_else(ApiError::unauthorized)?
         .to_owned();
+    if !app.auth_failures.allows(peer) {
+        app.stats.auth_rate_limited.fetch_add(1, Ordering::Relaxed);
+        let mut err = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "auth_rate_limited",
+            "too many failed authentications from this address; retry later",
+        );
+        err.retry_after = Some(app.auth_failures.retry_after().as_secs());
+        return Err(err);
+    }
+    let caller = look_up_key(app, raw_key).await;
+    if let Err(err) = &caller {
+        if err.code == "unauthorized" {
+            app.auth_failures.failed(peer);
+        }
+    }
+    caller
+}
+
+async fn look_up_key(app: &Arc<App>, raw_key: String) -> ApiResult<Caller> {
     let key_digest = digest(&raw_key);
     let digest_hex = hex(&key_digest);
     let lookup = app.advisory.cached_key(&digest_hex).await;
@@ -356,8 +454,12 @@ pub(crate) async fn authenticate(app: &Arc<App>, headers: &HeaderMap) -> ApiResu
     })
 }
 
-async fn balance(State(app): State<Arc<App>>, headers: HeaderMap) -> ApiResult<Response> {
-    let caller = authenticate(&app, &headers).await?;
+async fn balance(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let caller = authenticate(&app, &headers, peer.ip()).await?;
     let key_id = caller.key_id;
     let b = blocking(&app, move |conn| {
         db::balance(conn, key_id).map_err(ApiError::internal)

@@ -2,10 +2,13 @@
 //! it fails, with idempotent replays, Redis as an advisory cache and settlements
 //! that heal a crash between debit and refund. See the README's "Metered API".
 
+pub mod auth_limit;
 pub mod config;
 pub mod db;
 pub mod http;
+pub mod log;
 pub mod redis;
+pub mod serve;
 pub mod settle;
 pub mod speech;
 pub mod stream;

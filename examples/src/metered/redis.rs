@@ -281,11 +281,22 @@ impl Conn {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Target {
     addr: String,
     password: Option<String>,
     db: Option<String>,
+}
+
+/// The password never shows.
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("addr", &self.addr)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("db", &self.db)
+            .finish()
+    }
 }
 
 fn parse_url(url: &str) -> Result<Target, RedisError> {

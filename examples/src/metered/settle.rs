@@ -17,6 +17,7 @@ use inbox_core::{
 use inbox_diesel::Store;
 
 use super::db::{self, SettlementDue, SETTLEMENT_GROUP, SETTLEMENT_TYPE};
+use super::log::escaped;
 
 /// Counters of the settlement consumer, for `GET /admin/stats`.
 #[derive(Debug, Default)]
@@ -96,12 +97,12 @@ pub fn run_in_process(store: Store<PgConnection>, poll: Duration, stop: Arc<Atom
         let published = match relay_in_process(&store, &mut transport, &relay_id, 100) {
             Ok(n) => n,
             Err(err) => {
-                tracing::warn!(error = %err, "settlement relay round failed; trying again");
+                tracing::warn!(error = %escaped(&err), "settlement relay round failed; trying again");
                 0
             }
         };
         if let Err(err) = transport.run_until_idle() {
-            tracing::error!(error = %err, "settlement consumer failed; trying again");
+            tracing::error!(error = %escaped(&err), "settlement consumer failed; trying again");
         }
         if published == 0 {
             std::thread::sleep(poll);

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use chrono::Utc;
@@ -62,11 +62,12 @@ impl Slot {
 /// The handler of `POST /v1/speech`.
 pub async fn speech(
     State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
     body: Bytes,
 ) -> ApiResult<Response> {
     let started = Instant::now();
-    let caller = authenticate(&app, &headers).await?;
+    let caller = authenticate(&app, &headers, peer.ip()).await?;
     let req: SpeechRequest = parse_json(&body)?;
     let model = req.model.unwrap_or_else(|| DEFAULT_MODEL.to_owned());
     if !valid_model(&model) {

@@ -111,7 +111,7 @@ impl StreamJob {
                 now,
             )
             .map_err(|e| {
-                tracing::error!(usage_id, error = %e, "marking a usage delivered failed");
+                tracing::error!(usage_id, error = %super::log::escaped(&e), "marking a usage delivered failed");
                 ApiError::internal(e)
             })
         })

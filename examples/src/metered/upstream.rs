@@ -1,5 +1,6 @@
 //! The simulated upstream: text-to-speech as chunks of "audio" (the hex of each
-//! piece of text), and the `[fail-after:N]` marker that makes it fail.
+//! piece of text), and, in a build with the `test-hooks` feature only, the
+//! `[fail-after:N]` marker that makes it fail.
 
 /// Characters of text per chunk.
 pub const CHUNK_CHARS: usize = 16;
@@ -29,7 +30,9 @@ pub fn chunks(text: &str) -> Vec<Chunk> {
 }
 
 /// `Some(N)` when the text holds `[fail-after:N]`: the upstream fails after N
-/// chunks (after the last one, if there are fewer).
+/// chunks (after the last one, if there are fewer). A test hook: only a build with
+/// the `test-hooks` feature reads the marker.
+#[cfg(feature = "test-hooks")]
 pub fn fail_after(text: &str) -> Option<usize> {
     let start = text.find("[fail-after:")? + "[fail-after:".len();
     let rest = &text[start..];
@@ -37,15 +40,32 @@ pub fn fail_after(text: &str) -> Option<usize> {
     rest[..end].parse().ok()
 }
 
+/// Without the `test-hooks` feature the marker is text like any other.
+#[cfg(not(feature = "test-hooks"))]
+pub fn fail_after(_text: &str) -> Option<usize> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    #[cfg(feature = "test-hooks")]
     #[test]
-    fn the_marker_and_the_chunks() {
+    fn the_marker_with_test_hooks() {
         assert_eq!(fail_after("say [fail-after:2] this"), Some(2));
         assert_eq!(fail_after("say [fail-after:x] this"), None);
         assert_eq!(fail_after("plain"), None);
+    }
+
+    #[cfg(not(feature = "test-hooks"))]
+    #[test]
+    fn a_default_build_ignores_the_marker() {
+        assert_eq!(fail_after("say [fail-after:2] this"), None);
+    }
+
+    #[test]
+    fn the_chunks() {
         let c = chunks(&"é".repeat(17));
         assert_eq!(c.len(), 2);
         assert_eq!(c[0].characters, 16);

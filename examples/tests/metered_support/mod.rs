@@ -75,39 +75,90 @@ impl Drop for Schema {
     }
 }
 
+/// The admin token every test service runs with.
+pub(crate) const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
+
 /// The service, running.
 pub(crate) struct Service {
     child: Child,
     pub addr: String,
+    pub admin_addr: String,
     stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
-impl Service {
-    /// Starts `metered_api` on `schema` with `env` on top of the defaults (no AMQP_URL
-    /// unless given, a free port, short deadlines).
-    pub(crate) fn start(schema: &Schema, redis: &str, env: &[(&str, &str)]) -> Self {
-        let mut cmd = Command::new(example("metered_api"));
-        cmd.env_remove("AMQP_URL")
-            .env("DATABASE_URL", &schema.url)
-            .env("METERED_SCHEMA", &schema.name)
-            .env("REDIS_URL", redis)
-            .env("LISTEN_ADDR", "127.0.0.1:0")
-            .env("METERED_CHUNK_DELAY_MS", "5")
-            .env("METERED_RELAY_POLL_MS", "50")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
+/// `metered_api` on `schema` with `env` on top of the defaults (no AMQP_URL unless
+/// given, free ports, short deadlines).
+fn command(schema: &Schema, redis: &str, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(example("metered_api"));
+    cmd.env_remove("AMQP_URL")
+        .env("DATABASE_URL", &schema.url)
+        .env("METERED_SCHEMA", &schema.name)
+        .env("REDIS_URL", redis)
+        .env("LISTEN_ADDR", "127.0.0.1:0")
+        .env("METERED_ADMIN_ADDR", "127.0.0.1:0")
+        .env("METERED_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("METERED_CHUNK_DELAY_MS", "5")
+        .env("METERED_RELAY_POLL_MS", "50")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// How a run of the service that was expected to fail at startup ended.
+pub(crate) struct Exited {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the service to its end (a startup failure), within [`HANG`].
+pub(crate) fn run_to_exit(schema: &Schema, redis: &str, env: &[(&str, &str)]) -> Exited {
+    let mut child = command(schema, redis, env).spawn().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        let (mut out, mut err) = (String::new(), String::new());
+        let _ = stdout.read_to_string(&mut out);
+        let _ = stderr.read_to_string(&mut err);
+        let _ = tx.send((out, err));
+    });
+    match rx.recv_timeout(HANG) {
+        Ok((stdout, stderr)) => Exited {
+            code: child.wait().unwrap().code(),
+            stdout,
+            stderr,
+        },
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("metered_api kept running where it should have stopped");
         }
-        let mut child = cmd.spawn().unwrap();
+    }
+}
+
+impl Service {
+    /// Starts `metered_api` (see [`command`]) and waits for its two listeners.
+    pub(crate) fn start(schema: &Schema, redis: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = command(schema, redis, env).spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
+            let mut admin = None;
+            let mut hooks = false;
             let mut sent = false;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                hooks |= line.starts_with("metered_api: test hooks on");
+                if let Some(addr) = line.strip_prefix("metered_api: admin on http://") {
+                    admin = Some(addr.to_owned());
+                }
                 if !sent {
                     if let Some(addr) = line.strip_prefix("metered_api: listening on http://") {
-                        let _ = tx.send(addr.to_owned());
+                        let _ =
+                            tx.send((addr.to_owned(), admin.clone().unwrap_or_default(), hooks));
                         sent = true;
                     }
                 }
@@ -123,17 +174,29 @@ impl Service {
                 s.push('\n');
             }
         });
-        let addr = match rx.recv_timeout(HANG) {
-            Ok(addr) => addr,
+        let (addr, admin_addr, hooks) = match rx.recv_timeout(HANG) {
+            Ok(started) => started,
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!("metered_api did not start: {}", stderr_text.lock().unwrap());
             }
         };
+        if hooks != cfg!(feature = "test-hooks") {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the metered_api binary has test hooks {}, these tests expect them {}: \
+                 run `cargo build -p inbox-examples --example metered_api{}` first",
+                if hooks { "on" } else { "off" },
+                if hooks { "off" } else { "on" },
+                if hooks { "" } else { " --features test-hooks" },
+            );
+        }
         Self {
             child,
             addr,
+            admin_addr,
             stderr: stderr_text,
         }
     }
@@ -149,12 +212,37 @@ impl Service {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// `/admin` paths go to the admin listener with the admin token, the rest to
+    /// the public one.
+    fn route(&self, path: &str, headers: &[(&str, &str)]) -> (String, Vec<(String, String)>) {
+        let mut all: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        if path.starts_with("/admin") {
+            all.push(("Authorization".into(), format!("Bearer {ADMIN_TOKEN}")));
+            (self.admin_addr.clone(), all)
+        } else {
+            (self.addr.clone(), all)
+        }
+    }
+
     pub(crate) fn get(&self, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
-        request(&self.addr, "GET", path, headers, None)
+        let (addr, headers) = self.route(path, headers);
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        request(&addr, "GET", path, &headers, None)
     }
 
     pub(crate) fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> HttpResponse {
-        request(&self.addr, "POST", path, headers, Some(body))
+        let (addr, headers) = self.route(path, headers);
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        request(&addr, "POST", path, &headers, Some(body))
     }
 
     pub(crate) fn json(&self, path: &str) -> Value {
