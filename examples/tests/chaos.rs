@@ -257,7 +257,7 @@ fn produce(scene: &Scene, stop: &AtomicBool, relay_kills: &AtomicU64, events: u6
         round += 1;
         let written_before = rows(&mut db);
         let mut producer = scene.producer(events);
-        let kill = round % 2 == 0;
+        let kill = round.is_multiple_of(2);
         loop {
             let child = producer.0.as_mut().unwrap();
             if let Some(status) = child.try_wait().unwrap() {

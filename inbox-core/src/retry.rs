@@ -250,11 +250,11 @@ impl RetryLadder {
     /// A short name for a tier: `50ms`, `1s`, `2m`, `1h`.
     pub fn label(tier: Duration) -> String {
         let ms = tier.as_millis();
-        if ms % 3_600_000 == 0 {
+        if ms.is_multiple_of(3_600_000) {
             format!("{}h", ms / 3_600_000)
-        } else if ms % 60_000 == 0 {
+        } else if ms.is_multiple_of(60_000) {
             format!("{}m", ms / 60_000)
-        } else if ms % 1000 == 0 {
+        } else if ms.is_multiple_of(1000) {
             format!("{}s", ms / 1000)
         } else {
             format!("{ms}ms")

@@ -18,7 +18,7 @@ use diesel::PgConnection;
 use inbox_core::{ClaimKey, ConsumerGroup, Decision, Handler, HandlerError, MessageContext};
 use inbox_diesel::{ClaimStatus, ErrorClass, Store, StoreBuilder};
 use inbox_test_support::claim_key;
-use inbox_test_support::{group, unique_name, usage, Fixture, PgFixture, Service, TestConn, Usage};
+use inbox_test_support::{group, unique_name, usage, Fixture, PgFixture, TestConn, Usage};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};

@@ -398,9 +398,10 @@ macro_rules! operator_ops {
                 let Some(entry) = entry else {
                     return Ok(None);
                 };
-                let body: StoredPayload = op_dead_letters
+                use crate::operator::tables::$schema::op_letter_payloads::dsl as p;
+                let body: StoredPayload = p::op_letter_payloads
                     .find(letter)
-                    .select((payload, payload_length, payload_sha256))
+                    .select((p::payload, p::payload_length, p::payload_sha256))
                     .first(conn)?;
                 Ok(Some((entry, body)))
             }

@@ -1,7 +1,8 @@
 //! The columns operator statements reach, one module per backend. diesel's tables stop
 //! at 16 columns, so these are views of the store's tables with the columns the
 //! operator migration added (`replay_count`, `discarded_at`, `replay_seq`) and the
-//! rebuild's `resolved_at`, and the replay sequences' counters.
+//! rebuild's `resolved_at`, a letter's payload with what a cut body left of it, and
+//! the replay sequences' counters.
 
 macro_rules! operator_tables {
     ($ts:ident) => {
@@ -25,6 +26,18 @@ macro_rules! operator_tables {
                 replay_count -> Integer,
                 discarded_at -> Nullable<$ts>,
                 resolved_at -> Nullable<$ts>,
+            }
+        }
+
+        // The same table's payload and what a cut body left of it (length and
+        // SHA-256): a view of its own, since the one above is at diesel's 16 columns.
+        diesel::table! {
+            use diesel::sql_types::*;
+
+            #[sql_name = "inbox_dead_letters"]
+            op_letter_payloads (id) {
+                id -> BigInt,
+                payload -> Binary,
                 payload_length -> Nullable<BigInt>,
                 payload_sha256 -> Nullable<Binary>,
             }
