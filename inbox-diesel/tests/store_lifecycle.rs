@@ -14,20 +14,24 @@
 //! case shrinks to a minimal sequence. `INBOX_MODEL_CASES` sets the cases per backend,
 //! `INBOX_MODEL_SEED` replays a run.
 //!
-//! **The forced interleavings** (module `seams`): each pair of writers that can meet
+//! **The forced interleavings** (module `lifecycle::seams`): each pair of writers that can meet
 //! on one row across the features, forced with two connections (a row lock held by a
 //! third connection that decides who queues first, an open transaction, a gate inside
 //! the rebuild), never with sleeps; each checks that the outcome is one a serial
 //! order gives.
 //!
+//! Each test runs as `lifecycle::seams::postgres::<name>` (forced with locks) and
+//! `lifecycle::seams::sqlite::<name>` (both serial orders):
+//!
 //! | writers | row | test |
 //! |---|---|---|
-//! | replay (and bulk replay) / rebuild cover | a dead claim in the window | `seams::a_replay_landing_inside_a_rebuild_is_counted_once`, `seams::a_bulk_replay_landing_inside_a_rebuild_is_counted_once` |
-//! | redrive / rebuild cover | a failed claim in the window | `seams::a_redrive_landing_inside_a_rebuild_is_counted_once` |
-//! | discard / replay | a dead letter | `seams::a_discard_committed_during_a_replay_is_never_replayed` |
-//! | purge + a new request / a late commit | an idempotency record | `seams::a_late_commit_after_a_purge_never_lands_on_the_new_request` |
-//! | take-over + abandon + a new request / a late commit | an idempotency record | `seams::a_late_commit_after_an_abandon_never_lands_on_the_new_request` |
-//! | take-over / commit | an idempotency record | `seams::a_take_over_waiting_on_a_commit_never_executes_twice` |
+//! | replay / rebuild cover | a dead claim in the window | `a_replay_landing_inside_a_rebuild_is_counted_once` |
+//! | bulk replay / rebuild cover | a dead claim in the window | `a_bulk_replay_landing_inside_a_rebuild_is_counted_once` |
+//! | redrive / rebuild cover | a failed claim in the window | `a_redrive_landing_inside_a_rebuild_is_counted_once` |
+//! | discard / replay | a dead letter | `a_discard_committed_during_a_replay_is_never_replayed` |
+//! | purge, then a new request / a stalled request's commit | an idempotency record | `a_late_commit_after_a_purge_never_lands_on_the_new_request` |
+//! | take-over and abandon, then a new request / a stalled request's commit | an idempotency record | `a_late_commit_after_an_abandon_never_lands_on_the_new_request` |
+//! | take-over / commit of the expired request | an idempotency record | `a_take_over_waiting_on_a_commit_never_executes_twice`, `a_commit_waiting_on_a_take_over_is_fenced` (SQLite: `a_take_over_and_a_commit_in_either_order_never_execute_twice`) |
 //!
 //! SQLite has one writer: every write transaction of the store is `BEGIN IMMEDIATE`,
 //! so two writers never overlap there; each interleaving reduces to the two serial

@@ -3,6 +3,7 @@
 //! after every step.
 
 pub(crate) mod model;
+pub(crate) mod seams;
 pub(crate) mod world;
 
 use std::collections::BTreeMap;
@@ -180,28 +181,31 @@ pub(crate) struct Driver<C: StoreConnection + LcDb> {
     /// This case's key prefix.
     prefix: String,
     /// Tokens by handle (as the model numbers `Execute`s).
-    tokens: Vec<Token>,
+    pub(crate) tokens: Vec<Token>,
+    /// Whether `begin` fails at once when a token repeats for its key (the seams
+    /// turn it off to show what a repeated token leads to).
+    pub(crate) check_tokens: bool,
 }
 
 fn fail(at: &str, err: impl std::fmt::Display) -> TestCaseError {
     TestCaseError::fail(format!("{at}: {err}"))
 }
 
-fn group() -> ConsumerGroup {
+pub(crate) fn group() -> ConsumerGroup {
     match ConsumerGroup::new(GROUP) {
         Ok(g) => g,
         Err(err) => panic!("{err}"),
     }
 }
 
-fn fingerprint(fp: u8) -> Fingerprint {
+pub(crate) fn fingerprint(fp: u8) -> Fingerprint {
     match RequestFields::new().field("content", format!("content {fp}")) {
         Ok(fields) => fields.fingerprint(b"the caller's secret"),
         Err(err) => panic!("{err}"),
     }
 }
 
-fn idem_key(key: u8) -> IdempotencyKey {
+pub(crate) fn idem_key(key: u8) -> IdempotencyKey {
     match IdempotencyKey::new(format!("request-{key}")) {
         Ok(k) => k,
         Err(err) => panic!("{err}"),
@@ -262,6 +266,7 @@ impl<C: StoreConnection + LcDb> Driver<C> {
             acts,
             prefix: String::new(),
             tokens: Vec::new(),
+            check_tokens: true,
         }
     }
 
@@ -269,7 +274,7 @@ impl<C: StoreConnection + LcDb> Driver<C> {
         format!("{}.e{e}", self.prefix)
     }
 
-    fn caller(&self, caller: u8) -> String {
+    pub(crate) fn caller(&self, caller: u8) -> String {
         format!("{}.a{caller}", self.prefix)
     }
 
@@ -561,7 +566,7 @@ impl<C: StoreConnection + LcDb> Driver<C> {
         let answer = begin_request(&mut *conn, &request, now).map_err(|x| format!("begin: {x}"))?;
         Ok(match answer {
             IdempotencyAnswer::Execute { token } => {
-                if model::tokens_never_repeat(model) {
+                if self.check_tokens && model::tokens_never_repeat(model) {
                     let repeated = (0..self.tokens.len())
                         .find(|&h| model.handles[h] == (caller, key) && self.tokens[h] == token);
                     if let Some(h) = repeated {
@@ -803,7 +808,7 @@ impl<C: StoreConnection + LcDb> Driver<C> {
     }
 }
 
-fn replay_of(outcome: ReplayOutcome) -> Replay {
+pub(crate) fn replay_of(outcome: ReplayOutcome) -> Replay {
     match outcome {
         ReplayOutcome::Replayed { sequence, .. } => Replay::Replayed { sequence },
         ReplayOutcome::ClaimNotDead { status } => Replay::ClaimNotDead { status },
@@ -908,6 +913,67 @@ where
     }
     if let Err(err) = result {
         panic!("{backend}: the store and the lifecycle model disagree: {err}");
+    }
+}
+
+/// A hand-written case: a driver and its model, stepped together, each step's
+/// answers and the whole state compared (the forced interleavings build on it).
+pub(crate) struct Scenario<C: StoreConnection + LcDb> {
+    pub(crate) d: Driver<C>,
+    pub(crate) m: Model,
+}
+
+impl<C: StoreConnection + LcDb> Scenario<C> {
+    /// A fresh world whose handler does `acts` for event 0 (and applies the rest).
+    pub(crate) fn new<F: Fixture<Conn = C>>(fx: &F, acts0: Acts) -> Self {
+        let start = inbox_test_support::start_time();
+        let mut d = Driver::new(fx, start);
+        let mut acts = [[Act::Apply; MAX_ATTEMPTS as usize]; EVENTS];
+        acts[0] = acts0;
+        let case = Case {
+            acts,
+            steps: Vec::new(),
+        };
+        static SCENARIO: AtomicU64 = AtomicU64::new(0);
+        let n = SCENARIO.fetch_add(1, Ordering::Relaxed);
+        if let Err(err) = d.start_case(format!("s{n}"), &case, start) {
+            panic!("{err:?}");
+        }
+        let m = Model::new(model::Known::from_env(), acts, start);
+        Self { d, m }
+    }
+
+    /// Runs a step on both sides; panics when the answers or the states differ.
+    pub(crate) fn step(&mut self, step: Step) -> Out {
+        let found = match self.d.run(&self.m, &step) {
+            Ok(found) => found,
+            Err(err) => panic!("{step:?}: {err}"),
+        };
+        if let Err(diff) = self.expect(&step, &found) {
+            panic!("{step:?}:\n{diff}");
+        }
+        if let Err(diff) = self.compare() {
+            panic!("{step:?}: state differs\n{diff}");
+        }
+        found
+    }
+
+    /// Applies a step to the model only and checks that the store's answer `found`
+    /// (run by the caller, concurrently) is the model's; `Err` says what differs.
+    pub(crate) fn expect(&mut self, step: &Step, found: &Out) -> Result<(), String> {
+        let expected = self.m.step(step);
+        self.d.clock.set(self.m.now);
+        if !expected.matches(found) {
+            return Err(format!(
+                "  answers differ\n    model: {expected:?}\n    store: {found:?}\n"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Compares the states; `Err` says what differs.
+    pub(crate) fn compare(&mut self) -> Result<(), String> {
+        self.d.compare(&mut self.m)
     }
 }
 

@@ -5,7 +5,7 @@
 //! comparisons need.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Condvar, Mutex, Once};
+use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -289,62 +289,12 @@ macro_rules! lc_db {
 lc_db!(PgConnection);
 lc_db!(SqliteConnection);
 
-/// A gate a test stops the rebuild at, after its one read of the source (holding the
-/// projection lock exclusively, nothing written yet), until the test opens it.
-#[derive(Default)]
-pub(crate) struct Gate {
-    armed: Mutex<bool>,
-    reached: Mutex<bool>,
-    reached_cv: Condvar,
-    open: Mutex<bool>,
-    open_cv: Condvar,
-}
-
-impl Gate {
-    pub(crate) fn arm(&self) {
-        *self.armed.lock().unwrap_or_else(|e| e.into_inner()) = true;
-    }
-
-    fn pass(&self) {
-        {
-            let mut armed = self.armed.lock().unwrap_or_else(|e| e.into_inner());
-            if !*armed {
-                return;
-            }
-            *armed = false;
-        }
-        *self.reached.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.reached_cv.notify_all();
-        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let _unused = self
-            .open_cv
-            .wait_timeout_while(open, Duration::from_secs(60), |open| !*open);
-    }
-
-    /// Waits (a condition variable, not a sleep) until the rebuild stands at the gate.
-    pub(crate) fn wait_reached(&self) {
-        let reached = self.reached.lock().unwrap_or_else(|e| e.into_inner());
-        let (reached, _) = self
-            .reached_cv
-            .wait_timeout_while(reached, Duration::from_secs(60), |r| !*r)
-            .unwrap_or_else(|e| e.into_inner());
-        assert!(*reached, "the rebuild never reached its gate");
-    }
-
-    pub(crate) fn open(&self) {
-        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.open_cv.notify_all();
-    }
-}
-
 /// The projection: a handler adding each event's amount to its user's total of its
 /// day, and the hooks that recompute a day from the ledger.
 pub(crate) struct Projection {
     group: ConsumerGroup,
     /// What the handler does per (key, attempt); a key not in it applies.
     pub(crate) acts: Arc<Mutex<HashMap<String, Acts>>>,
-    /// Stops the rebuild after its read, when armed.
-    pub(crate) gate: Arc<Gate>,
 }
 
 impl Projection {
@@ -355,7 +305,6 @@ impl Projection {
                 Err(err) => panic!("{err}"),
             },
             acts: Arc::default(),
-            gate: Arc::default(),
         }
     }
 }
@@ -440,7 +389,6 @@ impl<C: LcDb> Rebuild<C> for Projection {
             .into_iter()
             .map(|(key, user, amount)| Ok((MessageKey::new(key)?, (user, amount))))
             .collect::<Result<Vec<_>, inbox_core::Error>>()?;
-        self.gate.pass();
         Ok(read)
     }
 
