@@ -115,7 +115,7 @@ fn step() -> BoxedStrategy<Step> {
             2,
             (1..=2u32).prop_map(|days| Step::Rebuild { days }).boxed(),
         ),
-        (1, Just(Step::Purge).boxed()),
+        (2, Just(Step::Purge).boxed()),
         (
             1,
             (0..EVENTS as u8)

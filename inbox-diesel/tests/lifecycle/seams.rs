@@ -620,6 +620,38 @@ fn sqlite_take_over_and_commit(fx: &SqliteFixture) {
 }
 
 // ----------------------------------------------------------------------------------
+// Replay sequences across a purge of the published rows (issue 21, item 6).
+
+/// A letter replayed, its copy failing again into a second letter, the published rows
+/// purged, the second letter replayed: its sequence follows the first replay's, never
+/// repeats it (no race: an identity that must survive a purge).
+fn replay_sequence_across_a_purge<F: Fixture>(fx: &F)
+where
+    F::Conn: LcDb,
+{
+    let mut s = Scenario::new(fx, [Act::Permanent; 2]);
+    s.step(Step::Write { user: 0 });
+    s.step(Step::Relay);
+    s.step(Step::Replay { letter: 0 });
+    s.step(Step::Relay);
+    s.step(Step::Advance(30));
+    s.step(Step::Purge);
+    let step = Step::Replay { letter: 1 };
+    let found = s.d.run(&s.m, &step).unwrap();
+    let mut report = String::new();
+    if let Err(diff) = s.expect(&step, &found) {
+        report += &diff;
+    }
+    if let Err(diff) = s.compare() {
+        report += &diff;
+    }
+    assert!(
+        report.is_empty(),
+        "the second replay of a key after the published rows were purged\n{report}"
+    );
+}
+
+// ----------------------------------------------------------------------------------
 // The tests.
 
 pub(crate) mod postgres {
@@ -660,6 +692,11 @@ pub(crate) mod postgres {
     #[test]
     fn a_late_commit_after_an_abandon_never_lands_on_the_new_request() {
         with_pg(|fx| late_commit(fx, &take_over_then_abandon(), true));
+    }
+
+    #[test]
+    fn a_replay_sequence_is_never_handed_out_twice_for_a_key() {
+        with_pg(replay_sequence_across_a_purge);
     }
 
     #[test]
@@ -709,6 +746,11 @@ pub(crate) mod sqlite {
     #[test]
     fn a_late_commit_after_an_abandon_never_lands_on_the_new_request() {
         with_sqlite(|fx| late_commit(fx, &take_over_then_abandon(), false));
+    }
+
+    #[test]
+    fn a_replay_sequence_is_never_handed_out_twice_for_a_key() {
+        with_sqlite(|fx| replay_sequence_across_a_purge(fx));
     }
 
     #[test]
