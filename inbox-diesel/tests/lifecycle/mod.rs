@@ -567,8 +567,9 @@ impl<C: StoreConnection + LcDb> Driver<C> {
         Ok(match answer {
             IdempotencyAnswer::Execute { token } => {
                 if self.check_tokens && model::tokens_never_repeat(model) {
-                    let repeated = (0..self.tokens.len())
-                        .find(|&h| model.handles.get(h) == Some(&(caller, key)) && self.tokens[h] == token);
+                    let repeated = (0..self.tokens.len()).find(|&h| {
+                        model.handles.get(h) == Some(&(caller, key)) && self.tokens[h] == token
+                    });
                     if let Some(h) = repeated {
                         return Err(format!(
                             "begin handed out the token of request #{h} again for the same key \
@@ -755,7 +756,8 @@ impl<C: StoreConnection + LcDb> Driver<C> {
                         .find(|&f| fingerprint(f) == r.fingerprint)
                         .unwrap_or(u8::MAX);
                     let holder = (0..self.tokens.len()).rev().find(|&h| {
-                        model.handles.get(h) == Some(&(caller, key)) && self.tokens[h] == r.lease_token
+                        model.handles.get(h) == Some(&(caller, key))
+                            && self.tokens[h] == r.lease_token
                     });
                     (
                         fp,
