@@ -652,9 +652,11 @@ impl<C: StoreConnection> Store<C> {
         Ok(Some(DeadLetterDetails {
             first_failure_at: first.unwrap_or(entry.dead_lettered_at),
             last_failure_at: last.unwrap_or(entry.dead_lettered_at),
-            replay_refusal: match entry.status {
-                LetterStatus::Resolved => Some(RESOLVED_ADVICE),
-                _ => replay_refusal(&entry.reason),
+            // A letter a rebuild resolved is never replayable, discarded since or not:
+            // the rebuild counted its event.
+            replay_refusal: match entry.resolved_at {
+                Some(_) => Some(RESOLVED_ADVICE),
+                None => replay_refusal(&entry.reason),
             },
             payload,
             payload_cut,

@@ -38,7 +38,7 @@ pub(crate) const DEFAULT_CASES: u32 = 40;
 /// The idempotency lease token, as `begin_request` hands it out. Opaque: the test
 /// only stores tokens and compares them for equality (issue 21 makes it a random
 /// 128-bit type; change this alias, and nothing else, at that merge).
-pub(crate) type Token = i64;
+pub(crate) type Token = inbox_core::LeaseToken;
 
 // ----------------------------------------------------------------------------------
 // The generator: small alphabets, so that shrinking finds short cases.

@@ -606,6 +606,14 @@ impl Model {
         if letter.discarded_at.is_some() {
             return Replay::Discarded;
         }
+        if letter.replay_count > 0 {
+            // operating.md, *Replay*: "A letter is replayed once: a second or
+            // concurrent replay of it enqueues nothing (`claim_not_dead`, with the
+            // claim's status)"; a message that fails again is a new letter.
+            return Replay::ClaimNotDead {
+                status: self.claims.get(&letter.event).map(|c| c.status),
+            };
+        }
         match self.claims.get_mut(&letter.event) {
             Some(c) if c.status == ClaimStatus::Dead && !c.covered => {
                 c.status = ClaimStatus::Failed;
