@@ -758,7 +758,7 @@ pub(crate) mod sqlite {
 
     #[test]
     fn a_replay_sequence_is_never_handed_out_twice_for_a_key() {
-        with_sqlite(|fx| replay_sequence_across_a_purge(fx));
+        with_sqlite(replay_sequence_across_a_purge);
     }
 
     #[test]
