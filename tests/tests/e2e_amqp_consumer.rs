@@ -332,10 +332,15 @@ async fn malformed_deliveries_are_dead_lettered_and_consuming_goes_on() {
         stats.processed, 1,
         "the good message after them is processed"
     );
-    assert!(
-        dead.iter().any(|d| d.payload == huge),
-        "the oversized body is kept"
-    );
+    // An oversized body is kept as its prefix, its whole length and its digest.
+    let cut = dead
+        .iter()
+        .find(|d| d.payload_cut.is_some())
+        .expect("the oversized body is recorded as cut");
+    assert_eq!(cut.payload, huge[..inbox_core::CUT_PAYLOAD_PREFIX]);
+    let whole = cut.payload_cut.as_ref().unwrap();
+    assert_eq!(whole.length, huge.len() as u64);
+    assert_eq!(whole.sha256, inbox_core::PayloadCut::of(&huge).1.sha256);
     assert_eq!(
         queue_depth(&conn, &setup.topology.queue(&setup.group)).await,
         0
