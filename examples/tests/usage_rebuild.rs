@@ -14,26 +14,23 @@ use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use inbox_amqp::Topology;
 use inbox_core::ConsumerGroup;
+use inbox_test_support::services::{url_of, Service};
 
+/// PostgreSQL's URL (`PG_DATABASE_URL`, `DATABASE_URL` or the default local server),
+/// with RabbitMQ's (`AMQP_URL` or the default) checked too: the services module's
+/// rules, so a missing service fails the test or, with `INBOX_SKIP_SERVICES=1`, skips
+/// it out loud.
 fn database_url() -> Option<String> {
     inbox_diesel::init_tls();
-    let url = std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| u.starts_with("postgres"));
-    let amqp = std::env::var("AMQP_URL").ok();
-    let required = std::env::var("INBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1");
-    if url.is_none() || amqp.is_none() {
-        assert!(
-            !required,
-            "INBOX_REQUIRE_SERVICES=1 but DATABASE_URL or AMQP_URL is missing"
-        );
-        eprintln!("skipping: set DATABASE_URL and AMQP_URL to run the rebuild end-to-end tests");
-        return None;
-    }
-    url
+    let url = url_of(Service::Postgres)?;
+    url_of(Service::Amqp)?;
+    Some(url)
 }
 
-/// `cargo test` builds the package's examples next to its test binaries.
+fn amqp_url() -> String {
+    url_of(Service::Amqp).expect("checked by database_url")
+}
+
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
@@ -124,6 +121,7 @@ fn consumer(schema: &Schema, env: &[(&str, &str)]) -> KillOnDrop {
     let child = Command::new(example("usage_consumer"))
         .envs(env.iter().copied())
         .env("DATABASE_URL", &schema.url)
+        .env("AMQP_URL", amqp_url())
         .env("INBOX_PREFIX", format!("{}.", schema.name))
         .env("RUST_LOG", "warn,inbox_diesel=info,inbox_amqp=warn")
         .stdout(Stdio::piped())
@@ -184,7 +182,7 @@ fn ready(schema: &Schema) -> u32 {
         .build()
         .unwrap();
     rt.block_on(async {
-        let amqp = std::env::var("AMQP_URL").unwrap();
+        let amqp = amqp_url();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
             .await
             .unwrap();
@@ -249,6 +247,7 @@ fn rebuilds_racing_live_consumers_leave_no_drift_and_turn_deliveries_into_duplic
     for _ in 0..2 {
         let out = Command::new(example("usage_producer"))
             .env("DATABASE_URL", &schema.url)
+            .env("AMQP_URL", amqp_url())
             .env("INBOX_PREFIX", format!("{}.", schema.name))
             .env("USAGE_EVENTS", "1500")
             .env("RUST_LOG", "warn")
