@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::RetryPolicy;
-use inbox_diesel::{Backend, Store, StoreConnection};
+use inbox_diesel::{Backend, OperatorConnection, RebuildConnection, Store};
 use inbox_examples::ops::ProjectionCommand;
 use inbox_examples::usage::{DailyUsage, UsageDb};
 
@@ -94,7 +94,7 @@ fn run(
     }
 }
 
-fn on<C: StoreConnection + UsageDb>(
+fn on<C: OperatorConnection + RebuildConnection + UsageDb>(
     global: &inbox_cli::GlobalArgs,
     url: &str,
     command: &ProjectionCommand,

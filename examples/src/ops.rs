@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use inbox_core::{AuditReport, DriftRow, RebuildReport};
-use inbox_diesel::{Store, StoreConnection};
+use inbox_diesel::{RebuildConnection, Store};
 
 /// The projection commands (`usage_ops audit|rebuild <projection> --days N`; the
 /// binary's global `--json` picks the output).
@@ -34,7 +34,7 @@ pub struct WindowArgs {
 impl ProjectionCommand {
     /// Runs the command on `store`; returns what to print on stdout: the report as one
     /// JSON object (stable field names) when `json`, else as text.
-    pub fn run<C: StoreConnection>(
+    pub fn run<C: RebuildConnection>(
         &self,
         store: &Store<C>,
         json: bool,

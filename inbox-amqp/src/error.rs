@@ -47,6 +47,17 @@ pub enum Error {
         /// The broker's message, naming the argument.
         detail: String,
     },
+    /// [`Topology::check`](crate::Topology::check) found an object missing: the
+    /// broker answered its passive declare with NOT_FOUND.
+    #[error("{kind} {name:?} does not exist: {detail}")]
+    TopologyMissing {
+        /// `exchange` or `queue`.
+        kind: &'static str,
+        /// Its name (prefixed).
+        name: String,
+        /// The broker's answer.
+        detail: String,
+    },
     /// An AMQP operation failed.
     #[error("amqp error")]
     Amqp(#[from] lapin::Error),
@@ -98,7 +109,7 @@ impl Error {
             inbox_core::redact_url(url),
             inbox_core::RedactedError::new(source, url),
         );
-        if crate::tls::is_handshake_failure(source) {
+        if is_handshake_failure(source) {
             Self::Tls {
                 url: redacted,
                 source: cause,
@@ -114,3 +125,17 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether lapin's `err` is a TLS handshake that failed: rustls's error inside
+/// lapin's I/O error.
+#[cfg(feature = "rustls")]
+fn is_handshake_failure(err: &lapin::Error) -> bool {
+    matches!(err.kind(), lapin::ErrorKind::IOError(io)
+        if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()))
+}
+
+/// Never: a build without TLS does no handshake.
+#[cfg(not(feature = "rustls"))]
+fn is_handshake_failure(_: &lapin::Error) -> bool {
+    false
+}

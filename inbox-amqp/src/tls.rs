@@ -79,20 +79,6 @@ fn check_tls_built(url: &str, secure: bool, built: bool) -> Result<()> {
     Ok(())
 }
 
-/// Whether lapin's `err` is a TLS handshake that failed: rustls's error inside
-/// lapin's I/O error.
-#[cfg(feature = "rustls")]
-pub(crate) fn is_handshake_failure(err: &lapin::Error) -> bool {
-    matches!(err.kind(), lapin::ErrorKind::IOError(io)
-        if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()))
-}
-
-/// Never: a build without TLS does no handshake.
-#[cfg(not(feature = "rustls"))]
-pub(crate) fn is_handshake_failure(_: &lapin::Error) -> bool {
-    false
-}
-
 /// The PEM text of `path`, once it is known to hold at least one certificate and
 /// nothing that is not one (lapin skips a certificate it cannot parse without a
 /// word; the handshake would then fail for want of a CA the user believes given).

@@ -339,6 +339,51 @@ impl Topology {
         queues
     }
 
+    /// Checks, without creating anything, that the exchange (when `exchange`) and
+    /// every queue of [`queues`](Self::queues) exist: passive declares, one channel
+    /// each (a failed passive declare closes its channel). Returns the queues checked.
+    ///
+    /// An object that does not exist is [`Error::TopologyMissing`], naming it; any
+    /// other answer of the broker is [`Error::Amqp`]. Arguments are not compared (a
+    /// passive declare takes none): [`declare`](Self::declare) is what names a
+    /// conflict. The operator CLI's `verify --amqp-url` runs this check.
+    pub async fn check(&self, connection: &Connection, exchange: bool) -> Result<Vec<String>> {
+        if exchange {
+            let name = self.exchange();
+            let channel = connection.create_channel().await?;
+            channel
+                .exchange_declare(
+                    name.as_str().into(),
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions {
+                        passive: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| missing("exchange", &name, e))?;
+            close_channel(&channel, "verified").await;
+        }
+        let queues = self.queues();
+        for queue in &queues {
+            let channel = connection.create_channel().await?;
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| missing("queue", queue, e))?;
+            close_channel(&channel, "verified").await;
+        }
+        Ok(queues)
+    }
+
     /// Deletes the exchange and every queue of the topology, messages included (a
     /// teardown for tests and for retiring a consumer group).
     pub async fn delete(&self, connection: &Connection) -> Result<()> {
@@ -397,6 +442,18 @@ fn conflict(name: &str, err: lapin::Error) -> Error {
         }
     } else {
         Error::Amqp(err)
+    }
+}
+
+/// A NOT_FOUND (404) answer to a passive declaration is a missing object.
+fn missing(kind: &'static str, name: &str, err: lapin::Error) -> Error {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) if e.get_id() == 404 => Error::TopologyMissing {
+            kind,
+            name: name.to_owned(),
+            detail: err.to_string(),
+        },
+        _ => Error::Amqp(err),
     }
 }
 

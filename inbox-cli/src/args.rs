@@ -219,8 +219,9 @@ pub struct FilterArgs {
     /// Only this failure group (its fingerprint, from `dead-letters groups`).
     #[arg(long)]
     pub group: Option<String>,
-    /// pending, replayed, discarded, or active (pending or replayed). Default: active
-    /// for list, pending for groups, replay and discard.
+    /// pending, replayed, discarded, or active (every letter not discarded: pending,
+    /// replayed, or resolved by a rebuild). Default: active for list, pending for
+    /// groups, replay and discard.
     #[arg(long, value_enum)]
     pub status: Option<StatusArg>,
 }

@@ -30,8 +30,9 @@
 //! }
 //! ```
 //!
-//! Exit codes are in [`exit`]; the JSON documents and the commands are described in
-//! the workspace README ("Operating the inbox").
+//! Exit codes are in [`exit`]; the commands, their JSON documents and their exit codes
+//! are described in the crate's README (its manual), the operating guide in the
+//! workspace's `docs/operating.md`.
 //!
 //! What a publisher sent is hostile input here: every value a command prints for a
 //! person goes through [`inbox_core::display::escape`] (one record per line, no
@@ -42,15 +43,17 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod commands;
+mod failure;
 mod output;
 mod run;
-mod selftest;
 
 pub use args::{
     ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,
     SelftestArgs, StatusArg, VerifyArgs,
 };
-pub use run::{run, run_with, Failure};
+pub use failure::Failure;
+pub use run::{run, run_with};
 
 /// The exit codes of every command.
 pub mod exit {
@@ -68,7 +71,8 @@ pub mod exit {
     pub const SCHEMA: u8 = 3;
     /// No dead letter of that id, no claim of that key, no halt of that group.
     pub const NOT_FOUND: u8 = 4;
-    /// A replay refused: the letter's reason is not replayable, or it is discarded.
+    /// A replay refused: the letter's reason is not replayable, or it is discarded,
+    /// or a projection rebuild resolved it (counted its event).
     pub const REFUSED: u8 = 5;
     /// `selftest`: a canary was lost or doubled.
     pub const SELFTEST_FAILED: u8 = 6;

@@ -18,6 +18,8 @@ use inbox_diesel::{
 };
 use serde_json::{json, Value};
 
+use crate::failure::{failed, Outcome};
+
 /// Columns padded to their widest cell.
 pub(crate) struct Table {
     header: Vec<String>,
@@ -407,4 +409,12 @@ pub(crate) fn halts_text(halted: &[HaltedGroup]) -> String {
         ]);
     }
     table.render(&format!("{} halted groups", halted.len()))
+}
+
+pub(crate) fn print(out: &mut dyn io::Write, text: impl std::fmt::Display) -> Outcome {
+    write!(out, "{text}").map_err(failed)
+}
+
+pub(crate) fn print_json(out: &mut dyn io::Write, value: &Value) -> Outcome {
+    writeln!(out, "{}", json_text(value)).map_err(failed)
 }

@@ -17,7 +17,7 @@ use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySett
 use inbox_core::{
     relay_in_process, InProcessTransport, MessageKey, OutboxMessage, RetryLadder, RetryPolicy,
 };
-use inbox_diesel::{enqueue, DeadLetterFilter, Store, StoreConnection};
+use inbox_diesel::{enqueue, DeadLetterFilter, OperatorConnection, Store, StoreConnection};
 use inbox_test_support::amqp::{self, amqp_url, eventually};
 use inbox_test_support::tls::{self, TlsProxy};
 use inbox_test_support::{
@@ -104,7 +104,7 @@ fn enqueue_all<C: StoreConnection>(store: &Store<C>, exchange: &str) {
     }
 }
 
-fn pending_letters<C: StoreConnection>(store: &Store<C>) -> usize {
+fn pending_letters<C: OperatorConnection>(store: &Store<C>) -> usize {
     store
         .list_dead_letters(
             &DeadLetterFilter::default().status(inbox_diesel::LetterStatus::Pending),

@@ -1,7 +1,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::{ConsumerGroup, Error, MessageKey, Result};
+use crate::{ClaimInvariantViolated, Error, Result};
 
 /// What a transport must do with one delivery, as decided by the store.
 ///
@@ -174,25 +174,10 @@ impl fmt::Display for DeadLetterReason {
     }
 }
 
-/// The claim table rejected or lost a claim that its own lookup cannot explain.
-///
-/// Raised when an insert conflicted but no row exists under the same claim key, or a
-/// failure update by the claim key touched no row. Acking such a delivery as a
-/// duplicate would silently drop its effect, so the consumer group stops instead.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("claim invariant violated for ({group}, {key}): {detail}")]
-pub struct ClaimInvariantViolated {
-    /// The consumer group.
-    pub group: ConsumerGroup,
-    /// The message key.
-    pub key: MessageKey,
-    /// What was expected and what was found.
-    pub detail: String,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ConsumerGroup, MessageKey};
 
     fn violation() -> ClaimInvariantViolated {
         ClaimInvariantViolated {

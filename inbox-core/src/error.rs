@@ -1,15 +1,12 @@
-use crate::ClaimInvariantViolated;
+use crate::{ConsumerGroup, InvalidName, MessageKey};
 
 /// Everything that can go wrong in `inbox-core`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A message key is empty or longer than 255 bytes.
-    #[error("invalid message key: {0}")]
-    InvalidMessageKey(String),
-    /// A consumer group name breaks the name rules.
-    #[error("invalid consumer group: {0}")]
-    InvalidConsumerGroup(String),
+    /// A message key or a consumer group name breaks its rules.
+    #[error(transparent)]
+    InvalidName(#[from] InvalidName),
     /// An idempotency key is empty, longer than 255 bytes or not printable ASCII.
     #[error("invalid idempotency key: {0}")]
     InvalidIdempotencyKey(String),
@@ -102,3 +99,19 @@ impl std::fmt::Debug for ErrorChain<'_> {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The claim table rejected or lost a claim that its own lookup cannot explain.
+///
+/// Raised when an insert conflicted but no row exists under the same claim key, or a
+/// failure update by the claim key touched no row. Acking such a delivery as a
+/// duplicate would silently drop its effect, so the consumer group stops instead.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("claim invariant violated for ({group}, {key}): {detail}")]
+pub struct ClaimInvariantViolated {
+    /// The consumer group.
+    pub group: ConsumerGroup,
+    /// The message key.
+    pub key: MessageKey,
+    /// What was expected and what was found.
+    pub detail: String,
+}

@@ -2,10 +2,26 @@ use std::fmt;
 
 use uuid::Uuid;
 
-use crate::{names, Error};
+use crate::names;
 
 /// Root namespace of derived message keys (a fixed UUIDv5 of this crate's name).
 const KEY_ROOT: Uuid = Uuid::from_u128(0x6c0f_5b1e_8d3a_5f4e_9b7a_1c2d_3e4f_5a6b);
+
+/// A message key or consumer group name that breaks its rules (the rules are the
+/// `inbox-names` crate's, shared with the derive), with what was wrong with it.
+///
+/// Its own type, not [`Error`](crate::Error): a name is checked before anything else
+/// of the crate runs. `?` turns it into [`Error::InvalidName`](crate::Error::InvalidName).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidName {
+    /// A message key is empty, longer than 255 bytes or holds a NUL byte.
+    #[error("invalid message key: {0}")]
+    MessageKey(String),
+    /// A consumer group name breaks the name rules.
+    #[error("invalid consumer group: {0}")]
+    ConsumerGroup(String),
+}
 
 /// The identity of a message: what makes two deliveries "the same message".
 ///
@@ -22,9 +38,9 @@ impl MessageKey {
     /// assert!(MessageKey::new("order-17:paid").is_ok());
     /// assert!(MessageKey::new("").is_err());
     /// ```
-    pub fn new(key: impl Into<String>) -> Result<Self, Error> {
+    pub fn new(key: impl Into<String>) -> Result<Self, InvalidName> {
         let key = key.into();
-        names::check_message_key(&key).map_err(Error::InvalidMessageKey)?;
+        names::check_message_key(&key).map_err(InvalidName::MessageKey)?;
         Ok(Self(key))
     }
 
@@ -71,8 +87,8 @@ impl fmt::Display for MessageKey {
 }
 
 impl TryFrom<&str> for MessageKey {
-    type Error = Error;
-    fn try_from(value: &str) -> Result<Self, Error> {
+    type Error = InvalidName;
+    fn try_from(value: &str) -> Result<Self, InvalidName> {
         Self::new(value)
     }
 }
@@ -94,9 +110,9 @@ impl ConsumerGroup {
     /// assert!(ConsumerGroup::new("Billing").is_err());
     /// assert!(ConsumerGroup::new("billing:retry").is_err());
     /// ```
-    pub fn new(name: impl Into<String>) -> Result<Self, Error> {
+    pub fn new(name: impl Into<String>) -> Result<Self, InvalidName> {
         let name = name.into();
-        names::check_group_name(&name).map_err(Error::InvalidConsumerGroup)?;
+        names::check_group_name(&name).map_err(InvalidName::ConsumerGroup)?;
         Ok(Self(name))
     }
 
@@ -119,8 +135,8 @@ impl fmt::Display for ConsumerGroup {
 }
 
 impl TryFrom<&str> for ConsumerGroup {
-    type Error = Error;
-    fn try_from(value: &str) -> Result<Self, Error> {
+    type Error = InvalidName;
+    fn try_from(value: &str) -> Result<Self, InvalidName> {
         Self::new(value)
     }
 }
@@ -162,7 +178,7 @@ mod tests {
     fn refuses_a_nul_byte() {
         assert!(matches!(
             MessageKey::new("order\0-17"),
-            Err(Error::InvalidMessageKey(msg)) if msg.contains("NUL byte")
+            Err(InvalidName::MessageKey(msg)) if msg.contains("NUL byte")
         ));
     }
 

@@ -60,13 +60,10 @@ pub use clock::{
     delta, earlier_by, later_by, stored_time, Clock, ManualClock, SystemClock,
     EARLIEST_STORED_TIME, LATEST_STORED_TIME,
 };
-pub use decision::{
-    check_decision_count, ClaimInvariantViolated, DeadLetterReason, Decision, Tally,
-    TransportAction,
-};
+pub use decision::{check_decision_count, DeadLetterReason, Decision, Tally, TransportAction};
 pub use duration::{database_timeout, parse_duration, parse_ladder, MAX_DATABASE_TIMEOUT};
 pub use envelope::{payload_digest, Envelope, PayloadCut, CUT_PAYLOAD_PREFIX};
-pub use error::{Error, ErrorChain, Result};
+pub use error::{ClaimInvariantViolated, Error, ErrorChain, Result};
 pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,
@@ -89,7 +86,7 @@ pub mod handler_trait {
 /// The name rules, shared with the derive (the `inbox-names` crate).
 #[doc(hidden)]
 pub use inbox_names as names;
-pub use key::{ClaimKey, ConsumerGroup, MessageKey};
+pub use key::{ClaimKey, ConsumerGroup, InvalidName, MessageKey};
 pub use outbox::{
     EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,
     UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,

@@ -1,8 +1,13 @@
-//! The backend contract: what differs per backend beyond the statements
-//! (connecting, migrations, the catalog, the write transaction, projection locks,
-//! waiting for an enqueue), sealed, and [`StoreConnection`], with the classification
-//! of database errors every backend shares. Implemented by `pg/` and `sqlite/`;
-//! neutral itself (it names no backend).
+//! The backend contract: what the inbox path and the relay need of a backend beyond
+//! the statements (connecting, migrations, the catalog, the write transaction,
+//! projection locks, waiting for an enqueue), sealed, and [`StoreConnection`], with the
+//! classification of database errors every backend shares. Implemented by `pg/` and
+//! `sqlite/`; neutral itself (it names no backend).
+//!
+//! The optional capabilities are not part of it: each has its own sealed trait that
+//! extends [`StoreConnection`] in its own module (`OperatorConnection`,
+//! `RebuildConnection`, `IdempotencyConnection`), as diesel's `LoadConnection` extends
+//! `Connection`, so this module imports none of them.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -12,7 +17,7 @@ use diesel::r2d2::R2D2Connection;
 use diesel::{Connection, ConnectionResult, QueryResult};
 use inbox_core::Clock;
 
-use crate::statements::{ClaimOps, OutboxOps, RetentionOps};
+use crate::statements::{ClaimOps, HaltOps, OutboxOps, RetentionOps};
 use crate::verify::Catalog;
 use crate::{Backend, Result};
 
@@ -20,16 +25,7 @@ pub(crate) mod private {
     use super::*;
 
     /// Backend operations; sealed, so only this crate's backends implement them.
-    pub trait Sealed:
-        ClaimOps
-        + OutboxOps
-        + RetentionOps
-        + crate::idempotency::IdempotencyOps
-        + crate::rebuild_ops::RebuildOps
-        + crate::operator::OperatorOps
-        + crate::operator::CatalogOps
-        + Sized
-    {
+    pub trait Sealed: ClaimOps + OutboxOps + RetentionOps + HaltOps + Sized {
         const BACKEND: Backend;
 
         /// What a relay waits for enqueues on (PostgreSQL: the store's LISTEN
@@ -72,8 +68,16 @@ pub(crate) mod private {
             conn: &mut Self,
             schema: Option<&str>,
             framework: bool,
-            setup: &[crate::store::Setup<Self>],
+            setup: &[super::Setup<Self>],
         ) -> Result<()>;
+
+        /// Checks the tables of the capabilities this backend has (idempotency keys,
+        /// rebuilds, the operator's), after the claim table's check: the backend
+        /// implements each capability, so it is the one that knows which to check.
+        fn verify_capabilities(conn: &mut Self) -> Result<()>;
+
+        /// The store's schema as projection lock keys name it (SQLite: `main`).
+        fn lock_scope(conn: &mut Self) -> QueryResult<String>;
 
         /// Reads the claim table's indexes and columns from the live catalog.
         fn catalog(conn: &mut Self) -> Result<Catalog>;
@@ -118,6 +122,9 @@ pub(crate) mod private {
         fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>>;
     }
 }
+
+/// An application's setup step (see [`StoreBuilder::setup`](crate::StoreBuilder::setup)).
+pub(crate) type Setup<C> = Box<dyn Fn(&mut C) -> QueryResult<()> + Send + Sync>;
 
 /// A diesel connection type the store runs on: `PgConnection` or `SqliteConnection`.
 ///

@@ -219,6 +219,12 @@ pub enum SchemaProblem {
     ColumnType,
 }
 
+impl From<inbox_core::InvalidName> for Error {
+    fn from(err: inbox_core::InvalidName) -> Self {
+        Self::Core(err.into())
+    }
+}
+
 impl Error {
     /// A rejected setting.
     pub(crate) fn invalid(
@@ -237,7 +243,7 @@ impl Error {
     /// error (nor any cause below it) keeps a password of `url`.
     pub(crate) fn connect(url: &str, source: &diesel::ConnectionError) -> Self {
         Self::Connect {
-            url: crate::redact(url),
+            url: inbox_core::redact_url(url),
             source: inbox_core::RedactedError::new(source, url),
         }
     }

@@ -63,15 +63,16 @@ pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
 pub use idempotency::{
     abandon_request, begin_request, commit_request, purge_requests, read_request,
-    refund_delivered_request, settle_request, NewRequest, IDEMPOTENCY_KEY_COLUMNS,
+    refund_delivered_request, settle_request, IdempotencyConnection, NewRequest,
+    IDEMPOTENCY_KEY_COLUMNS,
 };
 #[cfg(feature = "bench-knobs")]
 pub use knobs::BenchKnobs;
 pub use operator::{
     replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
     DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, HaltedGroup,
-    LetterCount, LetterStatus, OperatorStats, PurgeReport, RedriveFilter, ReplayOutcome,
-    ReplayTarget, CANARY_GROUP, CANARY_MESSAGE_TYPE,
+    LetterCount, LetterStatus, OperatorConnection, OperatorStats, PurgeReport, RedriveFilter,
+    ReplayOutcome, ReplayTarget, CANARY_GROUP, CANARY_MESSAGE_TYPE,
 };
 pub use outbox::{
     enqueue, enqueue_all, enqueue_all_with, enqueue_with, ordering_lock_stripe, AsStoreConnection,
@@ -82,9 +83,9 @@ pub use outbox::{
 pub use pg::retention::purge_statement as pg_purge_statement;
 pub use pool::{PooledStoreConnection, StoreManager};
 pub use rebuild::{
-    RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT, DEFAULT_LOCK_TRIES,
-    DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE, MAX_REBUILD_EVERY,
-    MAX_REBUILD_WINDOW,
+    RebuildConnection, RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_LOCK_TRIES, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
+    MAX_REBUILD_EVERY, MAX_REBUILD_WINDOW,
 };
 pub use retention::{purge_batch, Retention, PURGE_LOCK_CLASS};
 pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow, PurgeBatch, PurgeTarget};

@@ -95,7 +95,6 @@
 
 mod runner;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -108,8 +107,16 @@ pub use runner::{
 };
 
 use crate::backend::{classify, ErrorClass, StoreConnection};
+use crate::rebuild_ops::RebuildOps;
 use crate::rebuild_ops::{CoverClaims, RebuildCatalog};
 use crate::{Error, Result, Store, StoreBuilder};
+
+/// A connection type projection rebuilds run on: `PgConnection` or
+/// `SqliteConnection`. Sealed, as [`StoreConnection`] is; code generic over the
+/// backend that rebuilds or audits a projection bounds its connection type by it.
+pub trait RebuildConnection: StoreConnection + RebuildOps {}
+
+impl<C: StoreConnection + RebuildOps> RebuildConnection for C {}
 
 /// The default [`Rebuilder::lock_timeout`].
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
@@ -125,7 +132,7 @@ pub const DEFAULT_LOCK_TRIES: u32 = 50;
 pub const DEFAULT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 /// Checks the rebuild's schema objects (part of `verify_schema`).
-pub(crate) fn verify<C: StoreConnection>(conn: &mut C) -> Result<()> {
+pub(crate) fn verify<C: RebuildConnection>(conn: &mut C) -> Result<()> {
     check_catalog(&C::rebuild_catalog(conn)?)
 }
 
@@ -184,28 +191,6 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
     Ok(())
 }
 
-/// Checks the projections registered on a builder: each has a lock and a name of its
-/// own.
-pub(crate) fn register<C: StoreConnection>(
-    rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
-) -> Result<HashMap<String, Arc<dyn DynRebuild<C>>>> {
-    let mut registered = HashMap::new();
-    for hook in rebuilds {
-        if hook.lock().is_none() {
-            return Err(Error::ProjectionWithoutLock {
-                projection: hook.projection().to_owned(),
-                group: hook.group().to_string(),
-                message_type: hook.message_type().to_owned(),
-            });
-        }
-        let name = hook.projection().to_owned();
-        if registered.insert(name.clone(), hook).is_some() {
-            return Err(Error::DuplicateProjection(name));
-        }
-    }
-    Ok(registered)
-}
-
 impl<C: StoreConnection> StoreBuilder<C> {
     /// Registers a projection: its handler (as [`StoreBuilder::handler`] does) and its
     /// rebuild hooks ([`inbox_core::Rebuild`]), for [`Store::rebuilder`].
@@ -221,7 +206,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
     }
 }
 
-impl<C: StoreConnection> Store<C> {
+impl<C: RebuildConnection> Store<C> {
     /// The names of the projections registered with rebuild hooks, sorted.
     pub fn projections(&self) -> Vec<String> {
         let mut names: Vec<String> = self.inner.rebuilds().keys().cloned().collect();
@@ -275,7 +260,7 @@ impl<C: StoreConnection> Store<C> {
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct Rebuilder<C: StoreConnection> {
+pub struct Rebuilder<C: RebuildConnection> {
     store: Store<C>,
     hook: Arc<dyn DynRebuild<C>>,
     key: i64,
@@ -325,7 +310,7 @@ impl TryError {
     }
 }
 
-impl<C: StoreConnection> Rebuilder<C> {
+impl<C: RebuildConnection> Rebuilder<C> {
     /// How long one try waits for the exclusive lock (default 200 ms). Live batches
     /// that arrive while the rebuild waits queue behind it, so this bounds their extra
     /// wait too. PostgreSQL only: on SQLite the store's `busy_timeout` bounds it.

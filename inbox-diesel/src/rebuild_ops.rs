@@ -46,10 +46,7 @@ pub struct RebuildCatalog {
 }
 
 /// The statements of a rebuild, per backend (`rebuild/pg.rs`, `rebuild/sqlite.rs`).
-pub trait RebuildOps: Sized {
-    /// The store's schema as lock keys name it.
-    fn lock_scope(conn: &mut Self) -> QueryResult<String>;
-
+pub trait RebuildOps: crate::backend::StoreConnection {
     /// Takes a projection lock exclusively for the rest of the transaction, waiting at
     /// most `timeout` (for the rest of the transaction, every lock wait is bounded so).
     /// Returns whether it had to wait (live batches held it).

@@ -129,6 +129,24 @@ pub trait OutboxOps: Sized {
     fn revive_outbox(conn: &mut Self, ids: &[i64], now: DateTime<Utc>) -> QueryResult<usize>;
 }
 
+/// A recorded halt: (group, message key, detail, halted at).
+pub(crate) type HaltRow = (String, String, String, DateTime<Utc>);
+
+/// The group-halt statements every backend runs: a consumer records and reads halts.
+pub trait HaltOps: Sized {
+    /// Records a group's halt unless one is recorded; returns whether it wrote one.
+    #[doc(hidden)]
+    fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool>;
+
+    /// Every recorded halt, by group.
+    #[doc(hidden)]
+    fn op_halts(conn: &mut Self) -> QueryResult<Vec<HaltRow>>;
+
+    /// Deletes a group's halt; returns how many rows it deleted (0 or 1).
+    #[doc(hidden)]
+    fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize>;
+}
+
 /// The retention statement every backend runs.
 pub trait RetentionOps: Sized {
     /// Deletes up to `limit` rows of `target` older than `cutoff`, oldest first,

@@ -27,12 +27,13 @@ use inbox_core::{
     Envelope, Handler, InboxStore, RetryLadder, SystemClock, MAX_DATABASE_TIMEOUT,
 };
 
-use crate::backend::{valid_schema_name, StoreConnection};
+use crate::backend::{valid_schema_name, Setup, StoreConnection};
 use crate::knobs::Knobs;
 use crate::pool::{Closer, PooledStoreConnection, StoreManager};
 use crate::rows::{ClaimRecord, DeadLetter};
 use crate::slot::Slot;
 use crate::{verify, Backend, Error, Result};
+use inbox_core::DynRebuild;
 
 /// The settings a batch runs under.
 pub(crate) struct Settings {
@@ -274,9 +275,7 @@ impl<C: StoreConnection> Store<C> {
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
         verify::check(&C::catalog(&mut conn)?)?;
-        crate::idempotency::verify_on(&mut *conn)?;
-        crate::rebuild::verify(&mut *conn)?;
-        Self::check_operator_schema(&mut conn)
+        C::verify_capabilities(&mut conn)
     }
 
     /// Processes one consumer group's batch; see [`InboxStore::process_batch`].
@@ -446,9 +445,6 @@ pub struct StoreBuilder<C: StoreConnection> {
     knobs: Knobs,
 }
 
-/// An application's setup step (see [`StoreBuilder::setup`]).
-pub(crate) type Setup<C> = Box<dyn Fn(&mut C) -> QueryResult<()> + Send + Sync>;
-
 /// PostgreSQL: the first key of the migration lock, `pg_advisory_lock(
 /// MIGRATION_LOCK_CLASS, hashtext('<schema>'))`, whose second key is the hash of the
 /// store's schema (its `current_schema()` without [`StoreBuilder::schema`]). A store
@@ -610,7 +606,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
     fn assemble(self, check_schema: bool) -> Result<Store<C>> {
         self.check_settings()?;
         let handlers = routes(self.handlers)?;
-        let rebuilds = crate::rebuild::register(self.rebuilds)?;
+        let rebuilds = register(self.rebuilds)?;
         let mut first = first_connection::<C>(
             &self.url,
             self.schema.as_deref(),
@@ -744,9 +740,7 @@ fn first_connection<C: StoreConnection>(
     }
     if check_schema {
         verify::check(&C::catalog(&mut first)?)?;
-        crate::idempotency::verify_on(&mut first)?;
-        crate::rebuild::verify(&mut first)?;
-        Store::<C>::check_operator_schema(&mut first)?;
+        C::verify_capabilities(&mut first)?;
     }
     Ok(first)
 }
@@ -764,4 +758,26 @@ impl<C: StoreConnection> CustomizeConnection<C, diesel::r2d2::Error> for Customi
             .and_then(|()| C::set_timeouts(conn, self.statement_timeout, self.batch_deadline))
             .map_err(diesel::r2d2::Error::QueryError)
     }
+}
+
+/// Checks the projections registered on a builder: each has a lock and a name of its
+/// own.
+fn register<C: StoreConnection>(
+    rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
+) -> Result<HashMap<String, Arc<dyn DynRebuild<C>>>> {
+    let mut registered = HashMap::new();
+    for hook in rebuilds {
+        if hook.lock().is_none() {
+            return Err(Error::ProjectionWithoutLock {
+                projection: hook.projection().to_owned(),
+                group: hook.group().to_string(),
+                message_type: hook.message_type().to_owned(),
+            });
+        }
+        let name = hook.projection().to_owned();
+        if registered.insert(name.clone(), hook).is_some() {
+            return Err(Error::DuplicateProjection(name));
+        }
+    }
+    Ok(registered)
 }

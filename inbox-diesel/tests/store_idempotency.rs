@@ -16,7 +16,6 @@ use inbox_core::{
 use inbox_diesel::{
     abandon_request, begin_request, commit_request, purge_requests, read_request,
     refund_delivered_request, settle_request, Error, NewRequest, SchemaProblem, Store,
-    StoreConnection,
 };
 use inbox_test_support::{Fixture, PgFixture, SqliteFixture};
 
@@ -35,7 +34,7 @@ fn fingerprint(text: &str, secret: &[u8]) -> Fingerprint {
         .fingerprint(secret)
 }
 
-struct Env<C: StoreConnection> {
+struct Env<C: inbox_test_support::FullConnection> {
     store: Store<C>,
     clock: Arc<ManualClock>,
 }
@@ -46,7 +45,7 @@ fn env<F: Fixture>(fx: &F) -> Env<F::Conn> {
     Env { store, clock }
 }
 
-impl<C: StoreConnection> Env<C> {
+impl<C: inbox_test_support::FullConnection> Env<C> {
     fn begin(&self, caller: &str, key: &IdempotencyKey, fp: &Fingerprint) -> IdempotencyAnswer {
         let now = self.clock.now();
         let mut conn = self.store.connection().unwrap();
@@ -460,7 +459,11 @@ impl Interleave for SqliteFixture {
 }
 
 /// A record of `key` whose request (token returned) has let its lease run out.
-fn expired<C: StoreConnection>(env: &Env<C>, k: &IdempotencyKey, fp: &Fingerprint) -> LeaseToken {
+fn expired<C: inbox_test_support::FullConnection>(
+    env: &Env<C>,
+    k: &IdempotencyKey,
+    fp: &Fingerprint,
+) -> LeaseToken {
     let IdempotencyAnswer::Execute { token } = env.begin("a", k, fp) else {
         panic!("the first request executes");
     };
@@ -468,7 +471,7 @@ fn expired<C: StoreConnection>(env: &Env<C>, k: &IdempotencyKey, fp: &Fingerprin
     token
 }
 
-fn begin_on<C: StoreConnection>(
+fn begin_on<C: inbox_test_support::FullConnection>(
     conn: &mut C,
     env: &Env<C>,
     k: &IdempotencyKey,

@@ -32,7 +32,7 @@ fn policy() -> RetryPolicy {
     RetryPolicy::new(2, Duration::from_secs(1), Duration::from_secs(1)).unwrap()
 }
 
-struct Scene<C: inbox_diesel::StoreConnection> {
+struct Scene<C: inbox_test_support::FullConnection> {
     store: Store<C>,
     clock: Arc<ManualClock>,
     healed: Arc<AtomicBool>,
@@ -74,11 +74,11 @@ fn scene<F: Fixture>(fx: &F) -> Scene<F::Conn> {
     }
 }
 
-fn transport<C: inbox_diesel::StoreConnection>(s: &Scene<C>) -> InProcessTransport<Store<C>> {
+fn transport<C: inbox_test_support::FullConnection>(s: &Scene<C>) -> InProcessTransport<Store<C>> {
     InProcessTransport::new(s.store.clone()).with_clock(s.clock.clone())
 }
 
-fn relay<C: inbox_diesel::StoreConnection>(
+fn relay<C: inbox_test_support::FullConnection>(
     s: &Scene<C>,
     t: &mut InProcessTransport<Store<C>>,
 ) -> usize {
@@ -94,7 +94,7 @@ fn calls(c: &Arc<std::sync::Mutex<Vec<String>>>, key: &str) -> usize {
 const BAD: [&str; 3] = ["bad-1", "bad-22", "bad-333"];
 
 /// Dead-letters the three bad keys in the failing group (the bystander applies them).
-fn dead_letter_three<C: inbox_diesel::StoreConnection + TestConn>(
+fn dead_letter_three<C: inbox_test_support::FullConnection + TestConn>(
     s: &Scene<C>,
 ) -> InProcessTransport<Store<C>> {
     let mut t = transport(s);
@@ -667,7 +667,7 @@ impl metrics::Recorder for Capture {
 }
 
 /// The key of the newest dead letter (the one the gauges test replays).
-fn letter_key<C: inbox_diesel::StoreConnection>(s: &Scene<C>) -> String {
+fn letter_key<C: inbox_test_support::FullConnection>(s: &Scene<C>) -> String {
     s.store
         .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
         .unwrap()
@@ -796,7 +796,9 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     assert_eq!(store.halted_groups().unwrap(), [again]);
     assert!(matches!(
         store.resume_group("Not A Group"),
-        Err(Error::Core(inbox_core::Error::InvalidConsumerGroup(_)))
+        Err(Error::Core(inbox_core::Error::InvalidName(
+            inbox_core::InvalidName::ConsumerGroup(_)
+        )))
     ));
 }
 

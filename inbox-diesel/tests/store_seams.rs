@@ -21,13 +21,12 @@ use chrono::{TimeZone, Utc};
 use inbox_core::{relay_in_process, InProcessTransport, ManualClock, RetryPolicy};
 use inbox_diesel::{
     ClaimStatus, DeadLetterFilter, DiscardOutcome, ReplayOutcome, ReplayTarget, Retention, Store,
-    StoreConnection,
 };
 use inbox_test_support::{on_both_backends, usage, Fixture, Outcome, Recorder};
 
 const GROUP: &str = "billing.daily-usage";
 
-struct Scene<C: StoreConnection> {
+struct Scene<C: inbox_test_support::FullConnection> {
     store: Store<C>,
     clock: Arc<ManualClock>,
     healed: Arc<AtomicBool>,
@@ -57,12 +56,12 @@ fn scene<F: Fixture>(fx: &F) -> Scene<F::Conn> {
     }
 }
 
-fn transport<C: StoreConnection>(s: &Scene<C>) -> InProcessTransport<Store<C>> {
+fn transport<C: inbox_test_support::FullConnection>(s: &Scene<C>) -> InProcessTransport<Store<C>> {
     InProcessTransport::new(s.store.clone()).with_clock(s.clock.clone())
 }
 
 /// Publishes `key` and runs it to its dead letter; returns the letter's id.
-fn dead_letter<C: StoreConnection>(
+fn dead_letter<C: inbox_test_support::FullConnection>(
     s: &Scene<C>,
     t: &mut InProcessTransport<Store<C>>,
     key: &str,
@@ -72,19 +71,22 @@ fn dead_letter<C: StoreConnection>(
     newest_letter(s, key)
 }
 
-fn newest_letter<C: StoreConnection>(s: &Scene<C>, key: &str) -> i64 {
+fn newest_letter<C: inbox_test_support::FullConnection>(s: &Scene<C>, key: &str) -> i64 {
     s.store
         .list_dead_letters(&DeadLetterFilter::default().message_key(key), 0, 1)
         .unwrap()[0]
         .id
 }
 
-fn claim_status<C: StoreConnection>(s: &Scene<C>, key: &str) -> ClaimStatus {
+fn claim_status<C: inbox_test_support::FullConnection>(s: &Scene<C>, key: &str) -> ClaimStatus {
     s.store.claims_for_key(key).unwrap()[0].status
 }
 
 /// Relays the outbox to the transport and runs it; returns the rows relayed.
-fn relay<C: StoreConnection>(s: &Scene<C>, t: &mut InProcessTransport<Store<C>>) -> usize {
+fn relay<C: inbox_test_support::FullConnection>(
+    s: &Scene<C>,
+    t: &mut InProcessTransport<Store<C>>,
+) -> usize {
     let n = relay_in_process(&s.store, t, "relay-1", 100).unwrap();
     t.run_until_idle().unwrap();
     n

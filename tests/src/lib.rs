@@ -28,7 +28,10 @@ use inbox_core::{
     ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, MessageContext, MessageKey,
     RetryPolicy,
 };
-use inbox_diesel::{Store, StoreBuilder, StoreConnection};
+use inbox_diesel::{
+    IdempotencyConnection, OperatorConnection, RebuildConnection, Store, StoreBuilder,
+    StoreConnection,
+};
 
 /// What an error reporter could print of `err`: its `Debug`, and the `Display` of it
 /// and of every cause below it (for tests that no level leaks a secret).
@@ -165,10 +168,22 @@ macro_rules! on_both_backends {
     };
 }
 
+/// A connection type with every capability of the store (both backends have them
+/// all), for tests generic over the backend.
+pub trait FullConnection:
+    StoreConnection + OperatorConnection + IdempotencyConnection + RebuildConnection
+{
+}
+
+impl<C> FullConnection for C where
+    C: StoreConnection + OperatorConnection + IdempotencyConnection + RebuildConnection
+{
+}
+
 /// A store backend under test, with a private place for its tables.
 pub trait Fixture {
     /// The connection type.
-    type Conn: StoreConnection + TestConn;
+    type Conn: FullConnection + TestConn;
 
     /// A store builder pointed at this fixture's schema or file.
     fn builder(&self) -> StoreBuilder<Self::Conn>;

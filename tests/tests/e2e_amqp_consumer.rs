@@ -356,7 +356,26 @@ async fn topology_declares_idempotently_and_names_conflicts() {
         .topology
         .clone()
         .group(setup.group.clone(), [MESSAGE_TYPE]);
+    // The check creates nothing: before the declare, the exchange is missing, and
+    // then (not asked about the exchange) the group's queue.
+    match topology.check(&conn, true).await {
+        Err(inbox_amqp::Error::TopologyMissing { kind, name, .. }) => {
+            assert_eq!((kind, name), ("exchange", topology.exchange()));
+        }
+        other => panic!("expected the exchange missing, got {other:?}"),
+    }
+    match topology.check(&conn, false).await {
+        Err(inbox_amqp::Error::TopologyMissing { kind, name, .. }) => {
+            assert_eq!((kind, name), ("queue", topology.queue(&setup.group)));
+        }
+        other => panic!("expected the queue missing, got {other:?}"),
+    }
     topology.declare(&conn).await.unwrap();
+    assert_eq!(
+        topology.check(&conn, true).await.unwrap(),
+        topology.queues(),
+        "every queue checked once declared"
+    );
     topology
         .declare(&conn)
         .await

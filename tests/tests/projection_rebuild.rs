@@ -16,7 +16,7 @@ use inbox_core::{
     ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, HookError, MessageContext,
     ProjectionLock, Rebuild, RetryPolicy, SourceEvent,
 };
-use inbox_diesel::{ClaimStatus, Error, Store, StoreBuilder, StoreConnection};
+use inbox_diesel::{ClaimStatus, Error, Store, StoreBuilder};
 use inbox_examples::usage::{
     ledger_event_key, quick_policy, DailyTotal, DailyUsage, UsageDb, UsageRecorded, GROUP,
     PROJECTION,
@@ -236,7 +236,7 @@ impl Event {
     }
 }
 
-fn write<C: StoreConnection + UsageDb>(
+fn write<C: inbox_test_support::FullConnection + UsageDb>(
     store: &Store<C>,
     user_id: i64,
     day: NaiveDate,
@@ -255,7 +255,10 @@ fn write<C: StoreConnection + UsageDb>(
     }
 }
 
-fn setup<C: StoreConnection + UsageDb>(builder: StoreBuilder<C>, projection: Gated) -> Store<C> {
+fn setup<C: inbox_test_support::FullConnection + UsageDb>(
+    builder: StoreBuilder<C>,
+    projection: Gated,
+) -> Store<C> {
     let store = builder.projection(projection).build().unwrap();
     let mut conn = store.connection().unwrap();
     conn.create_daily_usage().unwrap();
@@ -263,12 +266,15 @@ fn setup<C: StoreConnection + UsageDb>(builder: StoreBuilder<C>, projection: Gat
     store
 }
 
-fn deliver<C: StoreConnection>(store: &Store<C>, events: &[Event]) -> Vec<Decision> {
+fn deliver<C: inbox_test_support::FullConnection>(
+    store: &Store<C>,
+    events: &[Event],
+) -> Vec<Decision> {
     let batch: Vec<Envelope> = events.iter().map(Event::envelope).collect();
     store.process_batch(&group(), &batch).unwrap()
 }
 
-fn deliver_in_thread<C: StoreConnection>(
+fn deliver_in_thread<C: inbox_test_support::FullConnection>(
     store: &Store<C>,
     events: &[Event],
 ) -> JoinHandle<Vec<Decision>> {
@@ -290,13 +296,13 @@ fn finishes<T>(thread: &JoinHandle<T>, patience: Duration) -> bool {
 }
 
 /// The projection's totals, and the ledger's sums, per (user, day).
-fn totals<C: StoreConnection + UsageDb>(
+fn totals<C: inbox_test_support::FullConnection + UsageDb>(
     store: &Store<C>,
 ) -> std::collections::BTreeMap<(i64, NaiveDate), i64> {
     store.connection().unwrap().daily_totals().unwrap()
 }
 
-fn ledger_sums<C: StoreConnection + UsageDb>(
+fn ledger_sums<C: inbox_test_support::FullConnection + UsageDb>(
     store: &Store<C>,
     days: &[NaiveDate],
 ) -> std::collections::BTreeMap<(i64, NaiveDate), i64> {
@@ -617,7 +623,7 @@ where
 // depends on. An event is counted once whichever commits first.
 
 /// Delivers `e` (user 0) until it is dead-lettered.
-fn dead_letter<C: StoreConnection>(store: &Store<C>, e: Event) {
+fn dead_letter<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event) {
     loop {
         match &deliver(store, &[e])[0] {
             Decision::RetryAfter(wait) => std::thread::sleep(*wait),
@@ -628,7 +634,7 @@ fn dead_letter<C: StoreConnection>(store: &Store<C>, e: Event) {
 }
 
 /// The id of the dead letter of `e`'s key.
-fn letter_of<C: StoreConnection>(store: &Store<C>, e: Event) -> i64 {
+fn letter_of<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event) -> i64 {
     let filter =
         inbox_diesel::DeadLetterFilter::default().message_key(ledger_event_key(e.id).to_string());
     let letters = store.list_dead_letters(&filter, 0, 10).unwrap();
@@ -637,7 +643,7 @@ fn letter_of<C: StoreConnection>(store: &Store<C>, e: Event) -> i64 {
 }
 
 /// The letter's status, as list and JSON name it.
-fn letter_status<C: StoreConnection>(store: &Store<C>, id: i64) -> &'static str {
+fn letter_status<C: inbox_test_support::FullConnection>(store: &Store<C>, id: i64) -> &'static str {
     store
         .dead_letter_details(id)
         .unwrap()
@@ -651,7 +657,7 @@ fn letter_status<C: StoreConnection>(store: &Store<C>, id: i64) -> &'static str 
 /// copy left a claim the copy finds covered (a duplicate); one the rebuild came
 /// before it was refused, the letter resolved. The copy is delivered, healed, and
 /// the projection counts the event once.
-fn settle_and_check<C: StoreConnection + UsageDb>(
+fn settle_and_check<C: inbox_test_support::FullConnection + UsageDb>(
     store: &Store<C>,
     healed: &AtomicBool,
     e: Event,

@@ -2,150 +2,24 @@
 //! `/v1` on the public listener, `/admin` on a listener of its own (loopback by
 //! default) where every request carries the admin token.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use diesel::PgConnection;
-use inbox_diesel::Store;
 use serde::Deserialize;
 use serde_json::json;
-use sha2::{Digest, Sha256};
 
-use super::auth_limit::AuthFailures;
-use super::config::Config;
 use super::db;
-use super::log::escaped;
-use super::redis::{Advisory, CacheLookup};
-use super::serve::ConnectionStats;
-use super::settle::SettlementStats;
 
-/// Counters of the request path, for `GET /admin/stats`.
-#[derive(Debug, Default)]
-pub struct ServiceStats {
-    /// Streams that ended with their final line, delivered.
-    pub delivered: AtomicU64,
-    /// Streams cut (upstream failure, deadline, client gone) and refunded.
-    pub refunded: AtomicU64,
-    /// Refunds that failed on the request path (the settlement refunds them later).
-    pub refund_failures: AtomicU64,
-    /// Replays served from a saved response.
-    pub replays: AtomicU64,
-    /// Authentications refused because the client's address failed too often.
-    pub auth_rate_limited: AtomicU64,
-    /// Admin requests refused for a missing or wrong admin token.
-    pub admin_unauthorized: AtomicU64,
-}
-
-/// Everything a request needs.
-pub struct App {
-    /// The settings.
-    pub config: Config,
-    /// The PostgreSQL store (pool, clock, outbox, idempotency records).
-    pub store: Store<PgConnection>,
-    /// Redis, advisory only.
-    pub advisory: Advisory,
-    /// The settlement consumer's counters.
-    pub settlements: Arc<SettlementStats>,
-    /// The request path's counters.
-    pub stats: ServiceStats,
-    /// The exchange settlement messages are published to.
-    pub exchange: String,
-    /// Failed authentications per client address.
-    pub auth_failures: AuthFailures,
-    /// The public listener's connections.
-    pub connections: Arc<ConnectionStats>,
-}
-
-/// An error answer: `{"error": {"code": "...", "message": "..."}}`.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
-    retry_after: Option<u64>,
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            code,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-
-    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
-    }
-
-    pub(crate) fn internal(err: impl std::fmt::Display) -> Self {
-        tracing::error!(error = %escaped(&err), "request failed");
-        Self::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "the server failed; nothing was charged unless a usage id was reported",
-        )
-    }
-
-    pub(crate) fn unauthorized() -> Self {
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "expected Authorization: Bearer <api key> with an active key",
-        )
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
-        let mut response = (self.status, axum::Json(body)).into_response();
-        if let Some(secs) = self.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        response
-    }
-}
-
-pub(crate) type ApiResult<T> = Result<T, ApiError>;
-
-/// Runs `f` on a pooled connection on a blocking thread.
-pub(crate) async fn blocking<T, F>(app: &Arc<App>, f: F) -> ApiResult<T>
-where
-    T: Send + 'static,
-    F: FnOnce(&mut PgConnection) -> ApiResult<T> + Send + 'static,
-{
-    let app = Arc::clone(app);
-    tokio::task::spawn_blocking(move || {
-        let mut conn = app.store.connection().map_err(|e| {
-            tracing::error!(error = %escaped(&e), "no database connection");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database_unavailable",
-                "the database is unavailable",
-            )
-        })?;
-        f(&mut conn)
-    })
-    .await
-    .map_err(ApiError::internal)?
-}
-
-pub(crate) fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> ApiResult<T> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
-}
+use super::app::App;
+use super::app::{authenticate, blocking, digest, hex, parse_json, ApiError, ApiResult};
 
 fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
@@ -263,14 +137,6 @@ fn new_api_key() -> std::io::Result<String> {
     Ok(format!("mk_{}", hex(&bytes)))
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn digest(api_key: &str) -> Vec<u8> {
-    Sha256::digest(api_key.as_bytes()).to_vec()
-}
-
 async fn create_key(State(app): State<Arc<App>>, body: Bytes) -> ApiResult<Response> {
     let req: NewKey = parse_json(&body)?;
     if req.spend_cap < 0 {
@@ -384,74 +250,6 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "redis_fallbacks": app.advisory.stats.fallbacks(),
     });
     (status, axum::Json(body)).into_response()
-}
-
-/// The caller: an active API key, looked up in the cache, else in PostgreSQL.
-pub(crate) struct Caller {
-    pub(crate) raw_key: String,
-    pub(crate) account: i64,
-    pub(crate) key_id: i64,
-}
-
-/// Finds the caller's key. An address whose bucket of failed authentications is
-/// empty is refused (429 `auth_rate_limited`) before Redis or PostgreSQL is asked; a
-/// key not found spends a token: see [`AuthFailures`].
-pub(crate) async fn authenticate(
-    app: &Arc<App>,
-    headers: &HeaderMap,
-    peer: IpAddr,
-) -> ApiResult<Caller> {
-    let raw_key = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-        .ok_or_else(ApiError::unauthorized)?
-        .to_owned();
-    if !app.auth_failures.allows(peer) {
-        app.stats.auth_rate_limited.fetch_add(1, Ordering::Relaxed);
-        let mut err = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "auth_rate_limited",
-            "too many failed authentications from this address; retry later",
-        );
-        err.retry_after = Some(app.auth_failures.retry_after().as_secs());
-        return Err(err);
-    }
-    let caller = look_up_key(app, raw_key).await;
-    if let Err(err) = &caller {
-        if err.code == "unauthorized" {
-            app.auth_failures.failed(peer);
-        }
-    }
-    caller
-}
-
-async fn look_up_key(app: &Arc<App>, raw_key: String) -> ApiResult<Caller> {
-    let key_digest = digest(&raw_key);
-    let digest_hex = hex(&key_digest);
-    let lookup = app.advisory.cached_key(&digest_hex).await;
-    if let CacheLookup::Hit { account, key_id } = lookup {
-        return Ok(Caller {
-            raw_key,
-            account,
-            key_id,
-        });
-    }
-    let found = blocking(app, move |conn| {
-        db::find_key(conn, &key_digest).map_err(ApiError::internal)
-    })
-    .await?;
-    let (account, key_id) = found.ok_or_else(ApiError::unauthorized)?;
-    if lookup == CacheLookup::Miss {
-        app.advisory.cache_key(&digest_hex, account, key_id).await;
-    }
-    Ok(Caller {
-        raw_key,
-        account,
-        key_id,
-    })
 }
 
 async fn balance(

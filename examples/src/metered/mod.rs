@@ -2,6 +2,7 @@
 //! it fails, with idempotent replays, Redis as an advisory cache and settlements
 //! that heal a crash between debit and refund. See the README's "Metered API".
 
+pub mod app;
 pub mod auth_limit;
 pub mod config;
 pub mod db;

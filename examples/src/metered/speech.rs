@@ -16,8 +16,8 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::app::{authenticate, blocking, parse_json, ApiError, ApiResult, App, Caller};
 use super::db::{self, Debit, DebitError};
-use super::http::{authenticate, blocking, parse_json, ApiError, ApiResult, App, Caller};
 use super::redis::Verdict;
 use super::stream::{error_line, StreamJob};
 use super::upstream;

@@ -11,8 +11,8 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::app::{blocking, ApiError, App};
 use super::db;
-use super::http::{blocking, ApiError, App};
 use super::upstream::Chunk;
 
 pub(crate) fn line(value: serde_json::Value) -> Bytes {

@@ -112,8 +112,15 @@ impl RawRecord {
     }
 }
 
+/// A connection type idempotency keys are kept on: `PgConnection` or
+/// `SqliteConnection`. Sealed, as [`StoreConnection`] is; code generic over the
+/// backend that begins, commits or purges requests bounds its connection type by it.
+pub trait IdempotencyConnection: StoreConnection + IdempotencyOps {}
+
+impl<C: StoreConnection + IdempotencyOps> IdempotencyConnection for C {}
+
 /// The statements of one backend.
-pub trait IdempotencyOps {
+pub trait IdempotencyOps: StoreConnection {
     /// Inserts the record with `token`, or takes over an expired, uncommitted one
     /// with the same fingerprint (giving it `token`); returns whether it did (`false`:
     /// the key is not free).
@@ -201,16 +208,20 @@ const BEGIN_ROUNDS: usize = 3;
 /// ([`IdempotencyAnswer::Execute`] with the lease's fencing token) or the stored
 /// record answers it (in flight, mismatch, replay, refunded). The database decides,
 /// not a cache: of concurrent requests with one key exactly one executes.
-pub fn begin_request<C: AsStoreConnection + ?Sized>(
+pub fn begin_request<C>(
     conn: &mut C,
     request: &NewRequest<'_>,
     now: DateTime<Utc>,
-) -> Result<IdempotencyAnswer> {
+) -> Result<IdempotencyAnswer>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     begin_on(conn, request, now)
 }
 
-fn begin_on<C: StoreConnection>(
+fn begin_on<C: IdempotencyConnection>(
     conn: &mut C,
     request: &NewRequest<'_>,
     now: DateTime<Utc>,
@@ -271,13 +282,17 @@ fn check_caller(caller: &str) -> Result<()> {
 /// debit): from its commit on, the key is never executed again. Fenced: if the
 /// request's lease was taken over, this fails with [`Error::Fenced`] and the caller
 /// must roll its transaction back.
-pub fn commit_request<C: AsStoreConnection + ?Sized>(
+pub fn commit_request<C>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
     token: LeaseToken,
     now: DateTime<Utc>,
-) -> Result<()> {
+) -> Result<()>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     match <C::Conn as IdempotencyOps>::commit(conn, caller, key.as_str(), token.as_bytes(), now)? {
         1 => Ok(()),
@@ -293,14 +308,18 @@ pub fn commit_request<C: AsStoreConnection + ?Sized>(
 /// its saved response, or refunded. Returns whether this write settled it (`false`:
 /// settled already, by this or another process, or fenced). Run it in the same
 /// transaction as the caller's own settlement (the usage row's), after its writes.
-pub fn settle_request<C: AsStoreConnection + ?Sized>(
+pub fn settle_request<C>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
     token: LeaseToken,
     settlement: &Settlement,
     now: DateTime<Utc>,
-) -> Result<bool> {
+) -> Result<bool>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     let response = match settlement {
         Settlement::Delivered { response } => Some(response.as_slice()),
@@ -323,13 +342,17 @@ pub fn settle_request<C: AsStoreConnection + ?Sized>(
 /// from delivered to refunded that drops the saved response. Returns whether this
 /// write did it. A replay being served meanwhile sees it when it checks the record
 /// again after serving, and ends with an error instead of the saved last line.
-pub fn refund_delivered_request<C: AsStoreConnection + ?Sized>(
+pub fn refund_delivered_request<C>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
     token: LeaseToken,
     now: DateTime<Utc>,
-) -> Result<bool> {
+) -> Result<bool>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     Ok(<C::Conn as IdempotencyOps>::refund_delivered(
         conn,
@@ -343,22 +366,30 @@ pub fn refund_delivered_request<C: AsStoreConnection + ?Sized>(
 /// Gives the key back when the request ended before its effect committed (it was
 /// refused: no credit, a bad request): a retry with the key executes. Fenced by the
 /// token; returns whether the record was deleted. A committed record is kept.
-pub fn abandon_request<C: AsStoreConnection + ?Sized>(
+pub fn abandon_request<C>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
     token: LeaseToken,
-) -> Result<bool> {
+) -> Result<bool>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     Ok(<C::Conn as IdempotencyOps>::abandon(conn, caller, key.as_str(), token.as_bytes())? == 1)
 }
 
 /// Reads the record of (caller, key).
-pub fn read_request<C: AsStoreConnection + ?Sized>(
+pub fn read_request<C>(
     conn: &mut C,
     caller: &str,
     key: &IdempotencyKey,
-) -> Result<Option<IdempotencyRecord>> {
+) -> Result<Option<IdempotencyRecord>>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     let conn = conn.as_store_connection();
     <C::Conn as IdempotencyOps>::read(conn, caller, key.as_str())?
         .map(RawRecord::check)
@@ -370,12 +401,16 @@ pub fn read_request<C: AsStoreConnection + ?Sized>(
 /// caller's connection (inside its transaction, if one is open); returns how many.
 /// A maintenance job that purges in its own transactions, or a test that holds a
 /// purge open, calls this; most programs call the store's method.
-pub fn purge_requests<C: AsStoreConnection + ?Sized>(
+pub fn purge_requests<C>(
     conn: &mut C,
     retention: Duration,
     batch: usize,
     now: DateTime<Utc>,
-) -> Result<usize> {
+) -> Result<usize>
+where
+    C: AsStoreConnection + ?Sized,
+    C::Conn: IdempotencyConnection,
+{
     check_batch(batch)?;
     purge_on(conn.as_store_connection(), retention, batch, now)
 }
@@ -391,7 +426,7 @@ fn check_batch(batch: usize) -> Result<()> {
     Ok(())
 }
 
-fn purge_on<C: StoreConnection>(
+fn purge_on<C: IdempotencyConnection>(
     conn: &mut C,
     retention: Duration,
     batch: usize,
@@ -405,7 +440,7 @@ fn purge_on<C: StoreConnection>(
     })?)
 }
 
-impl<C: StoreConnection> Store<C> {
+impl<C: IdempotencyConnection> Store<C> {
     /// Deletes idempotency records created longer ago than `retention` (24 h is
     /// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
     /// transaction, until a batch deletes fewer; returns how many. Settled records
@@ -443,7 +478,7 @@ impl<C: StoreConnection> Store<C> {
 /// Refuses an idempotency table whose unique indexes do not enforce exactly
 /// (caller, idempotency_key), or whose lease tokens are not 16 bytes (a table the
 /// migration `random_lease_tokens` has not reached).
-pub(crate) fn verify_on<C: StoreConnection>(conn: &mut C) -> Result<()> {
+pub(crate) fn verify_on<C: IdempotencyConnection>(conn: &mut C) -> Result<()> {
     let catalog = C::idempotency_catalog(conn)?;
     check(&catalog)?;
     verify::check_token_type(

@@ -8,7 +8,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, MessageKey, OutboxMessage};
 
-use crate::backend::StoreConnection;
 use crate::{Error, Result, Store};
 
 /// The canary's consumer group.
@@ -73,7 +72,7 @@ impl<'de> serde::Deserialize<'de> for CanaryPing {
     }
 }
 
-impl<C: StoreConnection> Handler<C> for Canary {
+impl<C: super::OperatorConnection> Handler<C> for Canary {
     type Message = CanaryPing;
 
     fn group(&self) -> &ConsumerGroup {
@@ -126,7 +125,7 @@ impl CanaryReport {
     }
 }
 
-impl<C: StoreConnection> Store<C> {
+impl<C: super::OperatorConnection> Store<C> {
     /// Enqueues `count` canary messages of run `run` on the outbox, to `exchange` with
     /// routing key [`CANARY_MESSAGE_TYPE`]; the relay publishes them.
     pub fn enqueue_canaries(&self, run: &str, count: u32, exchange: &str) -> Result<()> {

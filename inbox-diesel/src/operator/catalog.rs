@@ -38,7 +38,7 @@ pub struct OperatorCatalog {
 }
 
 /// Reads the catalog; per backend.
-pub trait CatalogOps: Sized {
+pub trait CatalogOps: crate::backend::StoreConnection {
     /// Reads what [`check`] needs.
     #[doc(hidden)]
     fn op_catalog(conn: &mut Self) -> QueryResult<OperatorCatalog>;

@@ -2,14 +2,13 @@
 
 use std::time::Duration;
 
-use crate::backend::StoreConnection;
 use crate::{DeadLetterFilter, LetterStatus, OperatorStats, Result, Store};
 
 fn age(now: chrono::DateTime<chrono::Utc>, at: chrono::DateTime<chrono::Utc>) -> f64 {
     (now - at).to_std().unwrap_or(Duration::ZERO).as_secs_f64()
 }
 
-impl<C: StoreConnection> Store<C> {
+impl<C: super::OperatorConnection> Store<C> {
     /// Reads [`operator_stats`](Self::operator_stats) and the pending failure groups and
     /// sets them as gauges; returns the stats.
     ///

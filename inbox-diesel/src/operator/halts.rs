@@ -22,7 +22,7 @@ pub struct HaltedGroup {
     pub halted_at: DateTime<Utc>,
 }
 
-fn corrupt(what: &str, found: &str, err: inbox_core::Error) -> Error {
+fn corrupt(what: &str, found: &str, err: inbox_core::InvalidName) -> Error {
     Error::Database(diesel::result::Error::DeserializationError(
         format!("recorded halt with {what} {found:?}: {err}").into(),
     ))

@@ -103,6 +103,16 @@ pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_
 pub(crate) use catalog::{check as check_schema, CatalogOps, OperatorCatalog, UniqueIndex};
 pub use halts::HaltedGroup;
 pub(crate) use ops::{operator_ops, OperatorOps};
+
+/// A connection type the operator's statements run on: `PgConnection` or
+/// `SqliteConnection`, as [`StoreConnection`] is for the inbox path.
+///
+/// Sealed, as `StoreConnection` is. Code generic over the backend that uses the
+/// operator's methods (dead letters, replay, redrive, stats, canaries) bounds its
+/// connection type by this trait; the inbox path never needs it.
+pub trait OperatorConnection: StoreConnection + OperatorOps + CatalogOps {}
+
+impl<C: StoreConnection + OperatorOps + CatalogOps> OperatorConnection for C {}
 pub use reasons::replay_refusal;
 
 use ops::{EntryTuple, NewReplay};
@@ -563,7 +573,7 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
 /// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
 /// replay's provenance only where the store replayed an earlier letter of the same
 /// group and key; otherwise `delivered_by_replay` is `None`.
-fn confirm_replay<C: StoreConnection>(
+fn confirm_replay<C: OperatorConnection>(
     conn: &mut C,
     mut e: DeadLetterEntry,
 ) -> Result<DeadLetterEntry> {
@@ -601,7 +611,7 @@ impl From<diesel::result::Error> for Undo {
     }
 }
 
-impl<C: StoreConnection> Store<C> {
+impl<C: OperatorConnection> Store<C> {
     /// Dead letters matching `filter`, newest first: `limit` of them after skipping
     /// `offset`.
     pub fn list_dead_letters(
@@ -1102,11 +1112,11 @@ impl<C: StoreConnection> Store<C> {
     pub fn purge_discarded_dead_letters(&self, window: Duration, batch: usize) -> Result<u64> {
         self.purge(crate::PurgeTarget::DiscardedDeadLetters, window, batch)
     }
+}
 
-    /// Runs the operator migration's checks (see `verify_schema`).
-    pub(crate) fn check_operator_schema(conn: &mut C) -> Result<()> {
-        check_schema(&C::op_catalog(conn)?)
-    }
+/// Runs the operator migration's checks (see `Store::verify_schema`).
+pub(crate) fn verify<C: OperatorConnection>(conn: &mut C) -> Result<()> {
+    check_schema(&C::op_catalog(conn)?)
 }
 
 #[cfg(test)]

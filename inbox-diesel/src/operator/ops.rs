@@ -6,6 +6,9 @@ use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 
 use super::DeadLetterFilter;
+use crate::backend::StoreConnection;
+#[allow(unused_imports)] // used by the macro
+use crate::statements::HaltRow;
 
 /// A dead letter without its payload.
 pub(crate) type EntryTuple = (
@@ -97,7 +100,7 @@ pub struct RawStats {
 }
 
 /// The operator statements every backend runs, on its own connection type.
-pub trait OperatorOps: Sized {
+pub trait OperatorOps: StoreConnection {
     /// Dead letters matching `filter` (the failure group aside), newest first.
     #[doc(hidden)]
     fn op_entries(
@@ -217,22 +220,7 @@ pub trait OperatorOps: Sized {
     /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
     #[doc(hidden)]
     fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
-
-    /// Records a group's halt unless one is recorded; returns whether it wrote one.
-    #[doc(hidden)]
-    fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool>;
-
-    /// Every recorded halt, by group.
-    #[doc(hidden)]
-    fn op_halts(conn: &mut Self) -> QueryResult<Vec<HaltRow>>;
-
-    /// Deletes a group's halt; returns how many rows it deleted (0 or 1).
-    #[doc(hidden)]
-    fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize>;
 }
-
-/// A recorded halt: (group, message key, detail, halted at).
-pub(crate) type HaltRow = (String, String, String, DateTime<Utc>);
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
@@ -778,7 +766,12 @@ macro_rules! operator_ops {
                     .select((seq, sent_at, arrived_at, arrivals))
                     .load(conn)
             }
+        }
 
+        // The halt statements belong to the inbox path (a consumer reads and records
+        // halts), so they implement the base trait; their table is the operator
+        // migration's.
+        impl crate::statements::HaltOps for $conn {
             fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool> {
                 use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
                 let written = diesel::insert_into(inbox_group_halts)

@@ -175,7 +175,7 @@ impl Sealed for PgConnection {
         conn: &mut Self,
         schema: Option<&str>,
         framework: bool,
-        setup: &[crate::store::Setup<Self>],
+        setup: &[crate::backend::Setup<Self>],
     ) -> Result<()> {
         // The lock comes first: two stores creating one schema at once would otherwise
         // race in `CREATE SCHEMA IF NOT EXISTS` (a unique violation in pg_namespace).
@@ -261,6 +261,16 @@ impl Sealed for PgConnection {
         timeout: Duration,
     ) -> Result<bool> {
         listen::wait(listener, url, schema, timeout)
+    }
+
+    fn verify_capabilities(conn: &mut Self) -> Result<()> {
+        crate::idempotency::verify_on(conn)?;
+        crate::rebuild::verify(conn)?;
+        crate::operator::verify(conn)
+    }
+
+    fn lock_scope(conn: &mut Self) -> QueryResult<String> {
+        rebuild::lock_scope(conn)
     }
 
     fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {

@@ -38,12 +38,6 @@ struct UniqueRow {
 }
 
 impl RebuildOps for PgConnection {
-    fn lock_scope(conn: &mut Self) -> QueryResult<String> {
-        diesel::sql_query("SELECT coalesce(current_schema()::text, '') AS scope")
-            .get_result::<Scope>(conn)
-            .map(|s| s.scope)
-    }
-
     fn lock_exclusive(conn: &mut Self, key: i64, timeout: Duration) -> QueryResult<bool> {
         // Every lock wait of this transaction is bounded, the exclusive request first:
         // live batches that arrive while it waits queue behind it.
@@ -166,4 +160,11 @@ impl RebuildOps for PgConnection {
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
         shared_release(conn, projection, runner)
     }
+}
+
+/// The store's schema as projection lock keys name it.
+pub(super) fn lock_scope(conn: &mut PgConnection) -> QueryResult<String> {
+    diesel::sql_query("SELECT coalesce(current_schema()::text, '') AS scope")
+        .get_result::<Scope>(conn)
+        .map(|s| s.scope)
 }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use inbox_core::{delta, RebuildReport, WindowPartition};
 
+use super::RebuildConnection;
 use super::Rebuilder;
-use crate::backend::StoreConnection;
 use crate::rebuild_ops::RunLease;
 use crate::{Error, Result};
 
@@ -62,7 +62,7 @@ type After = Arc<dyn Fn(std::result::Result<&RunOutcome, &Error>) + Send + Sync>
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct RebuildRunner<C: StoreConnection> {
+pub struct RebuildRunner<C: RebuildConnection> {
     rebuilder: Rebuilder<C>,
     every: Duration,
     window: u32,
@@ -72,7 +72,7 @@ pub struct RebuildRunner<C: StoreConnection> {
     after: Vec<After>,
 }
 
-impl<C: StoreConnection> RebuildRunner<C> {
+impl<C: RebuildConnection> RebuildRunner<C> {
     /// A runner of `rebuilder`'s projection, hourly over two partitions.
     pub fn new(rebuilder: Rebuilder<C>) -> Self {
         static RUNNERS: AtomicUsize = AtomicUsize::new(0);

@@ -78,7 +78,7 @@ impl Sealed for SqliteConnection {
         conn: &mut Self,
         _schema: Option<&str>,
         framework: bool,
-        setup: &[crate::store::Setup<Self>],
+        setup: &[crate::backend::Setup<Self>],
     ) -> Result<()> {
         if framework {
             // One write transaction for the lot (each migration a savepoint in it): two
@@ -138,6 +138,16 @@ impl Sealed for SqliteConnection {
     fn take_locks(_conn: &mut Self, _locks: &[(i64, bool)]) -> QueryResult<()> {
         // One writer at a time already: the immediate transaction is the lock.
         Ok(())
+    }
+
+    fn verify_capabilities(conn: &mut Self) -> Result<()> {
+        crate::idempotency::verify_on(conn)?;
+        crate::rebuild::verify(conn)?;
+        crate::operator::verify(conn)
+    }
+
+    fn lock_scope(conn: &mut Self) -> QueryResult<String> {
+        rebuild::lock_scope(conn)
     }
 
     fn transaction_token(_conn: &mut Self) -> QueryResult<Option<String>> {

@@ -8,10 +8,11 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use chrono::{DateTime, Utc};
 
 use crate::operator::ops::{
-    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, HaltRow, Letter, NewReplay, OperatorOps,
-    RawStats, Redrivable, StoredPayload,
+    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats,
+    Redrivable, StoredPayload,
 };
 use crate::operator::{CatalogOps, DeadLetterFilter, LetterStatus, OperatorCatalog, UniqueIndex};
+use crate::statements::HaltRow;
 
 crate::operator::operator_ops!(diesel::SqliteConnection, sqlite);
 

@@ -40,11 +40,6 @@ struct IndexColumn {
 const CHUNK: usize = 500;
 
 impl RebuildOps for SqliteConnection {
-    fn lock_scope(_conn: &mut Self) -> QueryResult<String> {
-        // One database per file: no schema to tell stores apart (and no advisory locks).
-        Ok("main".to_owned())
-    }
-
     fn lock_exclusive(_conn: &mut Self, _key: i64, _timeout: Duration) -> QueryResult<bool> {
         // The immediate write transaction already excludes every other writer.
         Ok(false)
@@ -131,4 +126,10 @@ impl RebuildOps for SqliteConnection {
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
         shared_release(conn, projection, runner)
     }
+}
+
+/// The store's schema as projection lock keys name it.
+pub(super) fn lock_scope(_conn: &mut SqliteConnection) -> QueryResult<String> {
+    // One database per file: no schema to tell stores apart (and no advisory locks).
+    Ok("main".to_owned())
 }

@@ -21,7 +21,6 @@ use inbox_diesel::{
     abandon_request, begin_request, commit_request, enqueue, read_request,
     refund_delivered_request, settle_request, Backend, ClaimStatus, DeadLetterFilter, Error,
     LetterStatus, NewRequest, RedriveFilter, ReplayOutcome, ReplayTarget, Retention, Store,
-    StoreConnection,
 };
 use inbox_test_support::Fixture;
 use proptest::prelude::*;
@@ -173,7 +172,7 @@ fn case() -> impl Strategy<Value = Case> {
 // The driver: the same step on the store.
 
 /// The store side of a run.
-pub(crate) struct Driver<C: StoreConnection + LcDb> {
+pub(crate) struct Driver<C: inbox_test_support::FullConnection + LcDb> {
     pub(crate) store: Store<C>,
     pub(crate) clock: ManualClock,
     pub(crate) side: C,
@@ -240,7 +239,7 @@ type RecordView = (
     Option<usize>,
 );
 
-impl<C: StoreConnection + LcDb> Driver<C> {
+impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
     pub(crate) fn new<F: Fixture<Conn = C>>(fx: &F, start: DateTime<Utc>) -> Self {
         let clock = ManualClock::new(start);
         let projection = Projection::new();
@@ -920,12 +919,12 @@ where
 
 /// A hand-written case: a driver and its model, stepped together, each step's
 /// answers and the whole state compared (the forced interleavings build on it).
-pub(crate) struct Scenario<C: StoreConnection + LcDb> {
+pub(crate) struct Scenario<C: inbox_test_support::FullConnection + LcDb> {
     pub(crate) d: Driver<C>,
     pub(crate) m: Model,
 }
 
-impl<C: StoreConnection + LcDb> Scenario<C> {
+impl<C: inbox_test_support::FullConnection + LcDb> Scenario<C> {
     /// A fresh world whose handler does `acts` for event 0 (and applies the rest).
     pub(crate) fn new<F: Fixture<Conn = C>>(fx: &F, acts0: Acts) -> Self {
         let start = inbox_test_support::start_time();

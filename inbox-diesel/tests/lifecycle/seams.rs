@@ -127,7 +127,7 @@ impl Op {
 
 /// Event 0 written, relayed and failed: dead with a letter (replays), or failed and
 /// overdue (redrive); then the cause is fixed, so that a copy would apply.
-fn before_the_operator<C: inbox_diesel::StoreConnection + LcDb>(s: &mut Scenario<C>, op: Op) {
+fn before_the_operator<C: inbox_test_support::FullConnection + LcDb>(s: &mut Scenario<C>, op: Op) {
     s.step(Step::Write { user: 0 });
     s.step(Step::Relay);
     s.step(Step::Heal { event: 0 });
@@ -137,7 +137,7 @@ fn before_the_operator<C: inbox_diesel::StoreConnection + LcDb>(s: &mut Scenario
 }
 
 /// Runs the operator's write on the store (another thread may run it).
-fn operator_write<C: inbox_diesel::StoreConnection>(
+fn operator_write<C: inbox_test_support::FullConnection>(
     store: &inbox_diesel::Store<C>,
     op: Op,
     letter: Option<i64>,
@@ -164,7 +164,7 @@ fn operator_write<C: inbox_diesel::StoreConnection>(
     }
 }
 
-fn rebuild<C: inbox_diesel::StoreConnection>(store: &inbox_diesel::Store<C>) {
+fn rebuild<C: inbox_test_support::FullConnection>(store: &inbox_diesel::Store<C>) {
     store
         .rebuilder(PROJECTION)
         .unwrap()
@@ -175,7 +175,7 @@ fn rebuild<C: inbox_diesel::StoreConnection>(store: &inbox_diesel::Store<C>) {
 
 /// After the two writers: the relay delivers whatever copy was enqueued; the model
 /// checks that the event counted once, in the serial order the answer names.
-fn settle_and_judge<C: inbox_diesel::StoreConnection + LcDb>(
+fn settle_and_judge<C: inbox_test_support::FullConnection + LcDb>(
     s: &mut Scenario<C>,
     op: Op,
     found: &Out,
@@ -280,7 +280,7 @@ fn sqlite_operator_write_and_rebuild(fx: &SqliteFixture, op: Op) {
 
 /// The model in the serial order the answers name: a discard that answered
 /// `Discarded` before the replay committed came first.
-fn judge_discard_and_replay<C: inbox_diesel::StoreConnection + LcDb>(
+fn judge_discard_and_replay<C: inbox_test_support::FullConnection + LcDb>(
     s: &mut Scenario<C>,
     discard: &Out,
     replay: &Out,
@@ -308,7 +308,7 @@ fn judge_discard_and_replay<C: inbox_diesel::StoreConnection + LcDb>(
     );
 }
 
-fn dead_letter<C: inbox_diesel::StoreConnection + LcDb>(s: &mut Scenario<C>) -> i64 {
+fn dead_letter<C: inbox_test_support::FullConnection + LcDb>(s: &mut Scenario<C>) -> i64 {
     s.step(Step::Write { user: 0 });
     s.step(Step::Relay);
     s.step(Step::Heal { event: 0 });
@@ -569,7 +569,7 @@ fn pg_take_over_and_commit(fx: &PgFixture, commit_first: bool) {
     judge_take_over(&mut s, &found_commit, &found_begin, commit_first);
 }
 
-fn judge_take_over<C: inbox_diesel::StoreConnection + LcDb>(
+fn judge_take_over<C: inbox_test_support::FullConnection + LcDb>(
     s: &mut Scenario<C>,
     commit: &Out,
     begin: &Out,

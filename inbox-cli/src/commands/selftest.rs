@@ -5,18 +5,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_amqp::{CancellationToken, Relay, RelaySettings};
-use inbox_diesel::{CanaryReport, Store, StoreConnection};
+use inbox_diesel::{CanaryReport, OperatorConnection, Store};
 use serde_json::json;
 
 use crate::args::{GlobalArgs, SelftestArgs};
+use crate::commands::duration_arg;
 use crate::exit;
-use crate::run::{duration_arg, failed, print, print_json, Failure, Outcome};
+use crate::failure::{failed, Failure, Outcome};
+use crate::output::{print, print_json};
 
 fn ms(d: Option<Duration>) -> Option<f64> {
     d.map(|d| d.as_secs_f64() * 1000.0)
 }
 
-pub(crate) fn run<C: StoreConnection>(
+pub(crate) fn run<C: OperatorConnection>(
     global: &GlobalArgs,
     store: &Store<C>,
     args: &SelftestArgs,

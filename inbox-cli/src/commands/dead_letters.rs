@@ -1,0 +1,311 @@
+//! `dead-letters`: list, show, failure groups, replay and discard.
+
+use std::io::Write;
+
+use inbox_diesel::{
+    DeadLetterFilter, DiscardOutcome, LetterStatus, OperatorConnection, ReplayOutcome,
+    ReplayTarget, Store,
+};
+use serde_json::{json, Value};
+
+use crate::args::{DeadLetterCommand, FilterArgs, GlobalArgs, StatusArg};
+use crate::commands::parse_time;
+use crate::exit;
+use crate::failure::{failed, Failure, Outcome};
+use crate::output::{self, print, print_json, Table};
+
+fn filter<C: OperatorConnection>(
+    store: &Store<C>,
+    args: &FilterArgs,
+    default: StatusArg,
+) -> Result<DeadLetterFilter, Failure> {
+    let now = store.clock().now();
+    let mut f = DeadLetterFilter::default();
+    f.consumer_group.clone_from(&args.consumer_group);
+    f.reason.clone_from(&args.reason);
+    f.message_type.clone_from(&args.message_type);
+    f.message_key.clone_from(&args.key);
+    f.failure_group.clone_from(&args.group);
+    if let Some(since) = &args.since {
+        f.since = Some(parse_time(since, now)?);
+    }
+    if let Some(until) = &args.until {
+        f.until = Some(parse_time(until, now)?);
+    }
+    f.status = match args.status.unwrap_or(default) {
+        StatusArg::Pending => Some(LetterStatus::Pending),
+        StatusArg::Replayed => Some(LetterStatus::Replayed),
+        StatusArg::Discarded => Some(LetterStatus::Discarded),
+        StatusArg::Active => None,
+    };
+    Ok(f)
+}
+
+pub(crate) fn dead_letters<C: OperatorConnection>(
+    global: &GlobalArgs,
+    store: &Store<C>,
+    target: &ReplayTarget,
+    command: &DeadLetterCommand,
+    out: &mut dyn Write,
+) -> Outcome {
+    match command {
+        DeadLetterCommand::List {
+            filter: args,
+            limit,
+            offset,
+        } => {
+            let f = filter(store, args, StatusArg::Active)?;
+            let letters = store
+                .list_dead_letters(&f, *offset, *limit)
+                .map_err(failed)?;
+            if global.json {
+                let rows: Vec<Value> = letters.iter().map(output::entry_json).collect();
+                return print_json(
+                    out,
+                    &json!({ "dead_letters": rows, "offset": offset, "limit": limit }),
+                );
+            }
+            let mut table = Table::new([
+                "ID",
+                "GROUP",
+                "KEY",
+                "TYPE",
+                "REASON",
+                "ATTEMPTS",
+                "REPLAYS",
+                "STATUS",
+                "FAILURE_GROUP",
+                "DEAD_LETTERED_AT",
+                "LAST_ERROR",
+            ]);
+            for e in &letters {
+                table.row([
+                    e.id.to_string(),
+                    e.consumer_group.clone(),
+                    e.message_key.clone(),
+                    e.message_type.clone(),
+                    e.reason.clone(),
+                    e.attempts.to_string(),
+                    e.replay_count.to_string(),
+                    e.status.as_str().to_owned(),
+                    e.failure_group.clone(),
+                    output::time(e.dead_lettered_at),
+                    output::first_line(e.last_error.as_deref()),
+                ]);
+            }
+            print(
+                out,
+                table.render(&format!("{} dead letters", letters.len())),
+            )
+        }
+        DeadLetterCommand::Show { id } => {
+            let details = store
+                .dead_letter_details(*id)
+                .map_err(failed)?
+                .ok_or_else(|| Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))?;
+            if global.json {
+                return print_json(out, &output::details_json(&details));
+            }
+            print(out, output::details_text(&details))
+        }
+        DeadLetterCommand::Groups { filter: args } => {
+            let f = filter(store, args, StatusArg::Pending)?;
+            let groups = store.failure_groups(&f).map_err(failed)?;
+            if global.json {
+                let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
+                return print_json(out, &json!({ "failure_groups": rows }));
+            }
+            let mut table = Table::new([
+                "FAILURE_GROUP",
+                "COUNT",
+                "REASON",
+                "TYPE",
+                "CONSUMER_GROUPS",
+                "REPLAYABLE",
+                "FIRST_SEEN",
+                "LAST_SEEN",
+                "SIGNATURE",
+            ]);
+            for g in &groups {
+                table.row([
+                    g.fingerprint.clone(),
+                    g.count.to_string(),
+                    g.reason.clone(),
+                    g.message_type.clone(),
+                    g.consumer_groups.join(","),
+                    if g.replayable { "yes" } else { "no" }.to_owned(),
+                    output::time(g.first_seen),
+                    output::time(g.last_seen),
+                    g.signature.clone(),
+                ]);
+            }
+            print(
+                out,
+                table.render(&format!("{} failure groups", groups.len())),
+            )
+        }
+        DeadLetterCommand::Replay {
+            id,
+            filter: args,
+            limit,
+            yes,
+        } => {
+            if let Some(id) = id {
+                return replay_one(global, store, target, *id, out);
+            }
+            let f = filter(store, args, StatusArg::Pending)?;
+            confirm(store, &f, *limit, *yes, "replay")?;
+            let report = store
+                .replay_dead_letters(&f, *limit, target)
+                .map_err(failed)?;
+            if global.json {
+                return print_json(
+                    out,
+                    &json!({
+                        "matched": report.matched,
+                        "replayed": report.affected,
+                        "refused": report.refused,
+                        "skipped": report.skipped,
+                    }),
+                );
+            }
+            print(
+                out,
+                format!(
+                    "replayed {} of {} dead letters ({} refused for their reason, {} skipped: \
+                     claim no longer dead)\n",
+                    report.affected, report.matched, report.refused, report.skipped
+                ),
+            )
+        }
+        DeadLetterCommand::Discard {
+            id,
+            filter: args,
+            limit,
+            yes,
+        } => {
+            if let Some(id) = id {
+                let outcome = store.discard_dead_letter(*id).map_err(failed)?;
+                let name = match outcome {
+                    DiscardOutcome::Discarded => "discarded",
+                    DiscardOutcome::AlreadyDiscarded => "already_discarded",
+                    _ => "not_found",
+                };
+                if global.json {
+                    print_json(out, &json!({ "id": id, "outcome": name }))?;
+                } else {
+                    print(
+                        out,
+                        format!("dead letter {id}: {}\n", name.replace('_', " ")),
+                    )?;
+                }
+                return if name == "not_found" {
+                    Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")).reported())
+                } else {
+                    Ok(())
+                };
+            }
+            let f = filter(store, args, StatusArg::Pending)?;
+            confirm(store, &f, *limit, *yes, "discard")?;
+            let report = store.discard_dead_letters(&f, *limit).map_err(failed)?;
+            if global.json {
+                return print_json(
+                    out,
+                    &json!({
+                        "matched": report.matched,
+                        "discarded": report.affected,
+                        "skipped": report.skipped,
+                    }),
+                );
+            }
+            print(
+                out,
+                format!(
+                    "discarded {} of {} dead letters\n",
+                    report.affected, report.matched
+                ),
+            )
+        }
+    }
+}
+
+/// A bulk change needs --yes; without it, says how many letters it would touch.
+fn confirm<C: OperatorConnection>(
+    store: &Store<C>,
+    f: &DeadLetterFilter,
+    limit: Option<usize>,
+    yes: bool,
+    what: &str,
+) -> Outcome {
+    if yes {
+        return Ok(());
+    }
+    let n = store
+        .list_dead_letters(f, 0, limit.unwrap_or(usize::MAX))
+        .map_err(failed)?
+        .len();
+    Err(Failure::new(
+        exit::USAGE,
+        format!("refusing to {what} {n} dead letters without --yes"),
+    ))
+}
+
+fn replay_one<C: OperatorConnection>(
+    global: &GlobalArgs,
+    store: &Store<C>,
+    target: &ReplayTarget,
+    id: i64,
+    out: &mut dyn Write,
+) -> Outcome {
+    let outcome = store.replay_dead_letter(id, target).map_err(failed)?;
+    let (value, text, failure) = match &outcome {
+        ReplayOutcome::Replayed {
+            sequence,
+            outbox_id,
+        } => (
+            json!({ "id": id, "outcome": "replayed", "sequence": sequence, "outbox_id": outbox_id }),
+            format!("dead letter {id}: replayed (replay {sequence}, outbox row {outbox_id})\n"),
+            None,
+        ),
+        ReplayOutcome::Refused { reason, advice } => (
+            json!({ "id": id, "outcome": "refused", "reason": reason, "advice": advice }),
+            format!("dead letter {id}: refused ({reason}): {advice}\n"),
+            Some(Failure::new(
+                exit::REFUSED,
+                format!("dead letter {id} is not replayable ({reason})"),
+            )),
+        ),
+        ReplayOutcome::ClaimNotDead { status } => {
+            let status = status.map_or("none", |s| s.as_str());
+            (
+                json!({ "id": id, "outcome": "claim_not_dead", "claim_status": status }),
+                format!(
+                    "dead letter {id}: nothing enqueued: its claim is {status}, not dead (replayed already?)\n"
+                ),
+                None,
+            )
+        }
+        ReplayOutcome::Discarded => (
+            json!({ "id": id, "outcome": "discarded" }),
+            format!("dead letter {id}: discarded, not replayed\n"),
+            Some(Failure::new(
+                exit::REFUSED,
+                format!("dead letter {id} is discarded"),
+            )),
+        ),
+        _ => (
+            json!({ "id": id, "outcome": "not_found" }),
+            format!("no dead letter {id}\n"),
+            Some(Failure::new(
+                exit::NOT_FOUND,
+                format!("no dead letter {id}"),
+            )),
+        ),
+    };
+    if global.json {
+        print_json(out, &value)?;
+    } else {
+        print(out, text)?;
+    }
+    failure.map_or(Ok(()), |f| Err(f.reported()))
+}
