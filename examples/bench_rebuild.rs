@@ -23,6 +23,7 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::PgConnection;
 use inbox_core::{ConsumerGroup, Handler, OutboxStore, ProjectionLock, RetryPolicy};
+use inbox_diesel::rebuild::Rebuilder;
 use inbox_diesel::Store;
 use inbox_examples::bench::{env_or, service_urls};
 use inbox_examples::usage::{
@@ -36,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ledger: i64 = env_or("BENCH_LEDGER", 20_000);
     let lock_timeout = Duration::from_millis(env_or(
         "BENCH_LOCK_TIMEOUT_MS",
-        inbox_diesel::DEFAULT_LOCK_TIMEOUT.as_millis() as u64,
+        inbox_diesel::rebuild::DEFAULT_LOCK_TIMEOUT.as_millis() as u64,
     ));
     let schema = format!("bench_rebuild_{}", std::process::id());
     let store = Store::<PgConnection>::builder(url.clone())
@@ -201,8 +202,7 @@ fn rebuild_loop(
     lock_timeout: Duration,
     stop: &AtomicBool,
 ) -> Result<Rebuilds, String> {
-    let rebuilder = store
-        .rebuilder(PROJECTION)
+    let rebuilder = Rebuilder::new(&store, PROJECTION)
         .map_err(|e| e.to_string())?
         .lock_timeout(lock_timeout);
     let mut r = Rebuilds {

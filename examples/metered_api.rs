@@ -157,8 +157,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     tokio::spawn(async move {
         loop {
             let store = purge_store.clone();
-            match tokio::task::spawn_blocking(move || store.purge_idempotency_keys(retention, 1000))
-                .await
+            match tokio::task::spawn_blocking(move || {
+                inbox_diesel::idempotency::purge_expired_requests(&store, retention, 1000)
+            })
+            .await
             {
                 Ok(Ok(0)) => {}
                 Ok(Ok(n)) => tracing::info!(purged = n, "expired idempotency keys purged"),

@@ -34,7 +34,9 @@ use clap::Parser;
 use diesel::PgConnection;
 use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::{parse_ladder, RetryLadder, RetryPolicy};
-use inbox_diesel::{RebuildRunner, Store};
+use inbox_diesel::rebuild::RebuildRunner;
+use inbox_diesel::rebuild::Rebuilder;
+use inbox_diesel::Store;
 use inbox_examples::ops::ScheduleArgs;
 use inbox_examples::usage::{create_usage_tables, DailyUsage, PROJECTION};
 
@@ -123,7 +125,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .retry_ladder(store_ladder)
                 .projection(DailyUsage::new(policy))
                 // `inbox selftest` sends canaries through this consumer.
-                .handler(inbox_diesel::Canary::new())
+                .handler(inbox_diesel::operator::Canary::new())
                 // Under the migration lock: a producer starting at once creates the
                 // ledger too.
                 .setup(create_usage_tables)
@@ -138,7 +140,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let stop_rebuilds = Arc::new(AtomicBool::new(false));
     let rebuilds = match cli.schedule.rebuild_every {
         Some(every) => {
-            let runner = RebuildRunner::new(store.rebuilder(PROJECTION)?)
+            let runner = RebuildRunner::new(Rebuilder::new(&store, PROJECTION)?)
                 .every(every)
                 .window(cli.schedule.rebuild_days);
             println!(

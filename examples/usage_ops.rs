@@ -22,7 +22,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::RetryPolicy;
-use inbox_diesel::{Backend, OperatorConnection, RebuildConnection, Store};
+use inbox_diesel::operator::OperatorConnection;
+use inbox_diesel::rebuild::RebuildConnection;
+use inbox_diesel::{Backend, Store};
 use inbox_examples::ops::ProjectionCommand;
 use inbox_examples::usage::{DailyUsage, UsageDb};
 

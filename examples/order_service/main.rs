@@ -12,6 +12,7 @@ use inbox_outbox::core_types::{HookError, ProjectionLock, ProjectionRow, Rebuild
 use inbox_outbox::diesel::connection::SimpleConnection;
 use inbox_outbox::diesel::{prelude::*, sql_query, sql_types::*, PgConnection};
 use inbox_outbox::prelude::*;
+use inbox_outbox::store::rebuild::Rebuilder;
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct OrderPlaced {
@@ -236,7 +237,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             tokio::task::spawn_blocking(move || {
                 println!(
                     "{}",
-                    serde_json::to_string(&store.rebuilder("customer_totals")?.rebuild(1)?)?
+                    serde_json::to_string(&Rebuilder::new(&store, "customer_totals")?.rebuild(1)?)?
                 );
                 Ok(())
             })

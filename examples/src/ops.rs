@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use inbox_core::{AuditReport, DriftRow, RebuildReport};
-use inbox_diesel::{RebuildConnection, Store};
+use inbox_diesel::rebuild::RebuildConnection;
+use inbox_diesel::rebuild::Rebuilder;
+use inbox_diesel::Store;
 
 /// The projection commands (`usage_ops audit|rebuild <projection> --days N`; the
 /// binary's global `--json` picks the output).
@@ -41,7 +43,7 @@ impl ProjectionCommand {
     ) -> Result<String, inbox_diesel::Error> {
         match self {
             Self::Audit(args) => {
-                let report = store.rebuilder(&args.projection)?.audit(args.days)?;
+                let report = Rebuilder::new(&store, &args.projection)?.audit(args.days)?;
                 Ok(if json {
                     to_json(&report)
                 } else {
@@ -49,7 +51,7 @@ impl ProjectionCommand {
                 })
             }
             Self::Rebuild(args) => {
-                let report = store.rebuilder(&args.projection)?.rebuild(args.days)?;
+                let report = Rebuilder::new(&store, &args.projection)?.rebuild(args.days)?;
                 Ok(if json {
                     to_json(&report)
                 } else {

@@ -13,9 +13,10 @@ use std::io;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use inbox_core::display::{escape, is_escaped};
-use inbox_diesel::{
-    ClaimRecord, DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
+use inbox_diesel::operator::{
+    DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
 };
+use inbox_diesel::ClaimRecord;
 use serde_json::{json, Value};
 
 use crate::failure::{failed, Outcome};

@@ -6,7 +6,8 @@ use std::io::Write;
 use diesel::{PgConnection, SqliteConnection};
 use inbox_core::display::escape;
 use inbox_core::redact_message;
-use inbox_diesel::{Backend, OperatorConnection, ReplayTarget, Store};
+use inbox_diesel::operator::{OperatorConnection, ReplayTarget};
+use inbox_diesel::{Backend, Store};
 use serde_json::json;
 
 use crate::args::{Command, GlobalArgs};

@@ -17,7 +17,9 @@ use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySett
 use inbox_core::{
     relay_in_process, InProcessTransport, MessageKey, OutboxMessage, RetryLadder, RetryPolicy,
 };
-use inbox_diesel::{enqueue, DeadLetterFilter, OperatorConnection, Store, StoreConnection};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{DeadLetterFilter, OperatorConnection};
+use inbox_diesel::{enqueue, Store, StoreConnection};
 use inbox_test_support::amqp::{self, amqp_url, eventually};
 use inbox_test_support::tls::{self, TlsProxy};
 use inbox_test_support::{
@@ -105,9 +107,9 @@ fn enqueue_all<C: StoreConnection>(store: &Store<C>, exchange: &str) {
 }
 
 fn pending_letters<C: OperatorConnection>(store: &Store<C>) -> usize {
-    store
+    Operator::new(&store)
         .list_dead_letters(
-            &DeadLetterFilter::default().status(inbox_diesel::LetterStatus::Pending),
+            &DeadLetterFilter::default().status(inbox_diesel::operator::LetterStatus::Pending),
             0,
             100,
         )

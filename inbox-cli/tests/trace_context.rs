@@ -14,7 +14,9 @@ use inbox_core::{
     relay_in_process, InProcessTransport, MessageKey, OutboxMessage, RetryLadder, RetryPolicy,
     Traceparent, TRACEPARENT_HEADER,
 };
-use inbox_diesel::{enqueue, DeadLetterFilter, Store, StoreConnection};
+use inbox_diesel::operator::DeadLetterFilter;
+use inbox_diesel::operator::Operator;
+use inbox_diesel::{enqueue, Store, StoreConnection};
 use inbox_test_support::amqp::{self, amqp_url, eventually};
 use inbox_test_support::{
     unique_name, usage, Fixture, Outcome, PgFixture, Recorder, SqliteFixture, TestConn,
@@ -101,11 +103,14 @@ fn the_enqueuing_trace_is_the_parent_of_the_delivery_span() {
         "no delivery span in trace {bad}"
     );
     // Kept on the dead letter, shown by the CLI.
-    let letter = sqlite
+    let letter = Operator::new(&sqlite)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
         .unwrap()
         .remove(0);
-    let details = sqlite.dead_letter_details(letter.id).unwrap().unwrap();
+    let details = Operator::new(&sqlite)
+        .dead_letter_details(letter.id)
+        .unwrap()
+        .unwrap();
     let kept = Traceparent::parse(&details.headers[TRACEPARENT_HEADER]).unwrap();
     assert_eq!(kept.trace_id(), bad);
     let shown = Command::new(env!("CARGO_BIN_EXE_inbox"))

@@ -291,6 +291,7 @@ fn is_data_message(msg: &str) -> bool {
 /// Whether an `lc_messages` value gives the server's messages untranslated: C, POSIX,
 /// or an English locale (PostgreSQL ships no English translation). An empty value
 /// takes the server's environment, which the session cannot see.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL's only
 pub(crate) fn is_untranslated(lc_messages: &str) -> bool {
     let lower = lc_messages.to_ascii_lowercase();
     let language = lower.split(['.', '@']).next().unwrap_or_default();
@@ -305,6 +306,7 @@ pub(crate) fn is_retryable(err: &diesel::result::Error) -> bool {
 }
 
 /// Quotes an identifier already checked to be `[a-z_][a-z0-9_]*`.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL's only
 pub(crate) fn quoted(ident: &str) -> String {
     format!("\"{ident}\"")
 }

@@ -75,6 +75,7 @@ impl Knobs {
         self.get().commit_checks
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL\'s claim statement
     pub(crate) fn takeover(&self) -> bool {
         let k = self.get();
         k.takeover && !k.narrow_claims
@@ -85,6 +86,7 @@ impl Knobs {
         k.lookup && !k.narrow_claims
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL\'s claim statement
     pub(crate) fn narrow_claims(&self) -> bool {
         self.get().narrow_claims
     }
@@ -100,6 +102,7 @@ impl Knobs {
         true
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL\'s claim statement
     pub(crate) const fn takeover(&self) -> bool {
         true
     }
@@ -108,6 +111,7 @@ impl Knobs {
         true
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL\'s claim statement
     pub(crate) const fn narrow_claims(&self) -> bool {
         false
     }

@@ -11,7 +11,24 @@
 //!   `retention.rs` the purges; `catalog.rs` the claim table's indexes and columns;
 //!   `pg/listen.rs` the relay's LISTEN connection; `sqlite/collation.rs` declared
 //!   collations.
-//! - `backend`: the sealed backend contract, [`StoreConnection`] and [`ErrorClass`].
+//! - `backend`: the sealed backend contract of the inbox path and the relay,
+//!   [`StoreConnection`], and [`ErrorClass`]. It names no optional capability.
+//!
+//! The optional capabilities are public modules, each with its own entry point and
+//! its own sealed trait extending [`StoreConnection`], implemented by both backends:
+//!
+//! - [`operator`]: [`operator::Operator`], built from a store (dead letters, replay,
+//!   discard, redrive, stats, halts, canaries, gauges), bound by
+//!   [`operator::OperatorConnection`];
+//! - [`rebuild`]: [`rebuild::Rebuilder`] and [`rebuild::RebuildRunner`], built from a
+//!   store and a registered projection, bound by [`rebuild::RebuildConnection`];
+//! - [`idempotency`]: free functions on a connection ([`idempotency::begin_request`],
+//!   [`idempotency::commit_request`], ...) or a store
+//!   ([`idempotency::purge_expired_requests`]), bound by
+//!   [`idempotency::IdempotencyConnection`].
+//!
+//! Their statements live beside the inbox path's in each backend folder
+//! (`pg/operator.rs`, `pg/rebuild.rs`, `pg/idempotency.rs`, and SQLite's).
 //! - `statements`: the statement traits every backend implements, and the claim
 //!   upsert's conflict target and condition, built once from `ClaimKey::COLUMNS`.
 //! - `rows`: the rows the statements write and read, and the public records
@@ -26,32 +43,42 @@
 //!   deliveries and the broker's dead letters; `crash_loop` start marks; `metrics`.
 //! - `store`: [`Store`], [`StoreBuilder`] and the state batches share, whose fields
 //!   only that module touches.
-//! - `idempotency`: idempotency records of requests ([`begin_request`],
-//!   [`commit_request`], [`settle_request`], ...), their statement trait and their
-//!   index check; each backend's statements in `pg/idempotency.rs` and
-//!   `sqlite/idempotency.rs`, its catalog read by `catalog.rs`.
 //! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
 //!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
 //!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
 //!   table definitions.
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
+compile_error!("inbox-diesel needs a backend: enable its feature `postgres`, `sqlite` or both");
 
 mod backend;
 mod batch;
 mod dsl;
 mod error;
-mod idempotency;
+mod halts;
+#[cfg(feature = "idempotency")]
+#[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]
+pub mod idempotency;
 mod knobs;
-mod operator;
+#[cfg(feature = "operator")]
+#[cfg_attr(docsrs, doc(cfg(feature = "operator")))]
+pub mod operator;
 mod outbox;
+#[cfg(feature = "postgres")]
 mod pg;
 mod pool;
-mod rebuild;
+#[cfg(feature = "rebuild")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
+pub mod rebuild;
+#[cfg(feature = "rebuild")]
 mod rebuild_ops;
 mod retention;
 mod rows;
 mod schema;
 mod slot;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 mod statements;
 mod store;
@@ -61,32 +88,17 @@ mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
 pub use error::{Error, Result, SchemaProblem};
-pub use idempotency::{
-    abandon_request, begin_request, commit_request, purge_requests, read_request,
-    refund_delivered_request, settle_request, IdempotencyConnection, NewRequest,
-    IDEMPOTENCY_KEY_COLUMNS,
-};
 #[cfg(feature = "bench-knobs")]
 pub use knobs::BenchKnobs;
-pub use operator::{
-    replay_refusal, BulkReport, Canary, CanaryPing, CanaryReport, DeadLetterDetails,
-    DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup, GroupStats, HaltedGroup,
-    LetterCount, LetterStatus, OperatorConnection, OperatorStats, PurgeReport, RedriveFilter,
-    ReplayOutcome, ReplayTarget, CANARY_GROUP, CANARY_MESSAGE_TYPE,
-};
 pub use outbox::{
     enqueue, enqueue_all, enqueue_all_with, enqueue_with, ordering_lock_stripe, AsStoreConnection,
     EnqueueLimits, DEFAULT_MAX_OUTBOX_PAYLOAD, MAX_OUTBOX_NAME_LEN, ORDERING_LOCK_CLASS,
     ORDERING_LOCK_STRIPES, OUTBOX_CHANNEL,
 };
 #[doc(hidden)] // the plan tests read PostgreSQL's purge statement
+#[cfg(feature = "postgres")]
 pub use pg::retention::purge_statement as pg_purge_statement;
 pub use pool::{PooledStoreConnection, StoreManager};
-pub use rebuild::{
-    RebuildConnection, RebuildRunner, Rebuilder, RunOutcome, DEFAULT_LOCK_TIMEOUT,
-    DEFAULT_LOCK_TRIES, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, DEFAULT_RETRY_PAUSE,
-    MAX_REBUILD_EVERY, MAX_REBUILD_WINDOW,
-};
 pub use retention::{purge_batch, Retention, PURGE_LOCK_CLASS};
 pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow, PurgeBatch, PurgeTarget};
 pub use store::{

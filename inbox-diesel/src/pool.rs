@@ -142,6 +142,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(feature = "postgres")]
     fn pool_connect_errors_hold_no_password() {
         crate::init_tls();
         // libpq quotes a bad percent escape back; the pool keeps and logs that text.

@@ -10,7 +10,7 @@
 //!    (PostgreSQL: `pg_advisory_xact_lock` on the lock's key in the store's schema,
 //!    after `SET LOCAL lock_timeout`; SQLite: the `BEGIN IMMEDIATE` write transaction,
 //!    SQLite's single writer, is the lock);
-//! 2. read the partition's source rows **once** ([`Rebuild::read_source`], one
+//! 2. read the partition's source rows **once** ([`Rebuild::read_source`](inbox_core::Rebuild::read_source), one
 //!    statement, after the lock is held) and derive from that one result both the new
 //!    rows and the covered events;
 //! 3. rewrite the partition's rows when they differ;
@@ -98,9 +98,7 @@ mod runner;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_core::{
-    AuditReport, DynRebuild, HookError, ProjectionLock, RebuildReport, WindowPartition,
-};
+use inbox_core::{AuditReport, DynRebuild, HookError, RebuildReport, WindowPartition};
 
 pub use runner::{
     RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, MAX_REBUILD_EVERY,
@@ -193,7 +191,7 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
 
 impl<C: StoreConnection> StoreBuilder<C> {
     /// Registers a projection: its handler (as [`StoreBuilder::handler`] does) and its
-    /// rebuild hooks ([`inbox_core::Rebuild`]), for [`Store::rebuilder`].
+    /// rebuild hooks ([`inbox_core::Rebuild`]), for [`Rebuilder::new`].
     ///
     /// `build` fails with [`Error::ProjectionWithoutLock`] when the handler declares no
     /// projection lock, and with [`Error::DuplicateProjection`] when two projections
@@ -203,47 +201,6 @@ impl<C: StoreConnection> StoreBuilder<C> {
         self.handlers.push(handler.clone());
         self.rebuilds.push(handler);
         self
-    }
-}
-
-impl<C: RebuildConnection> Store<C> {
-    /// The names of the projections registered with rebuild hooks, sorted.
-    pub fn projections(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.inner.rebuilds().keys().cloned().collect();
-        names.sort();
-        names
-    }
-
-    /// A rebuilder of a registered projection.
-    pub fn rebuilder(&self, projection: &str) -> Result<Rebuilder<C>> {
-        let hook = self
-            .inner
-            .rebuilds()
-            .get(projection)
-            .cloned()
-            .ok_or_else(|| Error::UnknownProjection {
-                found: projection.to_owned(),
-                expected: self.projections().join(", "),
-            })?;
-        let lock = hook.lock().ok_or_else(|| Error::ProjectionWithoutLock {
-            projection: projection.to_owned(),
-            group: hook.group().to_string(),
-            message_type: hook.message_type().to_owned(),
-        })?;
-        Ok(Rebuilder {
-            key: self.inner.lock_key(&lock),
-            store: self.clone(),
-            hook,
-            lock_timeout: DEFAULT_LOCK_TIMEOUT,
-            lock_tries: DEFAULT_LOCK_TRIES,
-            retry_pause: DEFAULT_RETRY_PAUSE,
-        })
-    }
-
-    /// The advisory lock key a projection lock has in this store (the lock's id mixed
-    /// with the store's schema; see [`ProjectionLock::key_in`]).
-    pub fn projection_lock_key(&self, lock: &ProjectionLock) -> i64 {
-        self.inner.lock_key(lock)
     }
 }
 
@@ -311,6 +268,40 @@ impl TryError {
 }
 
 impl<C: RebuildConnection> Rebuilder<C> {
+    /// A rebuilder of `projection`, registered on `store` with
+    /// [`StoreBuilder::projection`](crate::StoreBuilder::projection).
+    pub fn new(store: &Store<C>, projection: &str) -> Result<Self> {
+        let hook = store
+            .inner
+            .rebuilds()
+            .get(projection)
+            .cloned()
+            .ok_or_else(|| Error::UnknownProjection {
+                found: projection.to_owned(),
+                expected: Self::projections(store).join(", "),
+            })?;
+        let lock = hook.lock().ok_or_else(|| Error::ProjectionWithoutLock {
+            projection: projection.to_owned(),
+            group: hook.group().to_string(),
+            message_type: hook.message_type().to_owned(),
+        })?;
+        Ok(Self {
+            key: store.inner.lock_key(&lock),
+            store: store.clone(),
+            hook,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            lock_tries: DEFAULT_LOCK_TRIES,
+            retry_pause: DEFAULT_RETRY_PAUSE,
+        })
+    }
+
+    /// The names of the projections registered on `store` with rebuild hooks, sorted.
+    pub fn projections(store: &Store<C>) -> Vec<String> {
+        let mut names: Vec<String> = store.inner.rebuilds().keys().cloned().collect();
+        names.sort();
+        names
+    }
+
     /// How long one try waits for the exclusive lock (default 200 ms). Live batches
     /// that arrive while the rebuild waits queue behind it, so this bounds their extra
     /// wait too. PostgreSQL only: on SQLite the store's `busy_timeout` bounds it.

@@ -122,9 +122,11 @@ macro_rules! rebuild_tables {
 }
 
 pub(crate) mod tables {
+    #[cfg(feature = "postgres")]
     pub(crate) mod pg {
         rebuild_tables!(Timestamptz);
     }
+    #[cfg(feature = "sqlite")]
     pub(crate) mod sqlite {
         rebuild_tables!(TimestamptzSqlite);
     }

@@ -6,6 +6,19 @@ macro_rules! inbox_tables {
         diesel::table! {
             use diesel::sql_types::*;
 
+            /// A consumer group halted by a claim invariant violation (the operator
+            /// migration's table; the consumer records and reads it).
+            inbox_group_halts (consumer_group) {
+                consumer_group -> Text,
+                message_key -> Text,
+                detail -> Text,
+                halted_at -> $ts,
+            }
+        }
+
+        diesel::table! {
+            use diesel::sql_types::*;
+
             inbox_claims (consumer_group, message_key) {
                 consumer_group -> Text,
                 message_key -> Text,
@@ -96,11 +109,13 @@ macro_rules! inbox_tables {
 }
 
 /// PostgreSQL tables.
+#[cfg(feature = "postgres")]
 pub(crate) mod pg {
     inbox_tables!(Timestamptz);
 }
 
 /// SQLite tables.
+#[cfg(feature = "sqlite")]
 pub(crate) mod sqlite {
     inbox_tables!(TimestamptzSqlite);
 }

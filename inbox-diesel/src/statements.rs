@@ -170,6 +170,7 @@ pub trait RetentionOps: Sized {
 /// backends (the claim, the start mark, the broker's dead mark) uses this one rule.
 pub(crate) struct ClaimConflict {
     /// The conflict target's column list: `consumer_group, message_key`.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // PostgreSQL's statements
     pub target: String,
     /// The condition, up to the due time's parameter when there is one.
     pub condition: String,

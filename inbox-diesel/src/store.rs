@@ -65,7 +65,9 @@ pub(crate) struct Inner<C: StoreConnection> {
     /// What a relay waits for enqueues on (PostgreSQL: the LISTEN connection,
     /// opened on the first wait).
     listener: Mutex<C::Listener>,
-    /// The projections with rebuild hooks, by name.
+    /// The projections with rebuild hooks, by name (registered only with the
+    /// feature `rebuild`).
+    #[cfg_attr(not(feature = "rebuild"), allow(dead_code))]
     rebuilds: HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>>,
     /// The schema projection lock keys are scoped to (see `rebuild`).
     lock_scope: String,
@@ -100,6 +102,7 @@ impl<C: StoreConnection> Inner<C> {
     }
 
     /// The projections with rebuild hooks, by name.
+    #[cfg_attr(not(feature = "rebuild"), allow(dead_code))]
     pub(crate) fn rebuilds(&self) -> &HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>> {
         &self.rebuilds
     }
@@ -261,6 +264,12 @@ impl<C: StoreConnection> Store<C> {
         Ok(self.inner.pool.get()?)
     }
 
+    /// The advisory lock key a projection lock has in this store (the lock's id mixed
+    /// with the store's schema; see [`inbox_core::ProjectionLock::key_in`]).
+    pub fn projection_lock_key(&self, lock: &inbox_core::ProjectionLock) -> i64 {
+        self.inner.lock_key(lock)
+    }
+
     /// The store's clock.
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.inner.clock
@@ -268,10 +277,12 @@ impl<C: StoreConnection> Store<C> {
 
     /// Checks the live schema: a unique index (or primary key) must cover exactly the
     /// claim key columns, with no predicate and no expression, on NOT NULL columns,
-    /// and no other unique index may constrain a part of them. The same holds for the
-    /// idempotency table and its key (caller, idempotency_key). The rebuilds' objects
-    /// must exist too: `inbox_claims.covered_at`, `inbox_dead_letters.resolved_at`, and
-    /// `inbox_rebuild_runs` with a unique index on exactly `projection`.
+    /// and no other unique index may constrain a part of them. Then the tables of the
+    /// capabilities this build has: with `idempotency`, the same rule for the
+    /// idempotency table and its key (caller, idempotency_key); with `rebuild`,
+    /// `inbox_claims.covered_at`, `inbox_dead_letters.resolved_at`, and
+    /// `inbox_rebuild_runs` with a unique index on exactly `projection`; with
+    /// `operator`, the operator migration's columns and tables.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
         verify::check(&C::catalog(&mut conn)?)?;

@@ -28,5 +28,6 @@
 /// inbox_diesel::init_tls(); // once is enough; again is a no-op
 /// ```
 pub fn init_tls() {
+    #[cfg(feature = "postgres")]
     openssl_sys::init();
 }

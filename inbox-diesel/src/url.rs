@@ -37,6 +37,7 @@ impl Backend {
 }
 
 /// The path diesel's SQLite driver takes for a `sqlite://` URL.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))] // SQLite's only
 pub(crate) fn sqlite_path(url: &str) -> &str {
     url.strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))

@@ -9,6 +9,7 @@ use inbox_core::{
     payload_digest, DeadLetterOutcome, DeadLetterReason, Envelope, InboxStore, MessageKey,
     PayloadCut, CUT_PAYLOAD_PREFIX,
 };
+use inbox_diesel::operator::Operator;
 use inbox_test_support::{group, Fixture};
 
 const GROUP: &str = "billing.daily-usage";
@@ -61,14 +62,20 @@ fn a_cut_payload_keeps_its_prefix_length_and_digest<F: Fixture>(fx: &F) {
         (vec![1], None)
     );
 
-    let details = store.dead_letter_details(dead[0].id).unwrap().unwrap();
+    let details = Operator::new(&store)
+        .dead_letter_details(dead[0].id)
+        .unwrap()
+        .unwrap();
     assert_eq!(details.payload, body[..CUT_PAYLOAD_PREFIX]);
     assert_eq!(details.payload_cut, Some(expected));
     assert!(
         details.replay_refusal.is_some(),
         "a cut letter is not replayable"
     );
-    let details = store.dead_letter_details(dead[1].id).unwrap().unwrap();
+    let details = Operator::new(&store)
+        .dead_letter_details(dead[1].id)
+        .unwrap()
+        .unwrap();
     assert_eq!(details.payload_cut, None);
 }
 
@@ -89,7 +96,7 @@ fn a_half_recorded_cut_is_an_unreadable_letter<F: Fixture>(fx: &F) {
             Ok(read) => panic!("{problem}: read as {:?}", read[0].payload_cut),
         };
         assert!(text.contains(problem), "{text}");
-        let text = match store.dead_letter_details(1) {
+        let text = match Operator::new(&store).dead_letter_details(1) {
             Err(err) => inbox_core::ErrorChain(&err).to_string(),
             Ok(read) => panic!("{problem}: read as {:?}", read.map(|d| d.payload_cut)),
         };

@@ -13,10 +13,11 @@ use inbox_core::{
     Clock, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, LeaseToken,
     ManualClock, RequestFields, Settlement,
 };
-use inbox_diesel::{
+use inbox_diesel::idempotency::{
     abandon_request, begin_request, commit_request, purge_requests, read_request,
-    refund_delivered_request, settle_request, Error, NewRequest, SchemaProblem, Store,
+    refund_delivered_request, settle_request, NewRequest,
 };
+use inbox_diesel::{Error, SchemaProblem, Store};
 use inbox_test_support::{Fixture, PgFixture, SqliteFixture};
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -90,7 +91,9 @@ fn a_committed_request_is_in_flight_until_settled_whatever_its_lease<F: Fixture>
     // Long past its lease: a committed request is never executed again.
     env.clock.advance(LEASE * 10);
     assert_eq!(env.begin("acct-1", &k, &fp), IdempotencyAnswer::InFlight);
-    let stored = env.store.idempotency_record("acct-1", &k).unwrap().unwrap();
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "acct-1", &k)
+        .unwrap()
+        .unwrap();
     assert_eq!(stored.status, IdempotencyStatus::InFlight);
     assert!(stored.committed_at.is_some());
     let body = b"{\"type\":\"done\"}\n".to_vec();
@@ -222,18 +225,32 @@ fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
         IdempotencyAnswer::Execute { .. }
     ));
     let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
-    assert_eq!(env.store.purge_idempotency_keys(day, 2).unwrap(), 0);
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 2).unwrap(),
+        0
+    );
     env.clock.advance(day + LEASE + Duration::from_secs(1));
     assert!(matches!(
-        env.store.purge_idempotency_keys(day, 0),
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 0),
         Err(Error::InvalidSetting {
             setting: "batch",
             ..
         })
     ));
-    assert_eq!(env.store.purge_idempotency_keys(day, 2).unwrap(), 6);
-    assert!(env.store.idempotency_record("a", &open).unwrap().is_some());
-    assert!(env.store.idempotency_record("a", &died).unwrap().is_none());
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 2).unwrap(),
+        6
+    );
+    assert!(
+        inbox_diesel::idempotency::request_record(&env.store, "a", &open)
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        inbox_diesel::idempotency::request_record(&env.store, "a", &died)
+            .unwrap()
+            .is_none()
+    );
     // A replay after the purge executes as a new request.
     assert!(matches!(
         env.begin("a", &key("settled-0"), &fp),
@@ -275,7 +292,9 @@ fn no_stored_column_holds_the_secret_or_the_request<F: Fixture>(fx: &F) {
         env.begin("a", &k, &fp),
         IdempotencyAnswer::Execute { .. }
     ));
-    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+        .unwrap()
+        .unwrap();
     // The store keeps the HMAC only: recomputing it needs the secret.
     assert_eq!(stored.fingerprint, fp);
     assert_ne!(stored.fingerprint, fingerprint("the text sent", b""));
@@ -345,7 +364,10 @@ fn a_late_commit_never_lands_on_a_record_begun_after_a_purge<F: Fixture>(fx: &F)
     };
     let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
     env.clock.advance(day + LEASE + Duration::from_secs(1));
-    assert_eq!(env.store.purge_idempotency_keys(day, 10).unwrap(), 1);
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 10).unwrap(),
+        1
+    );
     let IdempotencyAnswer::Execute { token: c } = env.begin("a", &k, &fp_c) else {
         panic!("C begins afresh");
     };
@@ -358,7 +380,9 @@ fn a_late_commit_never_lands_on_a_record_begun_after_a_purge<F: Fixture>(fx: &F)
         other => panic!("A's late commit landed on C's record: {other:?}"),
     }
     assert_ne!(c, a, "C was handed A's token again");
-    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+        .unwrap()
+        .unwrap();
     assert_eq!(stored.fingerprint, fp_c);
     assert_eq!(stored.lease_token, c);
     assert!(stored.committed_at.is_none(), "C's record was marked by A");
@@ -530,7 +554,9 @@ fn a_commit_ahead_of_a_takeover_keeps_the_key<F: Interleave>(fx: &F) {
         |c| begin_on(c, &env, &k, &fp),
     );
     assert_eq!(second, IdempotencyAnswer::InFlight);
-    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+        .unwrap()
+        .unwrap();
     assert_eq!(stored.lease_token, a);
     assert!(stored.committed_at.is_some());
 }
@@ -555,7 +581,9 @@ fn a_takeover_ahead_of_a_late_commit_fences_it<F: Interleave>(fx: &F) {
     let Some(IdempotencyAnswer::Execute { token: b }) = taken.into_inner().unwrap() else {
         panic!("the take-over executes");
     };
-    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+        .unwrap()
+        .unwrap();
     assert_eq!((stored.lease_token, stored.committed_at), (b, None));
 }
 
@@ -581,8 +609,7 @@ fn an_abandon_racing_a_takeover_never_deletes_the_new_lease<F: Interleave>(fx: &
         panic!("the take-over executes");
     };
     assert_eq!(
-        env.store
-            .idempotency_record("a", &k)
+        inbox_diesel::idempotency::request_record(&env.store, "a", &k)
             .unwrap()
             .unwrap()
             .lease_token,
@@ -623,8 +650,13 @@ fn a_purge_racing_a_late_commit_never_loses_a_committed_request<F: Interleave>(f
     );
     assert_eq!(purged, 0);
     // Committed, the record is kept by every later purge until it is settled.
-    assert_eq!(env.store.purge_idempotency_keys(day, 10).unwrap(), 0);
-    let stored = env.store.idempotency_record("a", &k).unwrap().unwrap();
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 10).unwrap(),
+        0
+    );
+    let stored = inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+        .unwrap()
+        .unwrap();
     assert!(
         stored.committed_at.is_some(),
         "a committed request lost its record"

@@ -13,10 +13,12 @@ use inbox_core::{
     relay_in_process, ClaimInvariantViolated, Clock, DeadLetterReason, Decision, Envelope,
     GroupHalts, InProcessTransport, ManualClock, MessageKey, RetryPolicy, REPLAY_GROUP_HEADER,
 };
-use inbox_diesel::{
-    BulkReport, ClaimStatus, DeadLetterFilter, DiscardOutcome, Error, LetterStatus, RedriveFilter,
-    ReplayOutcome, ReplayTarget, Store,
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{
+    BulkReport, DeadLetterFilter, DiscardOutcome, LetterStatus, RedriveFilter, ReplayOutcome,
+    ReplayTarget,
 };
+use inbox_diesel::{ClaimStatus, Error, Store};
 use inbox_test_support::{group, on_both_backends, usage, Fixture, Outcome, Recorder, TestConn};
 
 const FAILING: &str = "billing.daily-usage";
@@ -109,7 +111,7 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
     let s = scene(fx);
     let mut t = dead_letter_three(&s);
     let pending = DeadLetterFilter::default().status(LetterStatus::Pending);
-    let groups = s.store.failure_groups(&pending).unwrap();
+    let groups = Operator::new(&s.store).failure_groups(&pending).unwrap();
     assert_eq!(groups.len(), 1, "{groups:?}");
     let fg = &groups[0];
     assert_eq!(fg.count, 3);
@@ -120,8 +122,7 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
 
     s.healed.store(true, Ordering::SeqCst);
     let by_group = pending.clone().failure_group(fg.fingerprint.clone());
-    let report = s
-        .store
+    let report = Operator::new(&s.store)
         .replay_dead_letters(&by_group, None, &ReplayTarget::default())
         .unwrap();
     assert_eq!(report.matched, 3);
@@ -153,8 +154,7 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
         assert_eq!(claim.status, ClaimStatus::Done);
     }
     // The same replay again: the claims are done, nothing is enqueued or applied.
-    let again = s
-        .store
+    let again = Operator::new(&s.store)
         .replay_dead_letters(
             &by_group.clone().status(LetterStatus::Replayed),
             None,
@@ -165,14 +165,12 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
     assert_eq!(again.skipped, 3, "{again:?}");
     assert_eq!(relay(&s, &mut t), 0);
     assert_eq!(conn.effects_of("bad-1").unwrap(), 2);
-    let pending_again = s
-        .store
+    let pending_again = Operator::new(&s.store)
         .replay_dead_letters(&by_group, None, &ReplayTarget::default())
         .unwrap();
     assert_eq!(pending_again, BulkReport::default());
 
-    let letters = s
-        .store
+    let letters = Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
         .unwrap();
     assert_eq!(letters.len(), 3);
@@ -187,19 +185,22 @@ fn one_letter_replayed_twice_and_twice_at_once_is_enqueued_once<F: Fixture>(fx: 
     let s = scene(fx);
     let mut t = dead_letter_three(&s);
     s.healed.store(true, Ordering::SeqCst);
-    let letters = s
-        .store
+    let letters = Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
         .unwrap();
     let (first, rest) = letters.split_first().unwrap();
     let target = ReplayTarget::default();
     assert!(matches!(
-        s.store.replay_dead_letter(first.id, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(first.id, &target)
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
     // Before the relay ran: the claim is a due failed one now, not dead.
     assert_eq!(
-        s.store.replay_dead_letter(first.id, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(first.id, &target)
+            .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Failed)
         }
@@ -208,7 +209,13 @@ fn one_letter_replayed_twice_and_twice_at_once_is_enqueued_once<F: Fixture>(fx: 
     for letter in rest {
         let outcomes: Vec<ReplayOutcome> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..2)
-                .map(|_| scope.spawn(|| s.store.replay_dead_letter(letter.id, &target).unwrap()))
+                .map(|_| {
+                    scope.spawn(|| {
+                        Operator::new(&s.store)
+                            .replay_dead_letter(letter.id, &target)
+                            .unwrap()
+                    })
+                })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
@@ -236,21 +243,29 @@ fn a_message_failing_again_after_a_replay_is_dead_again_with_its_replay_visible<
     let s = scene(fx);
     let mut t = dead_letter_three(&s);
     let filter = DeadLetterFilter::default().message_key("bad-1");
-    let first = s.store.list_dead_letters(&filter, 0, 1).unwrap().remove(0);
+    let first = Operator::new(&s.store)
+        .list_dead_letters(&filter, 0, 1)
+        .unwrap()
+        .remove(0);
     assert!(matches!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(first.id, &ReplayTarget::default())
             .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
     relay(&s, &mut t); // still failing: dead again
-    let letters = s.store.list_dead_letters(&filter, 0, 10).unwrap();
+    let letters = Operator::new(&s.store)
+        .list_dead_letters(&filter, 0, 10)
+        .unwrap();
     assert_eq!(letters.len(), 2, "{letters:?}");
     let (newest, oldest) = (&letters[0], &letters[1]);
     assert_eq!(newest.delivered_by_replay, Some(1));
     assert_eq!(newest.status, LetterStatus::Pending);
     assert_eq!(oldest.replay_count, 1);
-    let details = s.store.dead_letter_details(newest.id).unwrap().unwrap();
+    let details = Operator::new(&s.store)
+        .dead_letter_details(newest.id)
+        .unwrap()
+        .unwrap();
     assert_eq!(details.headers[REPLAY_GROUP_HEADER], FAILING);
     assert_eq!(details.claim_status, Some(ClaimStatus::Dead));
     assert_eq!(details.first_failure_at, oldest.dead_lettered_at);
@@ -259,7 +274,7 @@ fn a_message_failing_again_after_a_replay_is_dead_again_with_its_replay_visible<
     // Replayed again and healed: sequence 2, applied once by this group.
     s.healed.store(true, Ordering::SeqCst);
     assert!(matches!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(newest.id, &ReplayTarget::default())
             .unwrap(),
         ReplayOutcome::Replayed { sequence: 2, .. }
@@ -305,27 +320,31 @@ fn reasons_that_cannot_be_replayed_are_refused_and_no_handler_is_replayed_once_h
     );
     let target = ReplayTarget::default();
     for reason in ["key_collision", "decode_error"] {
-        let letter = s
-            .store
+        let letter = Operator::new(&s.store)
             .list_dead_letters(&DeadLetterFilter::default().reason(reason), 0, 1)
             .unwrap()
             .remove(0);
-        match s.store.replay_dead_letter(letter.id, &target).unwrap() {
+        match Operator::new(&s.store)
+            .replay_dead_letter(letter.id, &target)
+            .unwrap()
+        {
             ReplayOutcome::Refused { reason: r, advice } => {
                 assert_eq!(r, reason);
                 assert!(advice.contains("discard"), "{advice}");
             }
             other => panic!("{reason}: {other:?}"),
         }
-        let details = s.store.dead_letter_details(letter.id).unwrap().unwrap();
+        let details = Operator::new(&s.store)
+            .dead_letter_details(letter.id)
+            .unwrap()
+            .unwrap();
         assert!(details.replay_refusal.is_some());
     }
     // The collision's claim is untouched: still the first payload's, done.
     let mut conn = s.store.connection().unwrap();
     assert_eq!(conn.effects_of("k-1").unwrap(), 1);
     drop(conn);
-    let report = s
-        .store
+    let report = Operator::new(&s.store)
         .replay_dead_letters(&DeadLetterFilter::default(), None, &target)
         .unwrap();
     assert_eq!(report.refused, 2, "{report:?}");
@@ -350,7 +369,7 @@ fn reasons_that_cannot_be_replayed_are_refused_and_no_handler_is_replayed_once_h
 fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
     let s = scene(fx);
     let _t = dead_letter_three(&s);
-    let stats = s.store.operator_stats().unwrap();
+    let stats = Operator::new(&s.store).operator_stats().unwrap();
     let failing = stats
         .groups
         .iter()
@@ -361,18 +380,15 @@ fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
     assert_eq!(stats.dead_letters[0].count, 3);
     assert_eq!(stats.outbox_backlog, 0);
 
-    let report = s
-        .store
+    let report = Operator::new(&s.store)
         .discard_dead_letters(&DeadLetterFilter::default(), Some(2))
         .unwrap();
     assert_eq!((report.matched, report.affected), (2, 2));
-    let left = s
-        .store
+    let left = Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
         .unwrap();
     assert_eq!(left.len(), 1);
-    let discarded = s
-        .store
+    let discarded = Operator::new(&s.store)
         .list_dead_letters(
             &DeadLetterFilter::default().status(LetterStatus::Discarded),
             0,
@@ -381,22 +397,25 @@ fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
         .unwrap();
     assert_eq!(discarded.len(), 2);
     assert_eq!(
-        s.store.discard_dead_letter(discarded[0].id).unwrap(),
+        Operator::new(&s.store)
+            .discard_dead_letter(discarded[0].id)
+            .unwrap(),
         DiscardOutcome::AlreadyDiscarded
     );
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(discarded[0].id, &ReplayTarget::default())
             .unwrap(),
         ReplayOutcome::Discarded
     );
     assert_eq!(
-        s.store.discard_dead_letter(i64::MAX).unwrap(),
+        Operator::new(&s.store)
+            .discard_dead_letter(i64::MAX)
+            .unwrap(),
         DiscardOutcome::NotFound
     );
     // Paging, newest first.
-    let page: Vec<i64> = s
-        .store
+    let page: Vec<i64> = Operator::new(&s.store)
         .list_dead_letters(
             &DeadLetterFilter::default().status(LetterStatus::Discarded),
             1,
@@ -410,7 +429,7 @@ fn discard_bulk_limits_and_stats<F: Fixture>(fx: &F) {
     // Purge of discarded letters, after their window.
     s.clock.advance(Duration::from_secs(3600));
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .purge_discarded_dead_letters(Duration::from_secs(60), 1)
             .unwrap(),
         2
@@ -429,7 +448,7 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
     let redrive = RedriveFilter::default().overdue_for(Duration::from_secs(60));
     let target = ReplayTarget::default();
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .redrive_failed_claims(&redrive, None, &target)
             .unwrap()
             .matched,
@@ -437,7 +456,7 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
         "not overdue yet"
     );
     s.clock.advance(Duration::from_secs(120));
-    let stats = s.store.operator_stats().unwrap();
+    let stats = Operator::new(&s.store).operator_stats().unwrap();
     let failing = stats
         .groups
         .iter()
@@ -446,20 +465,25 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
     assert_eq!((failing.failed, failing.retries_due), (1, 1));
     assert!(failing.oldest_pending_retry.is_some());
     s.healed.store(true, Ordering::SeqCst);
-    let report = s
-        .store
+    let report = Operator::new(&s.store)
         .redrive_failed_claims(&redrive, None, &target)
         .unwrap();
     assert_eq!((report.matched, report.affected), (1, 1));
     // Just redriven: not overdue any more.
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .redrive_failed_claims(&redrive, None, &target)
             .unwrap()
             .matched,
         0
     );
-    assert_eq!(s.store.operator_stats().unwrap().outbox_backlog, 1);
+    assert_eq!(
+        Operator::new(&s.store)
+            .operator_stats()
+            .unwrap()
+            .outbox_backlog,
+        1
+    );
     let mut t = transport(&s);
     assert_eq!(relay(&s, &mut t), 1);
     assert_eq!(
@@ -467,7 +491,7 @@ fn a_failed_claim_whose_retry_copy_was_lost_is_redriven_once<F: Fixture>(fx: &F)
         1
     );
     assert_eq!(calls(&s.bystander_calls, "bad-9"), 0);
-    let claims = s.store.claims_for_key("bad-9").unwrap();
+    let claims = Operator::new(&s.store).claims_for_key("bad-9").unwrap();
     assert_eq!(claims.len(), 1);
     assert_eq!(claims[0].status, ClaimStatus::Done);
 }
@@ -490,13 +514,12 @@ fn a_producer_row_and_replays_of_its_key_share_the_outbox<F: Fixture>(fx: &F) {
     drop(conn);
     let mut t = transport(&s);
     assert_eq!(relay(&s, &mut t), 1);
-    let letter = s
-        .store
+    let letter = Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
         .unwrap()
         .remove(0);
     assert!(matches!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(letter.id, &ReplayTarget::with_prefix("t1."))
             .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
@@ -570,20 +593,25 @@ fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
             "delivery limit",
         )
         .unwrap();
-    let letter = s
-        .store
+    let letter = Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default().reason("delivery_limit"), 0, 1)
         .unwrap()
         .remove(0);
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(letter.id, &ReplayTarget::default())
             .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Dead)
         }
     );
-    assert_eq!(s.store.operator_stats().unwrap().outbox_backlog, 0);
+    assert_eq!(
+        Operator::new(&s.store)
+            .operator_stats()
+            .unwrap()
+            .outbox_backlog,
+        0
+    );
 }
 
 /// Gauges and counters recorded on this thread, by `name{label=value,...}`.
@@ -668,7 +696,7 @@ impl metrics::Recorder for Capture {
 
 /// The key of the newest dead letter (the one the gauges test replays).
 fn letter_key<C: inbox_test_support::FullConnection>(s: &Scene<C>) -> String {
-    s.store
+    Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
         .unwrap()
         .remove(0)
@@ -687,21 +715,19 @@ fn gauges_show_backlog_unprocessed_age_failure_groups_and_replays<F: Fixture>(fx
     s.clock.advance(Duration::from_secs(90));
     let recorded = Arc::new(Recorded::default());
     let capture = Capture(Arc::clone(&recorded));
-    let fingerprint = s
-        .store
+    let fingerprint = Operator::new(&s.store)
         .failure_groups(&DeadLetterFilter::default())
         .unwrap()[0]
         .fingerprint
         .clone();
     metrics::with_local_recorder(&capture, || {
-        let letter = s
-            .store
+        let letter = Operator::new(&s.store)
             .list_dead_letters(&DeadLetterFilter::default(), 0, 1)
             .unwrap();
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(letter[0].id, &ReplayTarget::default())
             .unwrap();
-        s.store.publish_operator_gauges().unwrap();
+        Operator::new(&s.store).publish_operator_gauges().unwrap();
     });
     let got = recorded.0.lock().unwrap();
     let value = |k: &str| {
@@ -714,8 +740,7 @@ fn gauges_show_backlog_unprocessed_age_failure_groups_and_replays<F: Fixture>(fx
     assert_eq!(value("inbox_outbox_dead_rows{}"), 0.0);
     // The replayed claim is unprocessed again (failed, due) until its copy arrives: the
     // oldest, first seen before the 1 s retry the transport waited and the 90 s.
-    let replayed = s
-        .store
+    let replayed = Operator::new(&s.store)
         .claims_for_key(&letter_key(&s))
         .unwrap()
         .into_iter()
@@ -757,15 +782,21 @@ fn violation(group_name: &str, key: &str, detail: &str) -> ClaimInvariantViolate
 fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     let s = scene(fx);
     let store = &s.store;
-    assert!(store.list_halted_groups().unwrap().is_empty());
-    assert!(!store.resume_group(FAILING).unwrap(), "not halted yet");
+    assert!(Operator::new(&store)
+        .list_halted_groups()
+        .unwrap()
+        .is_empty());
+    assert!(
+        !Operator::new(&store).resume_group(FAILING).unwrap(),
+        "not halted yet"
+    );
     let first = violation(FAILING, "k-1", "a phantom conflict");
     store.record_halt(&first).unwrap();
     s.clock.advance(Duration::from_secs(60));
     store
         .record_halt(&violation(FAILING, "k-2", "another one"))
         .unwrap();
-    let halted = store.list_halted_groups().unwrap();
+    let halted = Operator::new(&store).list_halted_groups().unwrap();
     assert_eq!(halted.len(), 1, "{halted:?}");
     let h = &halted[0];
     assert_eq!(
@@ -781,21 +812,34 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
         Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap()
     );
     assert_eq!(store.halted_groups().unwrap(), [first]);
-    assert_eq!(store.operator_stats().unwrap().halted, halted);
+    assert_eq!(
+        Operator::new(&store).operator_stats().unwrap().halted,
+        halted
+    );
     // Another group is not touched by either.
-    assert!(!store.resume_group(BYSTANDER).unwrap());
-    assert_eq!(store.list_halted_groups().unwrap(), halted);
-    assert!(store.resume_group(FAILING).unwrap());
-    assert!(!store.resume_group(FAILING).unwrap(), "resumed already");
-    assert!(store.list_halted_groups().unwrap().is_empty());
+    assert!(!Operator::new(&store).resume_group(BYSTANDER).unwrap());
+    assert_eq!(Operator::new(&store).list_halted_groups().unwrap(), halted);
+    assert!(Operator::new(&store).resume_group(FAILING).unwrap());
+    assert!(
+        !Operator::new(&store).resume_group(FAILING).unwrap(),
+        "resumed already"
+    );
+    assert!(Operator::new(&store)
+        .list_halted_groups()
+        .unwrap()
+        .is_empty());
     assert!(store.halted_groups().unwrap().is_empty());
-    assert!(store.operator_stats().unwrap().halted.is_empty());
+    assert!(Operator::new(&store)
+        .operator_stats()
+        .unwrap()
+        .halted
+        .is_empty());
     // Halted again after the resume: a new record, with the new cause.
     let again = violation(FAILING, "k-3", "once more");
     store.record_halt(&again).unwrap();
     assert_eq!(store.halted_groups().unwrap(), [again]);
     assert!(matches!(
-        store.resume_group("Not A Group"),
+        Operator::new(&store).resume_group("Not A Group"),
         Err(Error::Core(inbox_core::Error::InvalidName(
             inbox_core::InvalidName::ConsumerGroup(_)
         )))

@@ -16,6 +16,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::PgConnection;
 use inbox_core::{Envelope, ManualClock, MessageKey, OutboxMessage, OutboxStore};
+use inbox_diesel::operator::Operator;
 use inbox_diesel::{
     enqueue, purge_batch, PurgeTarget, Retention, Store, StoreConnection, PURGE_LOCK_CLASS,
 };
@@ -303,8 +304,8 @@ fn dead_letters<F: Fixture>(
         .get_result(&mut conn)
         .unwrap();
         assert_eq!(
-            store.discard_dead_letter(id.id).unwrap(),
-            inbox_diesel::DiscardOutcome::Discarded
+            Operator::new(&store).discard_dead_letter(id.id).unwrap(),
+            inbox_diesel::operator::DiscardOutcome::Discarded
         );
     }
 }
@@ -334,7 +335,11 @@ where
 
     // Letters keep arriving and being discarded (newer than the window) meanwhile.
     let counts = race(
-        || store.purge_discarded_dead_letters(secs(3600), 50).unwrap(),
+        || {
+            Operator::new(&store)
+                .purge_discarded_dead_letters(secs(3600), 50)
+                .unwrap()
+        },
         || dead_letters(fx, &store, "live", 300, |i| i % 3 == 0),
     );
 

@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
 use inbox_core::{relay_in_process, InProcessTransport, ManualClock, RetryPolicy};
-use inbox_diesel::{
-    ClaimStatus, DeadLetterFilter, DiscardOutcome, ReplayOutcome, ReplayTarget, Retention, Store,
-};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{DeadLetterFilter, DiscardOutcome, ReplayOutcome, ReplayTarget};
+use inbox_diesel::{ClaimStatus, Retention, Store};
 use inbox_test_support::{on_both_backends, usage, Fixture, Outcome, Recorder};
 
 const GROUP: &str = "billing.daily-usage";
@@ -72,14 +72,14 @@ fn dead_letter<C: inbox_test_support::FullConnection>(
 }
 
 fn newest_letter<C: inbox_test_support::FullConnection>(s: &Scene<C>, key: &str) -> i64 {
-    s.store
+    Operator::new(&s.store)
         .list_dead_letters(&DeadLetterFilter::default().message_key(key), 0, 1)
         .unwrap()[0]
         .id
 }
 
 fn claim_status<C: inbox_test_support::FullConnection>(s: &Scene<C>, key: &str) -> ClaimStatus {
-    s.store.claims_for_key(key).unwrap()[0].status
+    Operator::new(&s.store).claims_for_key(key).unwrap()[0].status
 }
 
 /// Relays the outbox to the transport and runs it; returns the rows relayed.
@@ -99,11 +99,11 @@ fn a_replay_after_a_discard_enqueues_nothing<F: Fixture>(fx: &F) {
     let mut t = transport(&s);
     let id = dead_letter(&s, &mut t, "k-1");
     assert_eq!(
-        s.store.discard_dead_letter(id).unwrap(),
+        Operator::new(&s.store).discard_dead_letter(id).unwrap(),
         DiscardOutcome::Discarded
     );
     assert_eq!(
-        s.store
+        Operator::new(&s.store)
             .replay_dead_letter(id, &ReplayTarget::default())
             .unwrap(),
         ReplayOutcome::Discarded
@@ -120,11 +120,15 @@ fn a_letter_is_replayed_once<F: Fixture>(fx: &F) {
     let id = dead_letter(&s, &mut t, "k-1");
     let target = ReplayTarget::default();
     assert!(matches!(
-        s.store.replay_dead_letter(id, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(id, &target)
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
     assert_eq!(
-        s.store.replay_dead_letter(id, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(id, &target)
+            .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Failed)
         }
@@ -137,7 +141,9 @@ fn a_letter_is_replayed_once<F: Fixture>(fx: &F) {
     // The claim is dead again with the same payload: the replayed letter is still
     // not replayed a second time (its newer letter is the one to replay).
     assert_eq!(
-        s.store.replay_dead_letter(id, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(id, &target)
+            .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Dead)
         }
@@ -145,12 +151,18 @@ fn a_letter_is_replayed_once<F: Fixture>(fx: &F) {
     assert_eq!(relay(&s, &mut t), 0, "nothing more was enqueued");
     fx.execute("UPDATE inbox_claims SET status = 'done'");
     assert_eq!(
-        s.store.replay_dead_letter(again, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(again, &target)
+            .unwrap(),
         ReplayOutcome::ClaimNotDead {
             status: Some(ClaimStatus::Done)
         }
     );
-    let letter = s.store.dead_letter_details(again).unwrap().unwrap().entry;
+    let letter = Operator::new(&s.store)
+        .dead_letter_details(again)
+        .unwrap()
+        .unwrap()
+        .entry;
     assert_eq!(
         letter.replay_count, 0,
         "the mark was rolled back: {letter:?}"
@@ -166,7 +178,9 @@ fn a_replay_sequence_never_repeats_across_a_purge<F: Fixture>(fx: &F) {
     let target = ReplayTarget::default();
     let first = dead_letter(&s, &mut t, "k-1");
     assert!(matches!(
-        s.store.replay_dead_letter(first, &target).unwrap(),
+        Operator::new(&s.store)
+            .replay_dead_letter(first, &target)
+            .unwrap(),
         ReplayOutcome::Replayed { sequence: 1, .. }
     ));
     assert_eq!(relay(&s, &mut t), 1); // still failing: dead again
@@ -182,7 +196,10 @@ fn a_replay_sequence_never_repeats_across_a_purge<F: Fixture>(fx: &F) {
     let second = newest_letter(&s, "k-1");
     assert_ne!(first, second);
     s.healed.store(true, Ordering::SeqCst);
-    match s.store.replay_dead_letter(second, &target).unwrap() {
+    match Operator::new(&s.store)
+        .replay_dead_letter(second, &target)
+        .unwrap()
+    {
         ReplayOutcome::Replayed { sequence, .. } => {
             assert_eq!(sequence, 2, "the key's second replay after a purge")
         }
@@ -290,7 +307,7 @@ mod races {
     fn replay(s: &Scene<PgConnection>, id: i64) -> JoinHandle<ReplayOutcome> {
         let store = s.store.clone();
         std::thread::spawn(move || {
-            store
+            Operator::new(&store)
                 .replay_dead_letter(id, &ReplayTarget::default())
                 .unwrap()
         })
@@ -298,7 +315,7 @@ mod races {
 
     fn discard(s: &Scene<PgConnection>, id: i64) -> JoinHandle<DiscardOutcome> {
         let store = s.store.clone();
-        std::thread::spawn(move || store.discard_dead_letter(id).unwrap())
+        std::thread::spawn(move || Operator::new(&store).discard_dead_letter(id).unwrap())
     }
 
     /// The case: a discard that commits while a replay is under way (the

@@ -26,10 +26,12 @@ use inbox_core::{
     MAX_DATABASE_TIMEOUT, MAX_RETRY_DELAY,
 };
 use inbox_core::{IdempotencyAnswer, IdempotencyKey, RequestFields};
-use inbox_diesel::{
-    begin_request, DeadLetterFilter, NewRequest, RebuildRunner, Retention, RunOutcome, Store,
-    MAX_REBUILD_WINDOW, MIGRATION_LOCK_CLASS,
-};
+use inbox_diesel::idempotency::{begin_request, NewRequest};
+use inbox_diesel::operator::DeadLetterFilter;
+use inbox_diesel::operator::Operator;
+use inbox_diesel::rebuild::Rebuilder;
+use inbox_diesel::rebuild::{RebuildRunner, RunOutcome, MAX_REBUILD_WINDOW};
+use inbox_diesel::{Retention, Store, MIGRATION_LOCK_CLASS};
 use inbox_test_support::{
     claim_key, rejected_setting, start_time, unique_name, usage, Fixture, Outcome, PgFixture,
     Recorder, SqliteFixture, TestConn,
@@ -83,14 +85,24 @@ fn a_retention_of_ten_thousand_years_keeps_everything_and_purges_nothing<F: Fixt
     clock.advance(secs(86_400));
     for window in [ten_thousand_years(), Duration::MAX] {
         let retention = Retention::new(window, window, secs(600)).unwrap();
-        let counted = store.count_purgeable(&retention, window).unwrap();
+        let counted = Operator::new(&store)
+            .count_purgeable(&retention, window)
+            .unwrap();
         assert_eq!(counted.done_claims, 0, "{window:?}");
         assert_eq!(counted.published_outbox_rows, 0, "{window:?}");
         assert_eq!(counted.discarded_dead_letters, 0, "{window:?}");
         assert_eq!(store.purge_published(&retention, 1).unwrap(), 0);
         assert_eq!(store.purge_done_claims(&retention, 1).unwrap(), 0);
-        assert_eq!(store.purge_discarded_dead_letters(window, 1).unwrap(), 0);
-        assert_eq!(store.purge_idempotency_keys(window, 1).unwrap(), 0);
+        assert_eq!(
+            Operator::new(&store)
+                .purge_discarded_dead_letters(window, 1)
+                .unwrap(),
+            0
+        );
+        assert_eq!(
+            inbox_diesel::idempotency::purge_expired_requests(&store, window, 1).unwrap(),
+            0
+        );
     }
     assert!(store
         .claim_record(&claim_key(GROUP, "k-1"))
@@ -107,7 +119,7 @@ fn a_retention_of_zero_purges_every_done_claim<F: Fixture>(fx: &F) {
     clock.advance(secs(1));
     let zero = Retention::new(Duration::ZERO, Duration::ZERO, Duration::ZERO).unwrap();
     assert_eq!(
-        store
+        Operator::new(&store)
             .count_purgeable(&zero, Duration::ZERO)
             .unwrap()
             .done_claims,
@@ -259,8 +271,7 @@ where
         two_pow_31_ms(),
         Duration::MAX,
     ] {
-        let rebuilder = store
-            .rebuilder("empty")
+        let rebuilder = Rebuilder::new(&store, "empty")
             .unwrap()
             .lock_timeout(timeout)
             .lock_tries(0)
@@ -270,7 +281,7 @@ where
     }
     // The window: 1 to MAX_REBUILD_WINDOW partitions (`--days`), refused otherwise
     // before anything is read.
-    let rebuilder = store.rebuilder("empty").unwrap();
+    let rebuilder = Rebuilder::new(&store, "empty").unwrap();
     assert_eq!(rebuilder.window(1).unwrap().len(), 1);
     assert_eq!(
         rebuilder.window(MAX_REBUILD_WINDOW).unwrap().len(),
@@ -330,7 +341,7 @@ where
         let stop = Arc::new(AtomicBool::new(false));
         let ran = Arc::new(AtomicBool::new(false));
         let (stop_after, ran_after) = (Arc::clone(&stop), Arc::clone(&ran));
-        let runner = RebuildRunner::new(store.rebuilder("empty").unwrap())
+        let runner = RebuildRunner::new(Rebuilder::new(&store, "empty").unwrap())
             .every(every)
             .lease(lease)
             .window(1)
@@ -358,18 +369,33 @@ fn a_dead_letter_filter_reaching_before_year_1_lists_every_letter<F: Fixture>(fx
     let filter = DeadLetterFilter::default()
         .since(now - TimeDelta::days(10_000 * 366))
         .until(chrono::DateTime::<chrono::Utc>::MAX_UTC);
-    assert_eq!(store.list_dead_letters(&filter, 0, 10).unwrap().len(), 1);
-    // Paging at its edges: `--offset` and `--limit` saturate, 0 lists nothing.
-    assert_eq!(store.list_dead_letters(&filter, 0, 1).unwrap().len(), 1);
-    assert!(store.list_dead_letters(&filter, 0, 0).unwrap().is_empty());
     assert_eq!(
-        store
+        Operator::new(&store)
+            .list_dead_letters(&filter, 0, 10)
+            .unwrap()
+            .len(),
+        1
+    );
+    // Paging at its edges: `--offset` and `--limit` saturate, 0 lists nothing.
+    assert_eq!(
+        Operator::new(&store)
+            .list_dead_letters(&filter, 0, 1)
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(Operator::new(&store)
+        .list_dead_letters(&filter, 0, 0)
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        Operator::new(&store)
             .list_dead_letters(&filter, 0, usize::MAX)
             .unwrap()
             .len(),
         1
     );
-    assert!(store
+    assert!(Operator::new(&store)
         .list_dead_letters(&filter, usize::MAX, usize::MAX)
         .unwrap()
         .is_empty());
@@ -400,7 +426,9 @@ fn a_request_lease_ending_after_year_9999_still_holds_the_key<F: Fixture>(fx: &F
         !matches!(again, IdempotencyAnswer::Execute { .. }),
         "a second execution: {again:?}"
     );
-    let record = store.idempotency_record("acct-1", &key).unwrap().unwrap();
+    let record = inbox_diesel::idempotency::request_record(&store, "acct-1", &key)
+        .unwrap()
+        .unwrap();
     assert_eq!(record.lease_until, LATEST_STORED_TIME);
 }
 

@@ -6,7 +6,10 @@
 //! |---|---|---|
 //! | `derive` | `#[derive(Handler)]` (generated code resolves through this crate) | on |
 //! | `amqp` | [`amqp`]: the RabbitMQ consumer and the outbox relay | off |
-//! | `cli` | [`cli`]: the operator commands to mount in your binary | off |
+//! | `cli` | [`cli`]: the operator commands to mount in your binary (turns on `operator`) | off |
+//! | `operator` | `store::operator`: dead letters, replay, discard, redrive, stats, halts, canaries | off |
+//! | `rebuild` | `store::rebuild`: projection rebuilds and audits | off |
+//! | `idempotency` | `store::idempotency`: idempotency keys of requests | off |
 //! | `rustls` | `amqps://` URLs | off |
 //!
 //! The store ([`store`], inbox-diesel) runs on PostgreSQL and SQLite; [`diesel`] is

@@ -28,10 +28,10 @@ use inbox_core::{
     ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, MessageContext, MessageKey,
     RetryPolicy,
 };
-use inbox_diesel::{
-    IdempotencyConnection, OperatorConnection, RebuildConnection, Store, StoreBuilder,
-    StoreConnection,
-};
+use inbox_diesel::idempotency::IdempotencyConnection;
+use inbox_diesel::operator::OperatorConnection;
+use inbox_diesel::rebuild::RebuildConnection;
+use inbox_diesel::{Store, StoreBuilder, StoreConnection};
 
 /// What an error reporter could print of `err`: its `Debug`, and the `Display` of it
 /// and of every cause below it (for tests that no level leaks a secret).

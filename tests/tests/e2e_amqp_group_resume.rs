@@ -12,6 +12,7 @@ use std::time::Duration;
 use diesel::PgConnection;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
 use inbox_core::ConsumerGroup;
+use inbox_diesel::operator::Operator;
 use inbox_diesel::Store;
 use inbox_test_support::amqp::{
     self, amqp_url, confirm_channel, eventually, publish, queue_depth, raw, wait_for_confirms,
@@ -139,7 +140,7 @@ impl Scene {
     }
 
     fn halted_in_store(&self) -> Vec<String> {
-        self.store
+        Operator::new(&self.store)
             .list_halted_groups()
             .unwrap()
             .into_iter()
@@ -207,7 +208,7 @@ async fn a_resumed_group_resumes_without_a_restart_and_applies_its_held_messages
     })
     .await;
     assert!(halted, "{:?}", stats.snapshot());
-    let halt = &scene.store.list_halted_groups().unwrap()[0];
+    let halt = &Operator::new(&scene.store).list_halted_groups().unwrap()[0];
     // The store stops the whole batch (the handler ended the batch's transaction):
     // the halt names its first message.
     assert!(
@@ -230,7 +231,7 @@ async fn a_resumed_group_resumes_without_a_restart_and_applies_its_held_messages
 
     // The cause is fixed, then the group resumed through the operator API.
     scene.broken.store(false, Ordering::SeqCst);
-    assert!(scene.store.resume_group(HALTING).unwrap());
+    assert!(Operator::new(&scene.store).resume_group(HALTING).unwrap());
     let resumed = eventually(Duration::from_secs(30), || {
         ["a-1", "stop-1", "a-2", "a-3"]
             .iter()
@@ -344,7 +345,7 @@ async fn a_stop_of_a_run_resumed_since_never_halts_the_group_again() {
 
     // Resumed while `slow-1`'s batch still runs; that batch then stops on the old run.
     scene.broken.store(false, Ordering::SeqCst);
-    assert!(scene.store.resume_group(HALTING).unwrap());
+    assert!(Operator::new(&scene.store).resume_group(HALTING).unwrap());
     let applied = eventually(Duration::from_secs(30), || {
         scene.effects_of("slow-1") == 2 && scene.effects_of("stop-1") == 2
     })

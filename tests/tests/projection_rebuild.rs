@@ -16,6 +16,8 @@ use inbox_core::{
     ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, HookError, MessageContext,
     ProjectionLock, Rebuild, RetryPolicy, SourceEvent,
 };
+use inbox_diesel::operator::Operator;
+use inbox_diesel::rebuild::Rebuilder;
 use inbox_diesel::{ClaimStatus, Error, Store, StoreBuilder};
 use inbox_examples::usage::{
     ledger_event_key, quick_policy, DailyTotal, DailyUsage, UsageDb, UsageRecorded, GROUP,
@@ -379,7 +381,7 @@ where
     ));
     let inflated = totals(&store);
 
-    let rebuilder = store.rebuilder(PROJECTION).unwrap();
+    let rebuilder = Rebuilder::new(&store, PROJECTION).unwrap();
     let audit = rebuilder.audit(3).unwrap();
     assert_eq!(audit.partitions, 3);
     assert_eq!(audit.rows_checked, 13, "{audit:?}");
@@ -445,7 +447,10 @@ where
     }
     // A few were applied live before the rebuild, the rest not yet.
     deliver(&store, &events[..7]);
-    let report = store.rebuilder(PROJECTION).unwrap().rebuild(2).unwrap();
+    let report = Rebuilder::new(&store, PROJECTION)
+        .unwrap()
+        .rebuild(2)
+        .unwrap();
     let expected = ledger_sums(&store, &[days_ago(0), days_ago(1)]);
     for chunk in events.chunks(4) {
         let decisions = deliver(&store, chunk);
@@ -496,7 +501,10 @@ where
     ));
     let done_before = store.claim_record(&done.claim_key()).unwrap().unwrap();
 
-    let report = store.rebuilder(PROJECTION).unwrap().rebuild(1).unwrap();
+    let report = Rebuilder::new(&store, PROJECTION)
+        .unwrap()
+        .rebuild(1)
+        .unwrap();
     assert_eq!(report.events_covered, 4);
     assert_eq!(report.claims_recorded, 0);
     assert_eq!(report.claims_converted, 2, "{report:?}");
@@ -561,14 +569,8 @@ where
         matches!(&err, Error::ProjectionWithoutLock { projection, .. } if projection == PROJECTION),
         "{err:?}"
     );
-    let err = fx
-        .builder()
-        .projection(Gated::new(&gate))
-        .build()
-        .unwrap()
-        .rebuilder("weekly_usage")
-        .err()
-        .unwrap();
+    let store = fx.builder().projection(Gated::new(&gate)).build().unwrap();
+    let err = Rebuilder::new(&store, "weekly_usage").err().unwrap();
     assert!(matches!(err, Error::UnknownProjection { .. }), "{err:?}");
 }
 
@@ -635,16 +637,18 @@ fn dead_letter<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event
 
 /// The id of the dead letter of `e`'s key.
 fn letter_of<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event) -> i64 {
-    let filter =
-        inbox_diesel::DeadLetterFilter::default().message_key(ledger_event_key(e.id).to_string());
-    let letters = store.list_dead_letters(&filter, 0, 10).unwrap();
+    let filter = inbox_diesel::operator::DeadLetterFilter::default()
+        .message_key(ledger_event_key(e.id).to_string());
+    let letters = Operator::new(&store)
+        .list_dead_letters(&filter, 0, 10)
+        .unwrap();
     assert_eq!(letters.len(), 1, "{letters:?}");
     letters[0].id
 }
 
 /// The letter's status, as list and JSON name it.
 fn letter_status<C: inbox_test_support::FullConnection>(store: &Store<C>, id: i64) -> &'static str {
-    store
+    Operator::new(&store)
         .dead_letter_details(id)
         .unwrap()
         .unwrap()
@@ -662,9 +666,9 @@ fn settle_and_check<C: inbox_test_support::FullConnection + UsageDb>(
     healed: &AtomicBool,
     e: Event,
     letter: i64,
-    outcome: &inbox_diesel::ReplayOutcome,
+    outcome: &inbox_diesel::operator::ReplayOutcome,
 ) {
-    use inbox_diesel::ReplayOutcome;
+    use inbox_diesel::operator::ReplayOutcome;
     healed.store(true, Ordering::SeqCst);
     let claim = store.claim_record(&e.claim_key()).unwrap().unwrap();
     match outcome {
@@ -714,31 +718,44 @@ where
     let after = write(&store, 0, today(), 6);
     dead_letter(&store, before);
     dead_letter(&store, after);
-    let target = inbox_diesel::ReplayTarget::default();
+    let target = inbox_diesel::operator::ReplayTarget::default();
     // Replayed before the rebuild: the rebuild covers the replay's failed claim.
     let first = letter_of(&store, before);
-    let replayed = store.replay_dead_letter(first, &target).unwrap();
+    let replayed = Operator::new(&store)
+        .replay_dead_letter(first, &target)
+        .unwrap();
     assert!(
-        matches!(replayed, inbox_diesel::ReplayOutcome::Replayed { .. }),
+        matches!(
+            replayed,
+            inbox_diesel::operator::ReplayOutcome::Replayed { .. }
+        ),
         "{replayed:?}"
     );
-    let report = store.rebuilder(PROJECTION).unwrap().rebuild(1).unwrap();
+    let report = Rebuilder::new(&store, PROJECTION)
+        .unwrap()
+        .rebuild(1)
+        .unwrap();
     assert_eq!((report.claims_converted, report.dead_covered), (1, 1));
     // Replayed after: refused, the letter resolved; bulk replay refuses it too.
     let second = letter_of(&store, after);
     assert_eq!(letter_status(&store, second), "resolved");
-    let details = store.dead_letter_details(second).unwrap().unwrap();
+    let details = Operator::new(&store)
+        .dead_letter_details(second)
+        .unwrap()
+        .unwrap();
     assert!(details.replay_refusal.is_some(), "{details:?}");
-    let bulk = store
+    let bulk = Operator::new(&store)
         .replay_dead_letters(
-            &inbox_diesel::DeadLetterFilter::default()
+            &inbox_diesel::operator::DeadLetterFilter::default()
                 .message_key(ledger_event_key(after.id).to_string()),
             None,
             &target,
         )
         .unwrap();
     assert_eq!((bulk.affected, bulk.refused), (0, 1), "{bulk:?}");
-    let refused = store.replay_dead_letter(second, &target).unwrap();
+    let refused = Operator::new(&store)
+        .replay_dead_letter(second, &target)
+        .unwrap();
     settle_and_check(&store, &healed, before, first, &replayed);
     settle_and_check(&store, &healed, after, second, &refused);
 }
@@ -759,7 +776,7 @@ inbox_test_support::on_both_backends!(
 mod interleavings {
     use super::*;
     use diesel::PgConnection;
-    use inbox_diesel::{RebuildRunner, RunOutcome};
+    use inbox_diesel::rebuild::{RebuildRunner, RunOutcome};
 
     struct Scene {
         fx: PgFixture,
@@ -786,8 +803,7 @@ mod interleavings {
         store: &Store<PgConnection>,
         lock_timeout: Duration,
     ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
-        let rebuilder = store
-            .rebuilder(PROJECTION)
+        let rebuilder = Rebuilder::new(&store, PROJECTION)
             .unwrap()
             .lock_timeout(lock_timeout);
         std::thread::spawn(move || rebuilder.rebuild(1))
@@ -802,7 +818,10 @@ mod interleavings {
         let e = write(&s.store, 1, today(), 40);
         assert_eq!(deliver(&s.store, &[e]), [Decision::Processed]);
         let claim = s.store.claim_record(&e.claim_key()).unwrap().unwrap();
-        let report = s.store.rebuilder(PROJECTION).unwrap().rebuild(1).unwrap();
+        let report = Rebuilder::new(&s.store, PROJECTION)
+            .unwrap()
+            .rebuild(1)
+            .unwrap();
         assert_eq!((report.rows_changed, report.events_covered), (0, 1));
         assert_eq!(report.claims_recorded, 0);
         assert_eq!(
@@ -948,9 +967,7 @@ mod interleavings {
         s.gate.arm(Stage::Live);
         let live = deliver_in_thread(&s.store, &[e]);
         s.gate.wait_reached();
-        let err = s
-            .store
-            .rebuilder(PROJECTION)
+        let err = Rebuilder::new(&s.store, PROJECTION)
             .unwrap()
             .lock_timeout(Duration::from_millis(50))
             .lock_tries(3)
@@ -962,9 +979,7 @@ mod interleavings {
             "{err:?}"
         );
         // With tries enough, it gets the lock once the batch has committed.
-        let patient = s
-            .store
-            .rebuilder(PROJECTION)
+        let patient = Rebuilder::new(&s.store, PROJECTION)
             .unwrap()
             .lock_timeout(Duration::from_millis(50))
             .retry_pause(Duration::from_millis(10));
@@ -982,7 +997,7 @@ mod interleavings {
         let Some(s) = scene() else { return };
         write(&s.store, 1, today(), 40);
         let runner = |id: &str| {
-            RebuildRunner::new(s.store.rebuilder(PROJECTION).unwrap())
+            RebuildRunner::new(Rebuilder::new(&s.store, PROJECTION).unwrap())
                 .window(1)
                 .runner_id(id)
         };
@@ -1060,7 +1075,7 @@ mod interleavings {
         );
     }
 
-    const DEFAULT_TIMEOUT: Duration = inbox_diesel::DEFAULT_LOCK_TIMEOUT;
+    const DEFAULT_TIMEOUT: Duration = inbox_diesel::rebuild::DEFAULT_LOCK_TIMEOUT;
 
     /// On SQLite the single writer gives the same exclusion: the rebuild's write
     /// transaction keeps a live batch from claiming until it commits.
@@ -1071,7 +1086,7 @@ mod interleavings {
         let store = setup(fx.builder(), Gated::new(&gate));
         let e = write(&store, 1, today(), 40);
         gate.arm(Stage::AfterRead);
-        let rebuilder = store.rebuilder(PROJECTION).unwrap();
+        let rebuilder = Rebuilder::new(&store, PROJECTION).unwrap();
         let rebuild = std::thread::spawn(move || rebuilder.rebuild(1));
         gate.wait_reached();
         let live = deliver_in_thread(&store, &[e]);
@@ -1102,7 +1117,7 @@ mod operator_writes {
     use diesel::connection::SimpleConnection;
     use diesel::sql_types::Integer;
     use diesel::PgConnection;
-    use inbox_diesel::{DeadLetterFilter, RedriveFilter, ReplayOutcome, ReplayTarget};
+    use inbox_diesel::operator::{DeadLetterFilter, RedriveFilter, ReplayOutcome, ReplayTarget};
 
     #[derive(QueryableByName)]
     struct Pid {
@@ -1226,8 +1241,7 @@ mod operator_writes {
     fn rebuild_in_thread(
         store: &Store<PgConnection>,
     ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
-        let rebuilder = store
-            .rebuilder(PROJECTION)
+        let rebuilder = Rebuilder::new(&store, PROJECTION)
             .unwrap()
             .lock_timeout(Duration::from_secs(60));
         std::thread::spawn(move || rebuilder.rebuild(1))
@@ -1242,15 +1256,17 @@ mod operator_writes {
         std::thread::spawn(move || {
             let target = ReplayTarget::default();
             if !bulk {
-                return store.replay_dead_letter(letter, &target).unwrap();
+                return Operator::new(&store)
+                    .replay_dead_letter(letter, &target)
+                    .unwrap();
             }
-            let key = store
+            let key = Operator::new(&store)
                 .dead_letter_details(letter)
                 .unwrap()
                 .unwrap()
                 .entry
                 .message_key;
-            let report = store
+            let report = Operator::new(&store)
                 .replay_dead_letters(&DeadLetterFilter::default().message_key(key), None, &target)
                 .unwrap();
             // The single replay's answer, as the bulk report counts it.
@@ -1259,7 +1275,9 @@ mod operator_writes {
                     sequence: 0,
                     outbox_id: 0,
                 },
-                (0, 1) => store.replay_dead_letter(letter, &target).unwrap(),
+                (0, 1) => Operator::new(&store)
+                    .replay_dead_letter(letter, &target)
+                    .unwrap(),
                 _ => panic!("bulk replay: {report:?}"),
             }
         })
@@ -1369,7 +1387,7 @@ mod operator_writes {
         let store = s.store.clone();
         let key = ledger_event_key(redriven.id).to_string();
         let redrive = std::thread::spawn(move || {
-            store
+            Operator::new(&store)
                 .redrive_failed_claims(
                     &RedriveFilter::default()
                         .message_key(key)

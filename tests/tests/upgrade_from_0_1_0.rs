@@ -21,10 +21,11 @@ use inbox_core::{
 };
 
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, RelaySettings};
-use inbox_diesel::{
-    enqueue, ClaimStatus, DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome,
-    ReplayTarget, Retention, Store, StoreConnection,
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{
+    DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome, ReplayTarget,
 };
+use inbox_diesel::{enqueue, ClaimStatus, Retention, Store, StoreConnection};
 use inbox_test_support::amqp::{self, eventually, Outgoing};
 use inbox_test_support::{group, ms, start_time, usage, Fixture, PgFixture, Recorder, TestConn};
 
@@ -873,7 +874,7 @@ where
         assert_eq!(s.replayed_at, None, "{}", l.key);
     }
     // The operator API lists every letter as pending, under its own reason.
-    let listed = store
+    let listed = Operator::new(&store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 100)
         .unwrap();
     assert_eq!(listed.len(), letters.len());
@@ -887,7 +888,10 @@ where
         assert_eq!(e.replay_count, 0, "{}", l.key);
         assert_eq!(e.delivered_by_replay, None, "{}", l.key);
         assert!(DeadLetterReason::parse(&e.reason).is_some(), "{}", e.reason);
-        let details = store.dead_letter_details(e.id).unwrap().unwrap();
+        let details = Operator::new(&store)
+            .dead_letter_details(e.id)
+            .unwrap()
+            .unwrap();
         assert_eq!(details.payload, l.payload, "{}", l.key);
         assert_eq!(details.headers, l.headers, "{}", l.key);
         assert_eq!(
@@ -904,12 +908,14 @@ where
             l.key
         );
     }
-    let groups = store.failure_groups(&DeadLetterFilter::default()).unwrap();
+    let groups = Operator::new(&store)
+        .failure_groups(&DeadLetterFilter::default())
+        .unwrap();
     assert_eq!(
         groups.iter().map(|g| g.count).sum::<u64>(),
         letters.len() as u64
     );
-    let stats = store.operator_stats().unwrap();
+    let stats = Operator::new(&store).operator_stats().unwrap();
     let g = stats
         .groups
         .iter()
@@ -1078,7 +1084,7 @@ where
     assert_eq!(conn.effect_count().unwrap(), 3);
 
     // A failure whose retry copy was lost is redriven from the payload 0.1.0 kept.
-    let redriven = store
+    let redriven = Operator::new(&store)
         .redrive_failed_claims(
             &RedriveFilter::default()
                 .consumer_group(GROUP)
@@ -1129,7 +1135,7 @@ where
 
     // Dead letters replay where their reason says so, once.
     let target = ReplayTarget::default();
-    let ids: BTreeMap<String, i64> = store
+    let ids: BTreeMap<String, i64> = Operator::new(&store)
         .list_dead_letters(&DeadLetterFilter::default(), 0, 100)
         .unwrap()
         .into_iter()
@@ -1142,7 +1148,9 @@ where
         .collect();
     assert_eq!(ids.len(), letters.len());
     for l in &letters {
-        let outcome = store.replay_dead_letter(ids[l.key], &target).unwrap();
+        let outcome = Operator::new(&store)
+            .replay_dead_letter(ids[l.key], &target)
+            .unwrap();
         let replayable = replayable(l.reason);
         match outcome {
             ReplayOutcome::Replayed { sequence, .. } => {
@@ -1153,7 +1161,7 @@ where
             other => panic!("{}: {other:?}", l.reason),
         }
     }
-    let again = store
+    let again = Operator::new(&store)
         .replay_dead_letter(ids["c-dead-max-attempts"], &target)
         .unwrap();
     assert!(
@@ -1250,7 +1258,11 @@ where
     let (store, _) = store_on(fx, &clock);
     store.verify_schema().unwrap();
     let key = |k: &str| IdempotencyKey::new(k).unwrap();
-    let read = |k: &str| store.idempotency_record("acct", &key(k)).unwrap().unwrap();
+    let read = |k: &str| {
+        inbox_diesel::idempotency::request_record(&store, "acct", &key(k))
+            .unwrap()
+            .unwrap()
+    };
     let tokens: std::collections::HashSet<_> =
         records.iter().map(|(k, ..)| read(k).lease_token).collect();
     assert_eq!(tokens.len(), records.len(), "tokens repeat: {tokens:?}");
@@ -1266,13 +1278,13 @@ where
         let now = clock.now();
         let mut conn = store.connection().unwrap();
         let (key, fp) = (key(k), fp(k));
-        let request = inbox_diesel::NewRequest {
+        let request = inbox_diesel::idempotency::NewRequest {
             caller: "acct",
             key: &key,
             fingerprint: &fp,
             lease_until: now + TimeDelta::seconds(30),
         };
-        inbox_diesel::begin_request(&mut *conn, &request, now).unwrap()
+        inbox_diesel::idempotency::begin_request(&mut *conn, &request, now).unwrap()
     };
     assert_eq!(
         begin("delivered"),
@@ -1286,7 +1298,7 @@ where
     // The committed request is settled with the token it has now.
     let committed = read("committed");
     let mut conn = store.connection().unwrap();
-    assert!(inbox_diesel::settle_request(
+    assert!(inbox_diesel::idempotency::settle_request(
         &mut *conn,
         "acct",
         &key("committed"),
@@ -1307,10 +1319,23 @@ where
     assert_ne!(token, migrated);
     let mut conn = store.connection().unwrap();
     assert!(matches!(
-        inbox_diesel::commit_request(&mut *conn, "acct", &key("running"), migrated, clock.now()),
+        inbox_diesel::idempotency::commit_request(
+            &mut *conn,
+            "acct",
+            &key("running"),
+            migrated,
+            clock.now()
+        ),
         Err(inbox_diesel::Error::Fenced { .. })
     ));
-    inbox_diesel::commit_request(&mut *conn, "acct", &key("running"), token, clock.now()).unwrap();
+    inbox_diesel::idempotency::commit_request(
+        &mut *conn,
+        "acct",
+        &key("running"),
+        token,
+        clock.now(),
+    )
+    .unwrap();
 }
 
 mod postgres {

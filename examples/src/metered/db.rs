@@ -357,7 +357,13 @@ pub fn debit(
             return Err(DebitError::KeyInactive);
         };
         if let Some((key, token)) = d.idempotency {
-            match inbox_diesel::commit_request(conn, &d.account.to_string(), key, token, now) {
+            match inbox_diesel::idempotency::commit_request(
+                conn,
+                &d.account.to_string(),
+                key,
+                token,
+                now,
+            ) {
                 Ok(()) => {}
                 Err(inbox_diesel::Error::Fenced { .. }) => return Err(DebitError::Fenced),
                 Err(e) => return Err(e.into()),
@@ -401,7 +407,7 @@ pub fn deliver(
             return Ok(false);
         }
         if let Some((account, key, token)) = idempotency {
-            let settled = inbox_diesel::settle_request(
+            let settled = inbox_diesel::idempotency::settle_request(
                 conn,
                 &account.to_string(),
                 key,
@@ -522,9 +528,11 @@ fn refund_from(
                 }
             })?;
             if from == "delivered" {
-                inbox_diesel::refund_delivered_request(conn, &caller, &key, token, now)?;
+                inbox_diesel::idempotency::refund_delivered_request(
+                    conn, &caller, &key, token, now,
+                )?;
             } else {
-                inbox_diesel::settle_request(
+                inbox_diesel::idempotency::settle_request(
                     conn,
                     &caller,
                     &key,

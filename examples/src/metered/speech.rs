@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use chrono::Utc;
 use inbox_core::{delta, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, RequestFields};
-use inbox_diesel::NewRequest;
+use inbox_diesel::idempotency::NewRequest;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -225,7 +225,8 @@ async fn execute(
                 fingerprint: &fingerprint,
                 lease_until: deadline_at,
             };
-            inbox_diesel::begin_request(conn, &request, now).map_err(ApiError::internal)
+            inbox_diesel::idempotency::begin_request(conn, &request, now)
+                .map_err(ApiError::internal)
         })
         .await?;
         match answer {
@@ -273,7 +274,12 @@ async fn execute(
         if let (Err(err), Some((key, token))) = (&outcome, &idem) {
             // Nothing committed: give the key back, unless another request holds it.
             if !matches!(err, DebitError::Fenced) {
-                let _ = inbox_diesel::abandon_request(conn, &account.to_string(), key, *token);
+                let _ = inbox_diesel::idempotency::abandon_request(
+                    conn,
+                    &account.to_string(),
+                    key,
+                    *token,
+                );
             }
         }
         Ok(outcome)
@@ -363,7 +369,8 @@ async fn replay(
             }
         }
         let still = blocking(&app2, move |conn| {
-            inbox_diesel::read_request(conn, &account.to_string(), &key).map_err(ApiError::internal)
+            inbox_diesel::idempotency::read_request(conn, &account.to_string(), &key)
+                .map_err(ApiError::internal)
         })
         .await;
         let delivered = matches!(&still, Ok(Some(r)) if r.status == IdempotencyStatus::Delivered);

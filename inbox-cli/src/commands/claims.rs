@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use inbox_diesel::{OperatorConnection, RedriveFilter, ReplayTarget, Store};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{OperatorConnection, RedriveFilter, ReplayTarget};
+use inbox_diesel::Store;
 use serde_json::{json, Value};
 
 use crate::args::{ClaimCommand, GlobalArgs};
@@ -23,7 +25,7 @@ pub(crate) fn claims<C: OperatorConnection>(
             key,
             consumer_group,
         } => {
-            let claims: Vec<_> = store
+            let claims: Vec<_> = Operator::new(&store)
                 .claims_for_key(key)
                 .map_err(failed)?
                 .into_iter()
@@ -85,7 +87,7 @@ pub(crate) fn claims<C: OperatorConnection>(
                     "refusing to redrive claims without --yes",
                 ));
             }
-            let report = store
+            let report = Operator::new(&store)
                 .redrive_failed_claims(&f, *limit, target)
                 .map_err(failed)?;
             if global.json {

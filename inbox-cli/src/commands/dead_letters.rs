@@ -2,10 +2,11 @@
 
 use std::io::Write;
 
-use inbox_diesel::{
-    DeadLetterFilter, DiscardOutcome, LetterStatus, OperatorConnection, ReplayOutcome,
-    ReplayTarget, Store,
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{
+    DeadLetterFilter, DiscardOutcome, LetterStatus, OperatorConnection, ReplayOutcome, ReplayTarget,
 };
+use inbox_diesel::Store;
 use serde_json::{json, Value};
 
 use crate::args::{DeadLetterCommand, FilterArgs, GlobalArgs, StatusArg};
@@ -55,7 +56,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             offset,
         } => {
             let f = filter(store, args, StatusArg::Active)?;
-            let letters = store
+            let letters = Operator::new(&store)
                 .list_dead_letters(&f, *offset, *limit)
                 .map_err(failed)?;
             if global.json {
@@ -99,7 +100,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             )
         }
         DeadLetterCommand::Show { id } => {
-            let details = store
+            let details = Operator::new(&store)
                 .dead_letter_details(*id)
                 .map_err(failed)?
                 .ok_or_else(|| Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))?;
@@ -110,7 +111,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
         }
         DeadLetterCommand::Groups { filter: args } => {
             let f = filter(store, args, StatusArg::Pending)?;
-            let groups = store.failure_groups(&f).map_err(failed)?;
+            let groups = Operator::new(&store).failure_groups(&f).map_err(failed)?;
             if global.json {
                 let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
                 return print_json(out, &json!({ "failure_groups": rows }));
@@ -155,7 +156,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             }
             let f = filter(store, args, StatusArg::Pending)?;
             confirm(store, &f, *limit, *yes, "replay")?;
-            let report = store
+            let report = Operator::new(&store)
                 .replay_dead_letters(&f, *limit, target)
                 .map_err(failed)?;
             if global.json {
@@ -185,7 +186,9 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             yes,
         } => {
             if let Some(id) = id {
-                let outcome = store.discard_dead_letter(*id).map_err(failed)?;
+                let outcome = Operator::new(&store)
+                    .discard_dead_letter(*id)
+                    .map_err(failed)?;
                 let name = match outcome {
                     DiscardOutcome::Discarded => "discarded",
                     DiscardOutcome::AlreadyDiscarded => "already_discarded",
@@ -207,7 +210,9 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             }
             let f = filter(store, args, StatusArg::Pending)?;
             confirm(store, &f, *limit, *yes, "discard")?;
-            let report = store.discard_dead_letters(&f, *limit).map_err(failed)?;
+            let report = Operator::new(&store)
+                .discard_dead_letters(&f, *limit)
+                .map_err(failed)?;
             if global.json {
                 return print_json(
                     out,
@@ -240,7 +245,7 @@ fn confirm<C: OperatorConnection>(
     if yes {
         return Ok(());
     }
-    let n = store
+    let n = Operator::new(&store)
         .list_dead_letters(f, 0, limit.unwrap_or(usize::MAX))
         .map_err(failed)?
         .len();
@@ -257,7 +262,9 @@ fn replay_one<C: OperatorConnection>(
     id: i64,
     out: &mut dyn Write,
 ) -> Outcome {
-    let outcome = store.replay_dead_letter(id, target).map_err(failed)?;
+    let outcome = Operator::new(&store)
+        .replay_dead_letter(id, target)
+        .map_err(failed)?;
     let (value, text, failure) = match &outcome {
         ReplayOutcome::Replayed {
             sequence,

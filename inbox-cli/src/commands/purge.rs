@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use inbox_diesel::{OperatorConnection, Retention, Store};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::OperatorConnection;
+use inbox_diesel::{Retention, Store};
 use serde_json::json;
 
 use crate::args::{GlobalArgs, PurgeArgs};
@@ -28,18 +30,18 @@ pub(crate) fn purge<C: OperatorConnection>(
         return Err(Failure::new(exit::USAGE, "--batch must be at least 1"));
     }
     let report = if args.dry_run {
-        store
+        Operator::new(&store)
             .count_purgeable(&retention, discarded)
             .map_err(failed)?
     } else {
-        let mut r = inbox_diesel::PurgeReport::default();
+        let mut r = inbox_diesel::operator::PurgeReport::default();
         r.published_outbox_rows = store
             .purge_published(&retention, args.batch)
             .map_err(failed)?;
         r.done_claims = store
             .purge_done_claims(&retention, args.batch)
             .map_err(failed)?;
-        r.discarded_dead_letters = store
+        r.discarded_dead_letters = Operator::new(&store)
             .purge_discarded_dead_letters(discarded, args.batch)
             .map_err(failed)?;
         r

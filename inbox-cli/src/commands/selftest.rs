@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_amqp::{CancellationToken, Relay, RelaySettings};
-use inbox_diesel::{CanaryReport, OperatorConnection, Store};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{CanaryReport, OperatorConnection};
+use inbox_diesel::Store;
 use serde_json::json;
 
 use crate::args::{GlobalArgs, SelftestArgs};
@@ -58,7 +60,7 @@ pub(crate) fn run<C: OperatorConnection>(
         .map_or(0, |d| d.as_nanos());
     let run = format!("st-{}-{nanos:x}", std::process::id());
     let exchange = format!("{}{}", global.prefix, args.exchange);
-    store
+    Operator::new(&store)
         .enqueue_canaries(&run, args.count, &exchange)
         .map_err(failed)?;
 
@@ -74,7 +76,7 @@ pub(crate) fn run<C: OperatorConnection>(
     let started = Instant::now();
     let report = runtime.block_on(async {
         loop {
-            let report = store.canary_report(&run, args.count)?;
+            let report = Operator::new(&store).canary_report(&run, args.count)?;
             if report.arrived >= args.count || started.elapsed() >= timeout {
                 // A short grace for a double still in flight once all arrived.
                 return Ok::<CanaryReport, inbox_diesel::Error>(report);

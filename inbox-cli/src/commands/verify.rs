@@ -4,7 +4,9 @@ use std::io::Write;
 
 use inbox_core::display::escape;
 use inbox_core::{parse_ladder, redact_message, ConsumerGroup, RetryLadder};
-use inbox_diesel::{OperatorConnection, Store};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::OperatorConnection;
+use inbox_diesel::Store;
 use serde_json::json;
 
 use crate::args::{GlobalArgs, VerifyArgs};
@@ -115,7 +117,7 @@ fn check_topology<C: OperatorConnection>(
     };
     let mut groups = args.consumer_groups.clone();
     if groups.is_empty() {
-        groups = store
+        groups = Operator::new(&store)
             .operator_stats()
             .map_err(|e| TopologyError::Failed(format!("database: {e}")))?
             .groups

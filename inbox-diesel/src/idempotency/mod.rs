@@ -64,6 +64,7 @@ pub(crate) use verify::check;
 pub const IDEMPOTENCY_KEY_COLUMNS: [&str; 2] = ["caller", "idempotency_key"];
 
 /// A record as a backend reads it, before its values are checked.
+#[doc(hidden)]
 pub struct RawRecord {
     pub caller: String,
     pub key: String,
@@ -119,7 +120,45 @@ pub trait IdempotencyConnection: StoreConnection + IdempotencyOps {}
 
 impl<C: StoreConnection + IdempotencyOps> IdempotencyConnection for C {}
 
+/// Deletes idempotency records created longer ago than `retention` (24 h is
+/// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
+/// transaction, until a batch deletes fewer; returns how many. Settled records
+/// go, and uncommitted ones whose lease ended before the cutoff; a committed
+/// request that is not settled yet is kept until it is. A replay after its
+/// record is gone executes as a new request.
+///
+/// On PostgreSQL rows locked by a running request are skipped (the next purge
+/// takes them).
+pub fn purge_expired_requests<C: IdempotencyConnection>(
+    store: &Store<C>,
+    retention: Duration,
+    batch: usize,
+) -> Result<u64> {
+    check_batch(batch)?;
+    let now = store.clock().now();
+    let mut conn = store.connection()?;
+    let mut total = 0u64;
+    loop {
+        let deleted = purge_on(&mut *conn, retention, batch, now)?;
+        total += deleted as u64;
+        if deleted < batch {
+            return Ok(total);
+        }
+    }
+}
+
+/// Reads the idempotency record of (caller, key) on a connection of `store`'s pool.
+pub fn request_record<C: IdempotencyConnection>(
+    store: &Store<C>,
+    caller: &str,
+    key: &IdempotencyKey,
+) -> Result<Option<IdempotencyRecord>> {
+    let mut conn = store.connection()?;
+    read_request(&mut *conn, caller, key)
+}
+
 /// The statements of one backend.
+#[doc(hidden)]
 pub trait IdempotencyOps: StoreConnection {
     /// Inserts the record with `token`, or takes over an expired, uncommitted one
     /// with the same fingerprint (giving it `token`); returns whether it did (`false`:
@@ -397,7 +436,7 @@ where
 }
 
 /// Deletes up to `batch` idempotency records that expired `retention` before `now`
-/// (the rules of [`Store::purge_idempotency_keys`]), in one statement on the
+/// (the rules of [`purge_expired_requests`]), in one statement on the
 /// caller's connection (inside its transaction, if one is open); returns how many.
 /// A maintenance job that purges in its own transactions, or a test that holds a
 /// purge open, calls this; most programs call the store's method.
@@ -438,41 +477,6 @@ fn purge_on<C: IdempotencyConnection>(
     Ok(C::write_transaction(conn, |conn| {
         C::purge(conn, cutoff, limit)
     })?)
-}
-
-impl<C: IdempotencyConnection> Store<C> {
-    /// Deletes idempotency records created longer ago than `retention` (24 h is
-    /// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
-    /// transaction, until a batch deletes fewer; returns how many. Settled records
-    /// go, and uncommitted ones whose lease ended before the cutoff; a committed
-    /// request that is not settled yet is kept until it is. A replay after its
-    /// record is gone executes as a new request.
-    ///
-    /// On PostgreSQL rows locked by a running request are skipped (the next purge
-    /// takes them).
-    pub fn purge_idempotency_keys(&self, retention: Duration, batch: usize) -> Result<u64> {
-        check_batch(batch)?;
-        let now = self.clock().now();
-        let mut conn = self.connection()?;
-        let mut total = 0u64;
-        loop {
-            let deleted = purge_on(&mut *conn, retention, batch, now)?;
-            total += deleted as u64;
-            if deleted < batch {
-                return Ok(total);
-            }
-        }
-    }
-
-    /// Reads the idempotency record of (caller, key).
-    pub fn idempotency_record(
-        &self,
-        caller: &str,
-        key: &IdempotencyKey,
-    ) -> Result<Option<IdempotencyRecord>> {
-        let mut conn = self.connection()?;
-        read_request(&mut *conn, caller, key)
-    }
 }
 
 /// Refuses an idempotency table whose unique indexes do not enforce exactly

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use inbox_core::{ConsumerGroup, Handler, HandlerError, MessageContext, MessageKey, OutboxMessage};
 
-use crate::{Error, Result, Store};
+use crate::{Error, Result};
 
 /// The canary's consumer group.
 pub const CANARY_GROUP: &str = "inbox.canary";
@@ -125,7 +125,7 @@ impl CanaryReport {
     }
 }
 
-impl<C: super::OperatorConnection> Store<C> {
+impl<C: super::OperatorConnection> super::Operator<C> {
     /// Enqueues `count` canary messages of run `run` on the outbox, to `exchange` with
     /// routing key [`CANARY_MESSAGE_TYPE`]; the relay publishes them.
     pub fn enqueue_canaries(&self, run: &str, count: u32, exchange: &str) -> Result<()> {

@@ -2,13 +2,14 @@
 
 use std::time::Duration;
 
-use crate::{DeadLetterFilter, LetterStatus, OperatorStats, Result, Store};
+use super::{DeadLetterFilter, LetterStatus, OperatorStats};
+use crate::Result;
 
 fn age(now: chrono::DateTime<chrono::Utc>, at: chrono::DateTime<chrono::Utc>) -> f64 {
     (now - at).to_std().unwrap_or(Duration::ZERO).as_secs_f64()
 }
 
-impl<C: super::OperatorConnection> Store<C> {
+impl<C: super::OperatorConnection> super::Operator<C> {
     /// Reads [`operator_stats`](Self::operator_stats) and the pending failure groups and
     /// sets them as gauges; returns the stats.
     ///

@@ -12,7 +12,7 @@
 //! the race (`store_seams` and `store_operator` are this crate's tests,
 //! `projection_rebuild` the workspace's):
 //!
-//! - **replay** ([`Store::replay_dead_letter`]): first marks the letter replayed
+//! - **replay** ([`Operator::replay_dead_letter`]): first marks the letter replayed
 //!   `WHERE discarded_at IS NULL AND replayed_at IS NULL AND resolved_at IS NULL`, then,
 //!   only if that touched the row, takes the claim `WHERE status = 'dead' AND
 //!   payload_digest = <the letter's>`; only if both touched their row is the copy
@@ -25,12 +25,12 @@
 //!   `races::two_replays_of_one_letter_at_once_enqueue_one_copy`,
 //!   `a_letter_is_replayed_once` (the rollback, and a replayed letter never replayed
 //!   again); `projection_rebuild` `operator_writes::*` (against a rebuild's cover).
-//! - **bulk replay** ([`Store::replay_dead_letters`]): the filter's read only picks
+//! - **bulk replay** ([`Operator::replay_dead_letters`]): the filter's read only picks
 //!   candidates; each is a replay as above, counted by its answer (refused: its reason
 //!   or resolved; skipped: discarded, replayed or claim not dead meanwhile). Tests:
 //!   `projection_rebuild` `operator_writes::a_bulk_replay_landing_inside_the_cover_counts_its_event_once`,
 //!   `a_replay_before_or_after_a_rebuild_counts_its_event_once`.
-//! - **discard** ([`Store::discard_dead_letter`]): `SET discarded_at WHERE id = $1 AND
+//! - **discard** ([`Operator::discard_dead_letter`]): `SET discarded_at WHERE id = $1 AND
 //!   discarded_at IS NULL`; one row touched is `Discarded`, none `AlreadyDiscarded` or
 //!   `NotFound` (read after). Against a replay, whichever takes the letter first
 //!   commits first: a replay after the discard enqueues nothing; a discard after a
@@ -39,7 +39,7 @@
 //!   `races::a_discard_queued_behind_a_replay_comes_after_it`,
 //!   `races::a_replay_queued_behind_a_discard_is_refused`,
 //!   `a_replay_after_a_discard_enqueues_nothing`.
-//! - **redrive** ([`Store::redrive_failed_claims`]): marks the claim `WHERE status =
+//! - **redrive** ([`Operator::redrive_failed_claims`]): marks the claim `WHERE status =
 //!   'failed' AND updated_at = <as read> AND payload IS NOT NULL` (two redrives at once
 //!   send one copy), then enqueues. Against a rebuild's cover, which locks the claim:
 //!   a redrive that commits first leaves a failed claim the cover converts (its copy a
@@ -49,10 +49,10 @@
 //! - **revive** (`Store::revive_outbox_rows`): `WHERE dead_at IS NOT NULL AND
 //!   published_at IS NULL`, judged by rows touched (test: `store_outbox`
 //!   `a_row_that_fails_its_last_attempt_is_dead_listed_and_holds_up_nothing`).
-//! - **resume** ([`Store::resume_group`]): deletes the group's halt row; one row
+//! - **resume** ([`Operator::resume_group`]): deletes the group's halt row; one row
 //!   deleted is `true`, so of two resumes at once one says it resumed (test:
 //!   `store_operator` `a_halt_is_recorded_listed_and_resumed_once`).
-//! - **purge** ([`Store::purge_discarded_dead_letters`] and the retention purges):
+//! - **purge** ([`Operator::purge_discarded_dead_letters`] and the retention purges):
 //!   deletes rows matching the purge's condition `FOR UPDATE SKIP LOCKED`, so a row a
 //!   replay, a discard or a rebuild's cover holds is left for the next purge, never
 //!   waited for (tests: `store_retention`
@@ -99,9 +99,9 @@ use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 use crate::backend::StoreConnection;
 use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
 
+pub use crate::halts::HaltedGroup;
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use catalog::{check as check_schema, CatalogOps, OperatorCatalog, UniqueIndex};
-pub use halts::HaltedGroup;
 pub(crate) use ops::{operator_ops, OperatorOps};
 
 /// A connection type the operator's statements run on: `PgConnection` or
@@ -508,7 +508,7 @@ pub struct OperatorStats {
     /// Outbox rows whose last publication attempt failed.
     pub dead_outbox_rows: u64,
     /// The halted consumer groups, by name (see
-    /// [`resume_group`](Store::resume_group)).
+    /// [`resume_group`](Operator::resume_group)).
     pub halted: Vec<HaltedGroup>,
     /// When the figures were read (the store's clock).
     pub at: DateTime<Utc>,
@@ -611,7 +611,66 @@ impl From<diesel::result::Error> for Undo {
     }
 }
 
-impl<C: OperatorConnection> Store<C> {
+/// The operator's handle on a store: dead letters (list, show, failure groups,
+/// replay, discard, purge), a key's claims and their redrive, stats, halted groups,
+/// canaries and gauges. Built from a store, whose pool and clock it shares; cheap to
+/// clone.
+///
+/// ```no_run
+/// # fn demo(store: &inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
+/// use inbox_diesel::operator::{DeadLetterFilter, Operator};
+///
+/// let operator = Operator::new(store);
+/// for letter in operator.list_dead_letters(&DeadLetterFilter::default(), 20, 0)? {
+///     println!("{} {} {}", letter.id, letter.message_key, letter.reason);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Operator<C: StoreConnection> {
+    store: Store<C>,
+}
+
+impl<C: StoreConnection> Clone for Operator<C> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<C: StoreConnection> std::fmt::Debug for Operator<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operator").finish_non_exhaustive()
+    }
+}
+
+impl<C: OperatorConnection> Operator<C> {
+    /// The operator's handle on `store`.
+    pub fn new(store: &Store<C>) -> Self {
+        Self {
+            store: store.clone(),
+        }
+    }
+
+    /// The store it works on.
+    pub fn store(&self) -> &Store<C> {
+        &self.store
+    }
+
+    fn connection(&self) -> Result<crate::PooledStoreConnection<C>> {
+        self.store.connection()
+    }
+
+    fn clock(&self) -> &std::sync::Arc<dyn inbox_core::Clock> {
+        self.store.clock()
+    }
+
+    fn purge(&self, target: crate::PurgeTarget, window: Duration, batch: usize) -> Result<u64> {
+        self.store.purge(target, window, batch)
+    }
+}
+
+impl<C: OperatorConnection> Operator<C> {
     /// Dead letters matching `filter`, newest first: `limit` of them after skipping
     /// `offset`.
     pub fn list_dead_letters(
@@ -1107,7 +1166,7 @@ impl<C: OperatorConnection> Store<C> {
 
     /// Deletes dead letters discarded longer than `window` ago, at most `batch` per
     /// transaction, until a batch deletes fewer; returns how many. Concurrency as for
-    /// [`purge_done_claims`](Self::purge_done_claims): on PostgreSQL one purge of
+    /// [`purge_done_claims`](crate::Store::purge_done_claims): on PostgreSQL one purge of
     /// discarded letters runs at a time per schema, a second one returns at once.
     pub fn purge_discarded_dead_letters(&self, window: Duration, batch: usize) -> Result<u64> {
         self.purge(crate::PurgeTarget::DiscardedDeadLetters, window, batch)

@@ -7,8 +7,6 @@ use diesel::result::QueryResult;
 
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
-#[allow(unused_imports)] // used by the macro
-use crate::statements::HaltRow;
 
 /// A dead letter without its payload.
 pub(crate) type EntryTuple = (
@@ -765,39 +763,6 @@ macro_rules! operator_ops {
                     .order(seq)
                     .select((seq, sent_at, arrived_at, arrivals))
                     .load(conn)
-            }
-        }
-
-        // The halt statements belong to the inbox path (a consumer reads and records
-        // halts), so they implement the base trait; their table is the operator
-        // migration's.
-        impl crate::statements::HaltOps for $conn {
-            fn op_record_halt(conn: &mut Self, halt: &HaltRow) -> QueryResult<bool> {
-                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
-                let written = diesel::insert_into(inbox_group_halts)
-                    .values((
-                        consumer_group.eq(&halt.0),
-                        message_key.eq(&halt.1),
-                        detail.eq(&halt.2),
-                        halted_at.eq(halt.3),
-                    ))
-                    .on_conflict(consumer_group)
-                    .do_nothing()
-                    .execute(conn)?;
-                Ok(written == 1)
-            }
-
-            fn op_halts(conn: &mut Self) -> QueryResult<Vec<HaltRow>> {
-                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
-                inbox_group_halts
-                    .order(consumer_group)
-                    .select((consumer_group, message_key, detail, halted_at))
-                    .load(conn)
-            }
-
-            fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::inbox_group_halts::dsl::*;
-                diesel::delete(inbox_group_halts.filter(consumer_group.eq(group))).execute(conn)
             }
         }
     };

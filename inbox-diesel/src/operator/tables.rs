@@ -67,17 +67,6 @@ macro_rules! operator_tables {
         diesel::table! {
             use diesel::sql_types::*;
 
-            inbox_group_halts (consumer_group) {
-                consumer_group -> Text,
-                message_key -> Text,
-                detail -> Text,
-                halted_at -> $ts,
-            }
-        }
-
-        diesel::table! {
-            use diesel::sql_types::*;
-
             #[sql_name = "outbox_messages"]
             op_outbox (id) {
                 id -> BigInt,
@@ -100,11 +89,13 @@ macro_rules! operator_tables {
 }
 
 /// PostgreSQL.
+#[cfg(feature = "postgres")]
 pub(crate) mod pg {
     operator_tables!(Timestamptz);
 }
 
 /// SQLite.
+#[cfg(feature = "sqlite")]
 pub(crate) mod sqlite {
     operator_tables!(TimestamptzSqlite);
 }

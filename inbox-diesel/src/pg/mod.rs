@@ -6,10 +6,13 @@
 
 mod catalog;
 mod claims;
+#[cfg(feature = "idempotency")]
 mod idempotency;
 mod listen;
+#[cfg(feature = "operator")]
 mod operator;
 mod outbox;
+#[cfg(feature = "rebuild")]
 mod rebuild;
 pub(crate) mod retention;
 
@@ -124,6 +127,8 @@ fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
     }
     Ok(())
 }
+
+crate::halts::halt_ops!(PgConnection, pg);
 
 impl Sealed for PgConnection {
     const BACKEND: Backend = Backend::Postgres;
@@ -264,13 +269,18 @@ impl Sealed for PgConnection {
     }
 
     fn verify_capabilities(conn: &mut Self) -> Result<()> {
+        #[cfg(feature = "idempotency")]
         crate::idempotency::verify_on(conn)?;
+        #[cfg(feature = "rebuild")]
         crate::rebuild::verify(conn)?;
-        crate::operator::verify(conn)
+        #[cfg(feature = "operator")]
+        crate::operator::verify(conn)?;
+        let _ = conn;
+        Ok(())
     }
 
     fn lock_scope(conn: &mut Self) -> QueryResult<String> {
-        rebuild::lock_scope(conn)
+        lock_scope(conn)
     }
 
     fn transaction_token(conn: &mut Self) -> QueryResult<Option<String>> {
@@ -314,6 +324,19 @@ fn escaped_literal(value: &str) -> String {
 struct Token {
     #[diesel(sql_type = diesel::sql_types::Text)]
     token: String,
+}
+
+/// The store's schema as projection lock keys name it.
+fn lock_scope(conn: &mut PgConnection) -> QueryResult<String> {
+    diesel::sql_query("SELECT coalesce(current_schema()::text, '') AS scope")
+        .get_result::<Scope>(conn)
+        .map(|s| s.scope)
+}
+
+#[derive(QueryableByName)]
+struct Scope {
+    #[diesel(sql_type = Text)]
+    scope: String,
 }
 
 #[cfg(test)]

@@ -12,12 +12,6 @@ use crate::rebuild_ops::{rebuild_dsl, CoverClaims, Covered, RebuildCatalog, Rebu
 rebuild_dsl!(PgConnection, pg);
 
 #[derive(QueryableByName)]
-struct Scope {
-    #[diesel(sql_type = Text)]
-    scope: String,
-}
-
-#[derive(QueryableByName)]
 struct Got {
     #[diesel(sql_type = Bool)]
     got: bool,
@@ -160,11 +154,4 @@ impl RebuildOps for PgConnection {
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
         shared_release(conn, projection, runner)
     }
-}
-
-/// The store's schema as projection lock keys name it.
-pub(super) fn lock_scope(conn: &mut PgConnection) -> QueryResult<String> {
-    diesel::sql_query("SELECT coalesce(current_schema()::text, '') AS scope")
-        .get_result::<Scope>(conn)
-        .map(|s| s.scope)
 }

@@ -6,9 +6,12 @@
 mod catalog;
 mod claims;
 mod collation;
+#[cfg(feature = "idempotency")]
 mod idempotency;
+#[cfg(feature = "operator")]
 mod operator;
 mod outbox;
+#[cfg(feature = "rebuild")]
 mod rebuild;
 mod retention;
 
@@ -29,6 +32,8 @@ use crate::{Backend, Error, Result};
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 
 impl StoreConnection for SqliteConnection {}
+
+crate::halts::halt_ops!(SqliteConnection, sqlite);
 
 impl Sealed for SqliteConnection {
     const BACKEND: Backend = Backend::Sqlite;
@@ -141,13 +146,18 @@ impl Sealed for SqliteConnection {
     }
 
     fn verify_capabilities(conn: &mut Self) -> Result<()> {
+        #[cfg(feature = "idempotency")]
         crate::idempotency::verify_on(conn)?;
+        #[cfg(feature = "rebuild")]
         crate::rebuild::verify(conn)?;
-        crate::operator::verify(conn)
+        #[cfg(feature = "operator")]
+        crate::operator::verify(conn)?;
+        let _ = conn;
+        Ok(())
     }
 
     fn lock_scope(conn: &mut Self) -> QueryResult<String> {
-        rebuild::lock_scope(conn)
+        lock_scope(conn)
     }
 
     fn transaction_token(_conn: &mut Self) -> QueryResult<Option<String>> {
@@ -155,4 +165,10 @@ impl Sealed for SqliteConnection {
         // swallowed does not abort an SQLite transaction.
         Ok(None)
     }
+}
+
+/// The store's schema as projection lock keys name it.
+fn lock_scope(_conn: &mut SqliteConnection) -> QueryResult<String> {
+    // One database per file: no schema to tell stores apart (and no advisory locks).
+    Ok("main".to_owned())
 }

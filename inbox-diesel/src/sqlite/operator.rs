@@ -12,7 +12,6 @@ use crate::operator::ops::{
     Redrivable, StoredPayload,
 };
 use crate::operator::{CatalogOps, DeadLetterFilter, LetterStatus, OperatorCatalog, UniqueIndex};
-use crate::statements::HaltRow;
 
 crate::operator::operator_ops!(diesel::SqliteConnection, sqlite);
 

@@ -127,9 +127,3 @@ impl RebuildOps for SqliteConnection {
         shared_release(conn, projection, runner)
     }
 }
-
-/// The store's schema as projection lock keys name it.
-pub(super) fn lock_scope(_conn: &mut SqliteConnection) -> QueryResult<String> {
-    // One database per file: no schema to tell stores apart (and no advisory locks).
-    Ok("main".to_owned())
-}

@@ -17,11 +17,16 @@ use inbox_core::{
     IdempotencyKey, IdempotencyStatus, ManualClock, MessageKey, OutboxMessage, OutboxStore,
     RequestFields, Settlement,
 };
-use inbox_diesel::{
-    abandon_request, begin_request, commit_request, enqueue, read_request,
-    refund_delivered_request, settle_request, Backend, ClaimStatus, DeadLetterFilter, Error,
-    LetterStatus, NewRequest, RedriveFilter, ReplayOutcome, ReplayTarget, Retention, Store,
+use inbox_diesel::idempotency::{
+    abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
+    settle_request, NewRequest,
 };
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{
+    DeadLetterFilter, LetterStatus, RedriveFilter, ReplayOutcome, ReplayTarget,
+};
+use inbox_diesel::rebuild::Rebuilder;
+use inbox_diesel::{enqueue, Backend, ClaimStatus, Error, Retention, Store};
 use inbox_test_support::Fixture;
 use proptest::prelude::*;
 use proptest::strategy::Union;
@@ -397,8 +402,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                 let Some(id) = model.letter_index(letter).and_then(|l| model.letters[l].id) else {
                     return Ok(Out::Nothing);
                 };
-                let outcome = self
-                    .store
+                let outcome = Operator::new(&self.store)
                     .replay_dead_letter(id, &target)
                     .map_err(|x| format!("replay: {x}"))?;
                 Out::Replay(replay_of(outcome))
@@ -407,8 +411,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                 let filter = DeadLetterFilter::default()
                     .consumer_group(GROUP)
                     .status(LetterStatus::Pending);
-                let r = self
-                    .store
+                let r = Operator::new(&self.store)
                     .replay_dead_letters(&filter, None, &target)
                     .map_err(|x| format!("bulk replay: {x}"))?;
                 Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
@@ -418,7 +421,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                     return Ok(Out::Nothing);
                 };
                 Out::Discard(
-                    self.store
+                    Operator::new(&self.store)
                         .discard_dead_letter(id)
                         .map_err(|x| format!("discard: {x}"))?,
                 )
@@ -427,15 +430,13 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                 let filter = RedriveFilter::default()
                     .consumer_group(GROUP)
                     .overdue_for(Duration::from_secs(overdue));
-                let r = self
-                    .store
+                let r = Operator::new(&self.store)
                     .redrive_failed_claims(&filter, None, &target)
                     .map_err(|x| format!("redrive: {x}"))?;
                 Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
             }
             Step::Rebuild { days } => {
-                self.store
-                    .rebuilder(PROJECTION)
+                Rebuilder::new(&self.store, PROJECTION)
                     .map_err(|x| x.to_string())?
                     .lock_timeout(Duration::from_secs(10))
                     .rebuild(days)
@@ -451,9 +452,10 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                     .map_err(|x| format!("purge published: {x}"))?;
                 s.purge_done_claims(&retention, 1000)
                     .map_err(|x| format!("purge done claims: {x}"))?;
-                s.purge_discarded_dead_letters(model::DISCARDED_WINDOW, 1000)
+                Operator::new(&s)
+                    .purge_discarded_dead_letters(model::DISCARDED_WINDOW, 1000)
                     .map_err(|x| format!("purge discarded: {x}"))?;
-                s.purge_idempotency_keys(model::IDEM_WINDOW, 1000)
+                inbox_diesel::idempotency::purge_expired_requests(&s, model::IDEM_WINDOW, 1000)
                     .map_err(|x| format!("purge idempotency keys: {x}"))?;
                 Out::Nothing
             }
@@ -470,7 +472,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                 Out::Nothing
             }
             Step::Resume => Out::Resumed(
-                self.store
+                Operator::new(&self.store)
                     .resume_group(GROUP)
                     .map_err(|x| format!("resume: {x}"))?,
             ),
@@ -683,8 +685,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                 letter.replay_count,
                 model::replayable(model, l),
             );
-            let found = match self
-                .store
+            let found = match Operator::new(&self.store)
                 .dead_letter_details(id)
                 .map_err(|x| x.to_string())?
             {
@@ -786,8 +787,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
         }
         drop(conn);
         // Halts.
-        let found: Vec<(String, String, DateTime<Utc>)> = self
-            .store
+        let found: Vec<(String, String, DateTime<Utc>)> = Operator::new(&self.store)
             .list_halted_groups()
             .map_err(|x| x.to_string())?
             .into_iter()

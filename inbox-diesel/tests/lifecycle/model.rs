@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_core::{days_ending, DeadLetterReason, Decision};
-use inbox_diesel::{ClaimStatus, DiscardOutcome};
+use inbox_diesel::operator::DiscardOutcome;
+use inbox_diesel::ClaimStatus;
 
 use super::world::{Act, Acts, INITIAL, MAX_ATTEMPTS, MAX_DELAY};
 

@@ -21,10 +21,11 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, Integer};
 use diesel::PgConnection;
-use inbox_diesel::{
-    begin_request, commit_request, DeadLetterFilter, Error, LetterStatus, NewRequest,
-    RedriveFilter, ReplayTarget,
-};
+use inbox_diesel::idempotency::{begin_request, commit_request, NewRequest};
+use inbox_diesel::operator::Operator;
+use inbox_diesel::operator::{DeadLetterFilter, LetterStatus, RedriveFilter, ReplayTarget};
+use inbox_diesel::rebuild::Rebuilder;
+use inbox_diesel::Error;
 use inbox_test_support::{Fixture, PgFixture, SqliteFixture};
 
 use super::model::{Idem, Out, Step};
@@ -145,28 +146,33 @@ fn operator_write<C: inbox_test_support::FullConnection>(
     let target = ReplayTarget::default();
     match op {
         Op::Replay => Out::Replay(replay_of(
-            store.replay_dead_letter(letter.unwrap(), &target).unwrap(),
+            Operator::new(&store)
+                .replay_dead_letter(letter.unwrap(), &target)
+                .unwrap(),
         )),
         Op::BulkReplay => {
             let filter = DeadLetterFilter::default()
                 .consumer_group(super::world::GROUP)
                 .status(LetterStatus::Pending);
-            let r = store.replay_dead_letters(&filter, None, &target).unwrap();
+            let r = Operator::new(&store)
+                .replay_dead_letters(&filter, None, &target)
+                .unwrap();
             Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
         }
         Op::Redrive => {
             let filter = RedriveFilter::default()
                 .consumer_group(super::world::GROUP)
                 .overdue_for(Duration::from_secs(5));
-            let r = store.redrive_failed_claims(&filter, None, &target).unwrap();
+            let r = Operator::new(&store)
+                .redrive_failed_claims(&filter, None, &target)
+                .unwrap();
             Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
         }
     }
 }
 
 fn rebuild<C: inbox_test_support::FullConnection>(store: &inbox_diesel::Store<C>) {
-    store
-        .rebuilder(PROJECTION)
+    Rebuilder::new(&store, PROJECTION)
         .unwrap()
         .lock_timeout(Duration::from_secs(60))
         .rebuild(1)
@@ -324,14 +330,16 @@ fn pg_discard_during_a_replay(fx: &PgFixture) {
     let store = s.d.store.clone();
     let replay = std::thread::spawn(move || {
         Out::Replay(replay_of(
-            store
+            Operator::new(&store)
                 .replay_dead_letter(id, &ReplayTarget::default())
                 .unwrap(),
         ))
     });
     let replay_pid = next_blocked(&mut observer, &[holder_pid], &[]);
     let store = s.d.store.clone();
-    let discard = std::thread::spawn(move || Out::Discard(store.discard_dead_letter(id).unwrap()));
+    let discard = std::thread::spawn(move || {
+        Out::Discard(Operator::new(&store).discard_dead_letter(id).unwrap())
+    });
     // The discard either answers while the replay is still blocked, or waits for a
     // row the replay holds.
     wait_until("the discard answered or blocked", || {
@@ -353,16 +361,20 @@ fn sqlite_discard_and_replay(fx: &SqliteFixture) {
         let id = dead_letter(&mut s);
         let target = ReplayTarget::default();
         let (discard, replay) = if discard_first {
-            let d = Out::Discard(s.d.store.discard_dead_letter(id).unwrap());
+            let d = Out::Discard(Operator::new(&s.d.store).discard_dead_letter(id).unwrap());
             let r = Out::Replay(replay_of(
-                s.d.store.replay_dead_letter(id, &target).unwrap(),
+                Operator::new(&s.d.store)
+                    .replay_dead_letter(id, &target)
+                    .unwrap(),
             ));
             (d, r)
         } else {
             let r = Out::Replay(replay_of(
-                s.d.store.replay_dead_letter(id, &target).unwrap(),
+                Operator::new(&s.d.store)
+                    .replay_dead_letter(id, &target)
+                    .unwrap(),
             ));
-            let d = Out::Discard(s.d.store.discard_dead_letter(id).unwrap());
+            let d = Out::Discard(Operator::new(&s.d.store).discard_dead_letter(id).unwrap());
             (d, r)
         };
         judge_discard_and_replay(&mut s, &discard, &replay, discard_first);
