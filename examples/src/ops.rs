@@ -43,7 +43,7 @@ impl ProjectionCommand {
     ) -> Result<String, inbox_diesel::Error> {
         match self {
             Self::Audit(args) => {
-                let report = Rebuilder::new(&store, &args.projection)?.audit(args.days)?;
+                let report = Rebuilder::new(store, &args.projection)?.audit(args.days)?;
                 Ok(if json {
                     to_json(&report)
                 } else {
@@ -51,7 +51,7 @@ impl ProjectionCommand {
                 })
             }
             Self::Rebuild(args) => {
-                let report = Rebuilder::new(&store, &args.projection)?.rebuild(args.days)?;
+                let report = Rebuilder::new(store, &args.projection)?.rebuild(args.days)?;
                 Ok(if json {
                     to_json(&report)
                 } else {

@@ -107,7 +107,7 @@ fn enqueue_all<C: StoreConnection>(store: &Store<C>, exchange: &str) {
 }
 
 fn pending_letters<C: OperatorConnection>(store: &Store<C>) -> usize {
-    Operator::new(&store)
+    Operator::new(store)
         .list_dead_letters(
             &DeadLetterFilter::default().status(inbox_diesel::operator::LetterStatus::Pending),
             0,

@@ -782,12 +782,12 @@ fn violation(group_name: &str, key: &str, detail: &str) -> ClaimInvariantViolate
 fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     let s = scene(fx);
     let store = &s.store;
-    assert!(Operator::new(&store)
+    assert!(Operator::new(store)
         .list_halted_groups()
         .unwrap()
         .is_empty());
     assert!(
-        !Operator::new(&store).resume_group(FAILING).unwrap(),
+        !Operator::new(store).resume_group(FAILING).unwrap(),
         "not halted yet"
     );
     let first = violation(FAILING, "k-1", "a phantom conflict");
@@ -796,7 +796,7 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     store
         .record_halt(&violation(FAILING, "k-2", "another one"))
         .unwrap();
-    let halted = Operator::new(&store).list_halted_groups().unwrap();
+    let halted = Operator::new(store).list_halted_groups().unwrap();
     assert_eq!(halted.len(), 1, "{halted:?}");
     let h = &halted[0];
     assert_eq!(
@@ -813,23 +813,23 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     );
     assert_eq!(store.halted_groups().unwrap(), [first]);
     assert_eq!(
-        Operator::new(&store).operator_stats().unwrap().halted,
+        Operator::new(store).operator_stats().unwrap().halted,
         halted
     );
     // Another group is not touched by either.
-    assert!(!Operator::new(&store).resume_group(BYSTANDER).unwrap());
-    assert_eq!(Operator::new(&store).list_halted_groups().unwrap(), halted);
-    assert!(Operator::new(&store).resume_group(FAILING).unwrap());
+    assert!(!Operator::new(store).resume_group(BYSTANDER).unwrap());
+    assert_eq!(Operator::new(store).list_halted_groups().unwrap(), halted);
+    assert!(Operator::new(store).resume_group(FAILING).unwrap());
     assert!(
-        !Operator::new(&store).resume_group(FAILING).unwrap(),
+        !Operator::new(store).resume_group(FAILING).unwrap(),
         "resumed already"
     );
-    assert!(Operator::new(&store)
+    assert!(Operator::new(store)
         .list_halted_groups()
         .unwrap()
         .is_empty());
     assert!(store.halted_groups().unwrap().is_empty());
-    assert!(Operator::new(&store)
+    assert!(Operator::new(store)
         .operator_stats()
         .unwrap()
         .halted
@@ -839,7 +839,7 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     store.record_halt(&again).unwrap();
     assert_eq!(store.halted_groups().unwrap(), [again]);
     assert!(matches!(
-        Operator::new(&store).resume_group("Not A Group"),
+        Operator::new(store).resume_group("Not A Group"),
         Err(Error::Core(inbox_core::Error::InvalidName(
             inbox_core::InvalidName::ConsumerGroup(_)
         )))

@@ -304,7 +304,7 @@ fn dead_letters<F: Fixture>(
         .get_result(&mut conn)
         .unwrap();
         assert_eq!(
-            Operator::new(&store).discard_dead_letter(id.id).unwrap(),
+            Operator::new(store).discard_dead_letter(id.id).unwrap(),
             inbox_diesel::operator::DiscardOutcome::Discarded
         );
     }

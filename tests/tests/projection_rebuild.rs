@@ -639,7 +639,7 @@ fn dead_letter<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event
 fn letter_of<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event) -> i64 {
     let filter = inbox_diesel::operator::DeadLetterFilter::default()
         .message_key(ledger_event_key(e.id).to_string());
-    let letters = Operator::new(&store)
+    let letters = Operator::new(store)
         .list_dead_letters(&filter, 0, 10)
         .unwrap();
     assert_eq!(letters.len(), 1, "{letters:?}");
@@ -648,7 +648,7 @@ fn letter_of<C: inbox_test_support::FullConnection>(store: &Store<C>, e: Event) 
 
 /// The letter's status, as list and JSON name it.
 fn letter_status<C: inbox_test_support::FullConnection>(store: &Store<C>, id: i64) -> &'static str {
-    Operator::new(&store)
+    Operator::new(store)
         .dead_letter_details(id)
         .unwrap()
         .unwrap()
@@ -803,7 +803,7 @@ mod interleavings {
         store: &Store<PgConnection>,
         lock_timeout: Duration,
     ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
-        let rebuilder = Rebuilder::new(&store, PROJECTION)
+        let rebuilder = Rebuilder::new(store, PROJECTION)
             .unwrap()
             .lock_timeout(lock_timeout);
         std::thread::spawn(move || rebuilder.rebuild(1))
@@ -1241,7 +1241,7 @@ mod operator_writes {
     fn rebuild_in_thread(
         store: &Store<PgConnection>,
     ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
-        let rebuilder = Rebuilder::new(&store, PROJECTION)
+        let rebuilder = Rebuilder::new(store, PROJECTION)
             .unwrap()
             .lock_timeout(Duration::from_secs(60));
         std::thread::spawn(move || rebuilder.rebuild(1))

@@ -25,7 +25,7 @@ pub(crate) fn claims<C: OperatorConnection>(
             key,
             consumer_group,
         } => {
-            let claims: Vec<_> = Operator::new(&store)
+            let claims: Vec<_> = Operator::new(store)
                 .claims_for_key(key)
                 .map_err(failed)?
                 .into_iter()
@@ -87,7 +87,7 @@ pub(crate) fn claims<C: OperatorConnection>(
                     "refusing to redrive claims without --yes",
                 ));
             }
-            let report = Operator::new(&store)
+            let report = Operator::new(store)
                 .redrive_failed_claims(&f, *limit, target)
                 .map_err(failed)?;
             if global.json {

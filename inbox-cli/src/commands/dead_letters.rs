@@ -56,7 +56,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             offset,
         } => {
             let f = filter(store, args, StatusArg::Active)?;
-            let letters = Operator::new(&store)
+            let letters = Operator::new(store)
                 .list_dead_letters(&f, *offset, *limit)
                 .map_err(failed)?;
             if global.json {
@@ -100,7 +100,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             )
         }
         DeadLetterCommand::Show { id } => {
-            let details = Operator::new(&store)
+            let details = Operator::new(store)
                 .dead_letter_details(*id)
                 .map_err(failed)?
                 .ok_or_else(|| Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))?;
@@ -111,7 +111,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
         }
         DeadLetterCommand::Groups { filter: args } => {
             let f = filter(store, args, StatusArg::Pending)?;
-            let groups = Operator::new(&store).failure_groups(&f).map_err(failed)?;
+            let groups = Operator::new(store).failure_groups(&f).map_err(failed)?;
             if global.json {
                 let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
                 return print_json(out, &json!({ "failure_groups": rows }));
@@ -156,7 +156,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             }
             let f = filter(store, args, StatusArg::Pending)?;
             confirm(store, &f, *limit, *yes, "replay")?;
-            let report = Operator::new(&store)
+            let report = Operator::new(store)
                 .replay_dead_letters(&f, *limit, target)
                 .map_err(failed)?;
             if global.json {
@@ -186,7 +186,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             yes,
         } => {
             if let Some(id) = id {
-                let outcome = Operator::new(&store)
+                let outcome = Operator::new(store)
                     .discard_dead_letter(*id)
                     .map_err(failed)?;
                 let name = match outcome {
@@ -210,7 +210,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
             }
             let f = filter(store, args, StatusArg::Pending)?;
             confirm(store, &f, *limit, *yes, "discard")?;
-            let report = Operator::new(&store)
+            let report = Operator::new(store)
                 .discard_dead_letters(&f, *limit)
                 .map_err(failed)?;
             if global.json {
@@ -245,7 +245,7 @@ fn confirm<C: OperatorConnection>(
     if yes {
         return Ok(());
     }
-    let n = Operator::new(&store)
+    let n = Operator::new(store)
         .list_dead_letters(f, 0, limit.unwrap_or(usize::MAX))
         .map_err(failed)?
         .len();
@@ -262,7 +262,7 @@ fn replay_one<C: OperatorConnection>(
     id: i64,
     out: &mut dyn Write,
 ) -> Outcome {
-    let outcome = Operator::new(&store)
+    let outcome = Operator::new(store)
         .replay_dead_letter(id, target)
         .map_err(failed)?;
     let (value, text, failure) = match &outcome {

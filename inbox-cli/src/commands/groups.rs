@@ -21,7 +21,7 @@ pub(crate) fn groups<C: OperatorConnection>(
 ) -> Outcome {
     match command {
         GroupCommand::List => {
-            let halted = Operator::new(&store).list_halted_groups().map_err(failed)?;
+            let halted = Operator::new(store).list_halted_groups().map_err(failed)?;
             if global.json {
                 let rows: Vec<Value> = halted.iter().map(output::halt_json).collect();
                 return print_json(out, &json!({ "halted": rows }));
@@ -30,7 +30,7 @@ pub(crate) fn groups<C: OperatorConnection>(
         }
         GroupCommand::Resume { group } => {
             ConsumerGroup::new(group).map_err(|e| Failure::new(exit::USAGE, e.to_string()))?;
-            let resumed = Operator::new(&store).resume_group(group).map_err(failed)?;
+            let resumed = Operator::new(store).resume_group(group).map_err(failed)?;
             if global.json {
                 print_json(out, &json!({ "consumer_group": group, "resumed": resumed }))?;
             } else if resumed {
@@ -62,7 +62,7 @@ pub(crate) fn stats<C: OperatorConnection>(
     store: &Store<C>,
     out: &mut dyn Write,
 ) -> Outcome {
-    let s = Operator::new(&store).operator_stats().map_err(failed)?;
+    let s = Operator::new(store).operator_stats().map_err(failed)?;
     if global.json {
         return print_json(out, &output::stats_json(&s));
     }

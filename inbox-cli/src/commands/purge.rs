@@ -30,7 +30,7 @@ pub(crate) fn purge<C: OperatorConnection>(
         return Err(Failure::new(exit::USAGE, "--batch must be at least 1"));
     }
     let report = if args.dry_run {
-        Operator::new(&store)
+        Operator::new(store)
             .count_purgeable(&retention, discarded)
             .map_err(failed)?
     } else {
@@ -41,7 +41,7 @@ pub(crate) fn purge<C: OperatorConnection>(
         r.done_claims = store
             .purge_done_claims(&retention, args.batch)
             .map_err(failed)?;
-        r.discarded_dead_letters = Operator::new(&store)
+        r.discarded_dead_letters = Operator::new(store)
             .purge_discarded_dead_letters(discarded, args.batch)
             .map_err(failed)?;
         r

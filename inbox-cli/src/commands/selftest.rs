@@ -60,7 +60,7 @@ pub(crate) fn run<C: OperatorConnection>(
         .map_or(0, |d| d.as_nanos());
     let run = format!("st-{}-{nanos:x}", std::process::id());
     let exchange = format!("{}{}", global.prefix, args.exchange);
-    Operator::new(&store)
+    Operator::new(store)
         .enqueue_canaries(&run, args.count, &exchange)
         .map_err(failed)?;
 
@@ -76,7 +76,7 @@ pub(crate) fn run<C: OperatorConnection>(
     let started = Instant::now();
     let report = runtime.block_on(async {
         loop {
-            let report = Operator::new(&store).canary_report(&run, args.count)?;
+            let report = Operator::new(store).canary_report(&run, args.count)?;
             if report.arrived >= args.count || started.elapsed() >= timeout {
                 // A short grace for a double still in flight once all arrived.
                 return Ok::<CanaryReport, inbox_diesel::Error>(report);

@@ -117,7 +117,7 @@ fn check_topology<C: OperatorConnection>(
     };
     let mut groups = args.consumer_groups.clone();
     if groups.is_empty() {
-        groups = Operator::new(&store)
+        groups = Operator::new(store)
             .operator_stats()
             .map_err(|e| TopologyError::Failed(format!("database: {e}")))?
             .groups

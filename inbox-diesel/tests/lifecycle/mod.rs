@@ -452,10 +452,10 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                     .map_err(|x| format!("purge published: {x}"))?;
                 s.purge_done_claims(&retention, 1000)
                     .map_err(|x| format!("purge done claims: {x}"))?;
-                Operator::new(&s)
+                Operator::new(s)
                     .purge_discarded_dead_letters(model::DISCARDED_WINDOW, 1000)
                     .map_err(|x| format!("purge discarded: {x}"))?;
-                inbox_diesel::idempotency::purge_expired_requests(&s, model::IDEM_WINDOW, 1000)
+                inbox_diesel::idempotency::purge_expired_requests(s, model::IDEM_WINDOW, 1000)
                     .map_err(|x| format!("purge idempotency keys: {x}"))?;
                 Out::Nothing
             }

@@ -146,7 +146,7 @@ fn operator_write<C: inbox_test_support::FullConnection>(
     let target = ReplayTarget::default();
     match op {
         Op::Replay => Out::Replay(replay_of(
-            Operator::new(&store)
+            Operator::new(store)
                 .replay_dead_letter(letter.unwrap(), &target)
                 .unwrap(),
         )),
@@ -154,7 +154,7 @@ fn operator_write<C: inbox_test_support::FullConnection>(
             let filter = DeadLetterFilter::default()
                 .consumer_group(super::world::GROUP)
                 .status(LetterStatus::Pending);
-            let r = Operator::new(&store)
+            let r = Operator::new(store)
                 .replay_dead_letters(&filter, None, &target)
                 .unwrap();
             Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
@@ -163,7 +163,7 @@ fn operator_write<C: inbox_test_support::FullConnection>(
             let filter = RedriveFilter::default()
                 .consumer_group(super::world::GROUP)
                 .overdue_for(Duration::from_secs(5));
-            let r = Operator::new(&store)
+            let r = Operator::new(store)
                 .redrive_failed_claims(&filter, None, &target)
                 .unwrap();
             Out::Bulk(r.matched, r.affected, r.refused, r.skipped)
@@ -172,7 +172,7 @@ fn operator_write<C: inbox_test_support::FullConnection>(
 }
 
 fn rebuild<C: inbox_test_support::FullConnection>(store: &inbox_diesel::Store<C>) {
-    Rebuilder::new(&store, PROJECTION)
+    Rebuilder::new(store, PROJECTION)
         .unwrap()
         .lock_timeout(Duration::from_secs(60))
         .rebuild(1)

@@ -18,7 +18,7 @@ fn urls() -> Option<(String, String)> {
 }
 
 fn bench() -> Command {
-    let mut command = Command::new(inbox_test_support::example_path("bench_growth"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_bench_growth"));
     command
         .env_remove("BENCH_GROWTH_DISK_CHECK")
         .env("BENCH_ROUNDS", "1")

@@ -18,7 +18,7 @@ use inbox_core::{
 use inbox_diesel::Store;
 use lapin::{Connection, ConnectionProperties};
 
-use crate::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
+use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 
 /// `DATABASE_URL` and `AMQP_URL`, or the local services the tests use.
 pub fn service_urls() -> (String, String) {
@@ -143,9 +143,12 @@ pub fn drop_schema_on_signals(url: &str, schema: &str) {
 /// them: `events * 10 / 11` distinct events, every tenth one sent again three events
 /// later, the rest (if any) topped up from the start. The workload and the order of
 /// its events' indexes.
-pub fn workload_with_duplicates(events: usize, seed: u64) -> (crate::usage::Workload, Vec<usize>) {
+pub fn workload_with_duplicates(
+    events: usize,
+    seed: u64,
+) -> (inbox_examples::usage::Workload, Vec<usize>) {
     let unique = (events * 10 / 11).max(1);
-    let workload = crate::usage::Workload::generate(unique, 0, seed);
+    let workload = inbox_examples::usage::Workload::generate(unique, 0, seed);
     let mut order: Vec<usize> = Vec::with_capacity(events);
     for i in 0..unique {
         order.push(i);
@@ -165,7 +168,7 @@ pub async fn publish_workload(
     conn: &lapin::Connection,
     exchange: &str,
     routing_key: &str,
-    workload: &crate::usage::Workload,
+    workload: &inbox_examples::usage::Workload,
     order: &[usize],
 ) -> Result<(), lapin::Error> {
     use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -184,7 +187,7 @@ pub async fn publish_workload(
                 &body,
                 lapin::BasicProperties::default()
                     .with_message_id(key.as_str().into())
-                    .with_type(crate::usage::MESSAGE_TYPE.into())
+                    .with_type(inbox_examples::usage::MESSAGE_TYPE.into())
                     .with_delivery_mode(2),
             )
             .await?;

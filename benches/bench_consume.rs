@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_consume`: consumer throughput, in one run.
+//! `cargo run --release -p inbox-benches --bin bench_consume`: consumer throughput, in one run.
 //!
 //! 20,000 usage events with 10% duplicates, pre-filled into a quorum queue, consumed
 //! into PostgreSQL (fsync as the server has it) by 4 workers, seven ways:
@@ -55,15 +55,15 @@ use diesel::sql_types::{Array, BigInt, Date, Text};
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_benches::{
+    count_statements, cpu_ticks, env_or, publish_workload, service_urls, statements_sent,
+    workload_with_duplicates, TICKS_PER_SECOND,
+};
 use inbox_core::{
     ConsumerGroup, Handler, HandlerError, MessageContext, ProjectionLock, RedactedError,
     RetryPolicy,
 };
 use inbox_diesel::Store;
-use inbox_examples::bench::{
-    count_statements, cpu_ticks, env_or, publish_workload, service_urls, statements_sent,
-    workload_with_duplicates, TICKS_PER_SECOND,
-};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,

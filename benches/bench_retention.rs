@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_retention`: retention under load, in one run.
+//! `cargo run --release -p inbox-benches --bin bench_retention`: retention under load, in one run.
 //!
 //! Pre-fills a schema's claims with `BENCH_RETENTION_ROWS` (default 2,000,000) `done`
 //! claims older than the 30-day window (`generate_series`, then `VACUUM ANALYZE`),
@@ -35,11 +35,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::{Connection as _, PgConnection};
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_benches::{drop_schema_on_signals, env_or, free_disk_kib, service_urls, SchemaGuard};
 use inbox_core::{RedactedError, RetryPolicy};
 use inbox_diesel::{purge_batch, PurgeTarget, Store};
-use inbox_examples::bench::{
-    drop_schema_on_signals, env_or, free_disk_kib, service_urls, SchemaGuard,
-};
 use inbox_examples::usage::{DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};

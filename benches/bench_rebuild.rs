@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_rebuild`: what a rebuild costs the live
+//! `cargo run --release -p inbox-benches --bin bench_rebuild`: what a rebuild costs the live
 //! consumers beside it.
 //!
 //! A `daily_usage` store in a schema of its own on PostgreSQL; `BENCH_WORKERS` (4)
@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::PgConnection;
+use inbox_benches::{env_or, service_urls};
 use inbox_core::{ConsumerGroup, Handler, OutboxStore, ProjectionLock, RetryPolicy};
 use inbox_diesel::rebuild::Rebuilder;
 use inbox_diesel::Store;
-use inbox_examples::bench::{env_or, service_urls};
 use inbox_examples::usage::{
     ledger_event_key, DailyUsage, UsageDb, UsageRecorded, GROUP, PROJECTION,
 };
@@ -202,7 +202,7 @@ fn rebuild_loop(
     lock_timeout: Duration,
     stop: &AtomicBool,
 ) -> Result<Rebuilds, String> {
-    let rebuilder = Rebuilder::new(&store, PROJECTION)
+    let rebuilder = Rebuilder::new(store, PROJECTION)
         .map_err(|e| e.to_string())?
         .lock_timeout(lock_timeout);
     let mut r = Rebuilds {

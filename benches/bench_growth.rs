@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_growth`: the consumer on a large claims table.
+//! `cargo run --release -p inbox-benches --bin bench_growth`: the consumer on a large claims table.
 //!
 //! A claims table that has run for months holds tens of millions of `done` rows. This
 //! benchmark fills `inbox_claims` of a schema of its own with `BENCH_GROWTH_ROWS`
@@ -10,7 +10,7 @@
 //! leave it), then `VACUUM (ANALYZE)`s it.
 //!
 //! It then runs two of the runtime scenarios `bench_consume` measures, with the same
-//! handlers and consumer settings (`inbox_examples::bench::RuntimeScenario`): batch
+//! handlers and consumer settings (`inbox_benches::RuntimeScenario`): batch
 //! size 1, and batches with the folding projection.
 //! Each runs once on an empty claims table (a fresh schema) and once on the full one,
 //! interleaved within a round (empty, full; the next round full, empty), on the same
@@ -38,11 +38,11 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Double, Text, Timestamptz};
 use diesel::PgConnection;
-use inbox_core::RedactedError;
-use inbox_examples::bench::{
+use inbox_benches::{
     batch_size, env_or, median, remove_on_signal, service_urls, Deliveries, Leftovers,
     RemoveOnDrop, RuntimeScenario,
 };
+use inbox_core::RedactedError;
 use inbox_examples::usage::{GROUP, MESSAGE_TYPE};
 
 /// Bytes of disk per prefilled claim the check asks for: the row and its index

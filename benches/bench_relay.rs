@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_relay`: outbox relay throughput and latency.
+//! `cargo run --release -p inbox-benches --bin bench_relay`: outbox relay throughput and latency.
 //!
 //! - Throughput: a backlog of 20,000 rows (`BENCH_EVENTS`) published, confirmed and
 //!   marked, with 1 relay and with 3 relays.
@@ -17,9 +17,9 @@ use diesel::connection::SimpleConnection;
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Relay, RelaySettings};
+use inbox_benches::{env_or, service_urls};
 use inbox_core::{MessageKey, OutboxMessage, OutboxStore, RedactedError};
 use inbox_diesel::{enqueue, Store};
-use inbox_examples::bench::{env_or, service_urls};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,

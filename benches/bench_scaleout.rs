@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_scaleout`: several consumer processes of one
+//! `cargo run --release -p inbox-benches --bin bench_scaleout`: several consumer processes of one
 //! group.
 //!
 //! 20,000 usage events with 10% duplicates are published into the group's quorum queue;
@@ -45,11 +45,11 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel::{Connection as _, PgConnection};
 use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, ConsumerSettings, Topology};
-use inbox_core::{RedactedError, RetryPolicy};
-use inbox_diesel::Store;
-use inbox_examples::bench::{
+use inbox_benches::{
     env_or, median, publish_workload, range, service_urls, with_database, workload_with_duplicates,
 };
+use inbox_core::{RedactedError, RetryPolicy};
+use inbox_diesel::Store;
 use inbox_examples::usage::{DailyUsage, Rng, UsageDb, Workload, MESSAGE_TYPE};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;

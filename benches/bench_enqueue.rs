@@ -1,4 +1,4 @@
-//! `cargo run --release --example bench_enqueue`: what ordering keys cost a producer
+//! `cargo run --release -p inbox-benches --bin bench_enqueue`: what ordering keys cost a producer
 //! on PostgreSQL.
 //!
 //! An enqueue with an ordering key first takes the key's ordering lock (one of
@@ -26,9 +26,9 @@ use std::time::Instant;
 
 use diesel::connection::SimpleConnection;
 use diesel::{Connection as _, PgConnection};
+use inbox_benches::{env_or, median, service_urls, SchemaGuard};
 use inbox_core::{MessageKey, OutboxMessage, RedactedError};
 use inbox_diesel::{enqueue, enqueue_all, Store, ORDERING_LOCK_STRIPES};
-use inbox_examples::bench::{env_or, median, service_urls, SchemaGuard};
 
 /// Which ordering key a transaction's messages carry.
 #[derive(Clone, Copy)]
