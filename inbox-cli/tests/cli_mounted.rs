@@ -171,3 +171,41 @@ fn a_broker_that_refuses_the_connection_or_the_login_fails_with_exit_1() {
         }
     }
 }
+
+/// The order service's operator tool.
+#[derive(Parser)]
+#[command(name = "order_ops")]
+struct Hosted {
+    #[command(flatten)]
+    inbox: inbox_cli::GlobalArgs,
+    #[command(subcommand)]
+    command: HostedCommand,
+}
+
+#[derive(clap::Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once
+enum HostedCommand {
+    #[command(flatten)]
+    Inbox(inbox_cli::Command),
+    /// Rebuild the order totals.
+    Rebuild,
+}
+
+/// Mounting the commands leaves the host's `--help` its own: its header is the host's
+/// doc comment, never one of inbox-cli's types.
+#[test]
+fn mounting_leaves_the_hosts_help_header_alone() {
+    use clap::CommandFactory;
+    let help = Hosted::command().render_help().to_string();
+    assert!(
+        help.starts_with("The order service's operator tool\n"),
+        "{help}"
+    );
+    for theirs in ["Options every subcommand takes", "The operator subcommands"] {
+        assert!(!help.contains(theirs), "{help}");
+    }
+    assert!(help.contains("Rebuild the order totals"), "{help}");
+    assert!(help.contains("dead-letters"), "{help}");
+    let bare = Ops::command().render_help().to_string();
+    assert!(!bare.contains("Options every subcommand takes"), "{bare}");
+}

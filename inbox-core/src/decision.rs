@@ -153,6 +153,46 @@ impl DeadLetterReason {
         Self::ALL.into_iter().find(|reason| reason.as_str() == s)
     }
 
+    /// Why a letter of this reason is never replayed as it is, and what an operator
+    /// does instead; `None` when it may be. One exhaustive match: a new reason does
+    /// not compile until it is decided here.
+    ///
+    /// Replayable (the claim is reset and the same message goes to its group again,
+    /// once the cause is fixed): `max_attempts`, `permanent`, `crash_loop`,
+    /// `delivery_limit`, and `no_handler` (once a handler of the group takes the type;
+    /// replayed before that, it is dead-lettered again as `no_handler`). Never:
+    /// `key_collision` (the letter's payload is another message than its key's claim;
+    /// sent again it could only collide again, or take a claim that is not its own),
+    /// `malformed` (no envelope, so no claim to reset), `decode_error` (the same bytes
+    /// would fail the same way).
+    ///
+    /// ```
+    /// use inbox_core::DeadLetterReason;
+    /// assert_eq!(DeadLetterReason::NoHandler.replay_refusal(), None);
+    /// assert!(DeadLetterReason::KeyCollision.replay_refusal().is_some());
+    /// ```
+    pub fn replay_refusal(self) -> Option<&'static str> {
+        match self {
+            Self::MaxAttempts
+            | Self::Permanent
+            | Self::CrashLoop
+            | Self::DeliveryLimit
+            | Self::NoHandler => None,
+            Self::KeyCollision => Some(
+                "a key_collision letter belongs to another payload than its key's claim: \
+                 publish it under its own key, then discard the letter",
+            ),
+            Self::Malformed => Some(
+                "a malformed delivery has no claim to reset: publish a corrected message, \
+                 then discard the letter",
+            ),
+            Self::DecodeError => Some(
+                "the payload does not decode and would fail the same way: publish a \
+                 corrected message under a new key, then discard the letter",
+            ),
+        }
+    }
+
     /// The reason as stored in the dead-letter table.
     pub fn as_str(&self) -> &'static str {
         match self {

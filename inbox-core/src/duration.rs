@@ -32,14 +32,16 @@ pub fn database_timeout(d: Duration) -> i32 {
 /// use inbox_core::parse_duration;
 /// assert_eq!(parse_duration("50ms").unwrap(), Duration::from_millis(50));
 /// assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
-/// assert!(parse_duration("5").is_err());
+/// assert!(matches!(
+///     parse_duration("5"),
+///     Err(inbox_core::Error::InvalidDuration { .. })
+/// ));
 /// ```
 pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     let text = text.trim();
-    let invalid = || {
-        Error::InvalidRetryPolicy(format!(
-            "expected a duration such as 50ms, 10s, 5m, 2h or 7d, found {text:?}"
-        ))
+    let invalid = || Error::InvalidDuration {
+        expected: "a whole number with a unit: 50ms, 10s, 5m, 2h or 7d",
+        found: text.to_owned(),
     };
     let split = text
         .find(|c: char| !c.is_ascii_digit())

@@ -21,6 +21,14 @@ pub enum Error {
     /// A request's fingerprint fields were given wrongly (a name twice).
     #[error("invalid request fields: {0}")]
     InvalidRequestFields(String),
+    /// A duration given as text (a setting, a command's argument) does not parse.
+    #[error("invalid duration: expected {expected}, found {found:?}")]
+    InvalidDuration {
+        /// What a duration looks like.
+        expected: &'static str,
+        /// What was given.
+        found: String,
+    },
     /// A retry policy's settings make no sense.
     #[error("invalid retry policy: {0}")]
     InvalidRetryPolicy(String),

@@ -208,7 +208,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
 ///
 /// ```no_run
 /// # fn demo(store: inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
-/// let rebuilder = store.rebuilder("daily_usage")?;
+/// let rebuilder = inbox_diesel::rebuild::Rebuilder::new(&store, "daily_usage")?;
 /// let drift = rebuilder.audit(2)?; // today and yesterday, nothing written
 /// if drift.rows_differing > 0 {
 ///     let healed = rebuilder.rebuild(2)?;

@@ -160,7 +160,7 @@ impl LetterStatus {
 /// matches every letter that is not discarded.
 ///
 /// ```
-/// use inbox_diesel::{DeadLetterFilter, LetterStatus};
+/// use inbox_diesel::operator::{DeadLetterFilter, LetterStatus};
 /// let filter = DeadLetterFilter::default()
 ///     .consumer_group("billing.daily-usage")
 ///     .reason("max_attempts")

@@ -2,8 +2,9 @@
 
 use inbox_core::DeadLetterReason;
 
-/// Whether a dead letter of this reason can be replayed as it is, and if not, what an
-/// operator does instead.
+/// Whether a dead letter whose stored reason is `reason` can be replayed as it is, and
+/// if not, what an operator does instead: [`DeadLetterReason::replay_refusal`] for the
+/// reasons this version knows, a refusal for any other text.
 ///
 /// Replayable (the claim is reset and the same message goes to its group again, once
 /// the cause is fixed): `max_attempts`, `permanent`, `crash_loop`, `delivery_limit`,
@@ -26,35 +27,16 @@ use inbox_core::DeadLetterReason;
 /// Any reason this version does not know is refused too.
 ///
 /// ```
-/// use inbox_diesel::replay_refusal;
+/// use inbox_diesel::operator::replay_refusal;
 /// assert_eq!(replay_refusal("max_attempts"), None);
 /// assert_eq!(replay_refusal("no_handler"), None);
 /// assert!(replay_refusal("key_collision").unwrap().contains("own key"));
 /// ```
 pub fn replay_refusal(reason: &str) -> Option<&'static str> {
-    use DeadLetterReason as R;
-    let replayable = [
-        R::MaxAttempts,
-        R::Permanent,
-        R::CrashLoop,
-        R::DeliveryLimit,
-        R::NoHandler,
-    ];
-    if replayable.iter().any(|r| r.as_str() == reason) {
-        return None;
+    match DeadLetterReason::parse(reason) {
+        Some(known) => known.replay_refusal(),
+        None => Some("unknown reason: not replayed"),
     }
-    Some(if reason == R::KeyCollision.as_str() {
-        "a key_collision letter belongs to another payload than its key's claim: publish it \
-         under its own key, then discard the letter"
-    } else if reason == R::Malformed.as_str() {
-        "a malformed delivery has no claim to reset: publish a corrected message, then \
-         discard the letter"
-    } else if reason == R::DecodeError.as_str() {
-        "the payload does not decode and would fail the same way: publish a corrected \
-         message under a new key, then discard the letter"
-    } else {
-        "unknown reason: not replayed"
-    })
 }
 
 #[cfg(test)]

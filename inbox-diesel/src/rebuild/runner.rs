@@ -53,7 +53,7 @@ type After = Arc<dyn Fn(std::result::Result<&RunOutcome, &Error>) + Send + Sync>
 /// # fn demo(store: inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
 /// use std::sync::atomic::AtomicBool;
 /// use std::time::Duration;
-/// let runner = inbox_diesel::RebuildRunner::new(store.rebuilder("daily_usage")?)
+/// let runner = inbox_diesel::rebuild::RebuildRunner::new(inbox_diesel::rebuild::Rebuilder::new(&store, "daily_usage")?)
 ///     .every(Duration::from_secs(3600))
 ///     .window(2)
 ///     .after(|outcome| println!("rebuild: {outcome:?}"));
