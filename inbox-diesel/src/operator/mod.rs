@@ -89,11 +89,16 @@ mod halts;
 pub(crate) mod ops;
 mod reasons;
 pub(crate) mod tables;
+mod types;
+mod writes;
+
+#[cfg(test)]
+use writes::replay_headers;
+use writes::RESOLVED_ADVICE;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
@@ -114,429 +119,15 @@ pub trait OperatorConnection: StoreConnection + OperatorOps + CatalogOps {}
 
 impl<C: StoreConnection + OperatorOps + CatalogOps> OperatorConnection for C {}
 pub use reasons::replay_refusal;
+pub use types::{
+    BulkReport, DeadLetterDetails, DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup,
+    GroupStats, LetterCount, LetterStatus, OperatorStats, PurgeReport, RedriveFilter,
+    ReplayOutcome, ReplayTarget,
+};
 
 use ops::{EntryTuple, NewReplay};
 
-/// Where a dead letter stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum LetterStatus {
-    /// Neither replayed nor discarded.
-    Pending,
-    /// Replayed (and not discarded).
-    Replayed,
-    /// Resolved by a projection rebuild that counted its event (and not discarded):
-    /// never replayed (a replay would count the event a second time).
-    Resolved,
-    /// Discarded (archived): kept for its retention, never replayed.
-    Discarded,
-}
-
-impl LetterStatus {
-    /// The status as the CLI and JSON name it: `pending`, `replayed`, `resolved`,
-    /// `discarded`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Replayed => "replayed",
-            Self::Resolved => "resolved",
-            Self::Discarded => "discarded",
-        }
-    }
-
-    /// Parses [`as_str`](Self::as_str)'s names.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "pending" => Self::Pending,
-            "replayed" => Self::Replayed,
-            "resolved" => Self::Resolved,
-            "discarded" => Self::Discarded,
-            _ => return None,
-        })
-    }
-}
-
-/// Which dead letters an operator call is about. Every field narrows; the default
-/// matches every letter that is not discarded.
-///
-/// ```
-/// use inbox_diesel::operator::{DeadLetterFilter, LetterStatus};
-/// let filter = DeadLetterFilter::default()
-///     .consumer_group("billing.daily-usage")
-///     .reason("max_attempts")
-///     .status(LetterStatus::Pending);
-/// assert_eq!(filter.reason.as_deref(), Some("max_attempts"));
-/// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetterFilter {
-    /// The consumer group.
-    pub consumer_group: Option<String>,
-    /// The reason (`max_attempts`, `permanent`, ...).
-    pub reason: Option<String>,
-    /// The message type.
-    pub message_type: Option<String>,
-    /// The message key.
-    pub message_key: Option<String>,
-    /// Dead-lettered at or after this time.
-    pub since: Option<DateTime<Utc>>,
-    /// Dead-lettered before this time.
-    pub until: Option<DateTime<Utc>>,
-    /// The failure group's fingerprint (see [`FailureGroup`]).
-    pub failure_group: Option<String>,
-    /// The status; `None` matches every letter that is not discarded (pending,
-    /// replayed and resolved ones).
-    pub status: Option<LetterStatus>,
-}
-
-impl DeadLetterFilter {
-    /// Only this consumer group.
-    pub fn consumer_group(mut self, group: impl Into<String>) -> Self {
-        self.consumer_group = Some(group.into());
-        self
-    }
-
-    /// Only this reason.
-    pub fn reason(mut self, reason: impl Into<String>) -> Self {
-        self.reason = Some(reason.into());
-        self
-    }
-
-    /// Only this message type.
-    pub fn message_type(mut self, message_type: impl Into<String>) -> Self {
-        self.message_type = Some(message_type.into());
-        self
-    }
-
-    /// Only this message key.
-    pub fn message_key(mut self, key: impl Into<String>) -> Self {
-        self.message_key = Some(key.into());
-        self
-    }
-
-    /// Only letters dead-lettered at or after `at`.
-    pub fn since(mut self, at: DateTime<Utc>) -> Self {
-        self.since = Some(at);
-        self
-    }
-
-    /// Only letters dead-lettered before `at`.
-    pub fn until(mut self, at: DateTime<Utc>) -> Self {
-        self.until = Some(at);
-        self
-    }
-
-    /// Only this failure group.
-    pub fn failure_group(mut self, fingerprint: impl Into<String>) -> Self {
-        self.failure_group = Some(fingerprint.into());
-        self
-    }
-
-    /// Only letters of this status.
-    pub fn status(mut self, status: LetterStatus) -> Self {
-        self.status = Some(status);
-        self
-    }
-}
-
-/// A dead letter as a list shows it (no payload).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetterEntry {
-    /// The letter's id.
-    pub id: i64,
-    /// The consumer group.
-    pub consumer_group: String,
-    /// The message key.
-    pub message_key: String,
-    /// The message type.
-    pub message_type: String,
-    /// The tenant.
-    pub tenant: Option<String>,
-    /// Why it was dead-lettered.
-    pub reason: String,
-    /// Handled failures when it was dead-lettered.
-    pub attempts: i32,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// When it was dead-lettered.
-    pub dead_lettered_at: DateTime<Utc>,
-    /// How often it was replayed.
-    pub replay_count: i32,
-    /// When it was last replayed.
-    pub replayed_at: Option<DateTime<Utc>>,
-    /// When it was discarded.
-    pub discarded_at: Option<DateTime<Utc>>,
-    /// When a projection rebuild resolved it (counted its event).
-    pub resolved_at: Option<DateTime<Utc>>,
-    /// Its failure group's fingerprint.
-    pub failure_group: String,
-    /// Where it stands.
-    pub status: LetterStatus,
-    /// The replay that delivered this message, when it failed again after a replay:
-    /// its [`REPLAY_SEQUENCE_HEADER`], shown only where the store replayed an earlier
-    /// letter of the same group and key (a publisher can set the header itself).
-    pub delivered_by_replay: Option<i32>,
-}
-
-/// One dead letter in full.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetterDetails {
-    /// What a list shows.
-    pub entry: DeadLetterEntry,
-    /// The payload, as delivered; only its first `inbox_core::CUT_PAYLOAD_PREFIX`
-    /// bytes when `payload_cut` is set.
-    pub payload: Vec<u8>,
-    /// The whole body's length and SHA-256 when the payload was cut (a body over the
-    /// consumer's `max_body_bytes`, dead-lettered `malformed`).
-    pub payload_cut: Option<inbox_core::PayloadCut>,
-    /// The transport headers, as delivered.
-    pub headers: BTreeMap<String, String>,
-    /// When this message was first dead-lettered in this group (any letter of its key).
-    pub first_failure_at: DateTime<Utc>,
-    /// When it was last dead-lettered in this group.
-    pub last_failure_at: DateTime<Utc>,
-    /// Its claim's status now, if it has a claim.
-    pub claim_status: Option<ClaimStatus>,
-    /// Why it cannot be replayed, if it cannot (see [`replay_refusal`]).
-    pub replay_refusal: Option<&'static str>,
-}
-
-/// Dead letters that failed the same way: the same reason, message type, error kind
-/// and first line of the error once numbers and ids are masked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct FailureGroup {
-    /// 16 hex digits over reason, message type, kind and masked line.
-    pub fingerprint: String,
-    /// The reason.
-    pub reason: String,
-    /// The message type.
-    pub message_type: String,
-    /// The error's kind: the outermost error's message (first line, before its first
-    /// `:`), masked.
-    pub kind: String,
-    /// The error's first line, masked (`<n>` for numbers, `<id>` for ids).
-    pub signature: String,
-    /// How many letters.
-    pub count: u64,
-    /// The consumer groups they are in.
-    pub consumer_groups: Vec<String>,
-    /// The oldest letter's time.
-    pub first_seen: DateTime<Utc>,
-    /// The newest letter's time.
-    pub last_seen: DateTime<Utc>,
-    /// Whether its reason is replayable.
-    pub replayable: bool,
-}
-
-/// How a replay addresses a consumer group: through the default exchange to the
-/// group's own queue, `<queue_prefix><group>` (as `inbox_amqp::Topology::queue` names
-/// it with the same prefix). The in-process transport reads the group from the
-/// [`REPLAY_GROUP_HEADER`] instead.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ReplayTarget {
-    /// The topology's name prefix (empty by default).
-    pub queue_prefix: String,
-}
-
-impl ReplayTarget {
-    /// A target whose queues carry this prefix.
-    pub fn with_prefix(prefix: impl Into<String>) -> Self {
-        Self {
-            queue_prefix: prefix.into(),
-        }
-    }
-
-    /// The queue a group's replays go to.
-    pub fn queue(&self, group: &str) -> String {
-        format!("{}{group}", self.queue_prefix)
-    }
-}
-
-/// What a replay of one letter did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReplayOutcome {
-    /// The claim was reset and the message enqueued on the outbox for its group.
-    Replayed {
-        /// The replay's sequence for this message key (1, 2, ...).
-        sequence: i32,
-        /// The outbox row's id.
-        outbox_id: i64,
-    },
-    /// Its reason is not replayable (see [`replay_refusal`]).
-    Refused {
-        /// The letter's reason.
-        reason: String,
-        /// What to do instead.
-        advice: &'static str,
-    },
-    /// Its claim is not `dead` with this letter's payload (already replayed and in
-    /// flight or done, or held by another payload): nothing was enqueued.
-    ClaimNotDead {
-        /// The claim's status, if it has a claim.
-        status: Option<ClaimStatus>,
-    },
-    /// It is discarded.
-    Discarded,
-    /// No letter has this id.
-    NotFound,
-}
-
-/// What a discard of one letter did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DiscardOutcome {
-    /// Discarded now.
-    Discarded,
-    /// It was discarded already.
-    AlreadyDiscarded,
-    /// No letter has this id.
-    NotFound,
-}
-
-/// What a bulk action did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct BulkReport {
-    /// Letters (or claims) the filter matched, up to the limit.
-    pub matched: u64,
-    /// How many were replayed, discarded or redriven.
-    pub affected: u64,
-    /// Refused for their reason.
-    pub refused: u64,
-    /// Skipped because the guard found nothing to do (a claim no longer dead, a
-    /// letter discarded meanwhile, a claim that changed since it was read).
-    pub skipped: u64,
-}
-
-/// Which failed claims a redrive sends again.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RedriveFilter {
-    /// Only this consumer group.
-    pub consumer_group: Option<String>,
-    /// Only this message key.
-    pub message_key: Option<String>,
-    /// Only claims due, and unchanged, for at least this long (their retry copy is
-    /// overdue: lost). Default 60 s.
-    pub overdue_for: Duration,
-}
-
-impl Default for RedriveFilter {
-    fn default() -> Self {
-        Self {
-            consumer_group: None,
-            message_key: None,
-            overdue_for: Duration::from_secs(60),
-        }
-    }
-}
-
-impl RedriveFilter {
-    /// Only this consumer group.
-    pub fn consumer_group(mut self, group: impl Into<String>) -> Self {
-        self.consumer_group = Some(group.into());
-        self
-    }
-
-    /// Only this message key.
-    pub fn message_key(mut self, key: impl Into<String>) -> Self {
-        self.message_key = Some(key.into());
-        self
-    }
-
-    /// Only claims overdue for at least this long.
-    pub fn overdue_for(mut self, overdue: Duration) -> Self {
-        self.overdue_for = overdue;
-        self
-    }
-}
-
-/// One consumer group's claims.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct GroupStats {
-    /// The consumer group.
-    pub consumer_group: String,
-    /// Claims by status.
-    pub started: u64,
-    /// Done.
-    pub done: u64,
-    /// Failed (a retry pending).
-    pub failed: u64,
-    /// Dead.
-    pub dead: u64,
-    /// Failed claims whose retry is due.
-    pub retries_due: u64,
-    /// Failed claims whose retry is not due yet.
-    pub retries_waiting: u64,
-    /// The earliest `next_attempt_at` of a failed claim: the retry pending longest.
-    pub oldest_pending_retry: Option<DateTime<Utc>>,
-    /// When the oldest message not processed yet (a failed or started claim) was
-    /// first seen.
-    pub oldest_unprocessed_at: Option<DateTime<Utc>>,
-}
-
-/// Pending dead letters of a group and reason.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LetterCount {
-    /// The consumer group.
-    pub consumer_group: String,
-    /// The reason.
-    pub reason: String,
-    /// How many, neither replayed nor discarded.
-    pub count: u64,
-}
-
-/// The store's figures.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OperatorStats {
-    /// Per consumer group, by name.
-    pub groups: Vec<GroupStats>,
-    /// Pending dead letters by group and reason.
-    pub dead_letters: Vec<LetterCount>,
-    /// Live outbox rows not published yet.
-    pub outbox_backlog: u64,
-    /// The age of the oldest of them.
-    pub oldest_unpublished_age: Option<Duration>,
-    /// Outbox rows whose last publication attempt failed.
-    pub dead_outbox_rows: u64,
-    /// The halted consumer groups, by name (see
-    /// [`resume_group`](Operator::resume_group)).
-    pub halted: Vec<HaltedGroup>,
-    /// When the figures were read (the store's clock).
-    pub at: DateTime<Utc>,
-}
-
-/// What a purge with these windows deletes (or, in a dry run, would delete).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PurgeReport {
-    /// Published outbox rows.
-    pub published_outbox_rows: u64,
-    /// `done` claims.
-    pub done_claims: u64,
-    /// Discarded dead letters.
-    pub discarded_dead_letters: u64,
-}
-
-/// Headers a replayed copy does not carry over: the broker's own (`x-...`) and an
-/// earlier replay's.
-fn replay_headers(stored: &str, group: &str, sequence: i32) -> String {
-    let mut headers: BTreeMap<String, String> = serde_json::from_str(stored).unwrap_or_default();
-    headers.retain(|k, _| !k.starts_with("x-") && !k.starts_with("inbox-replay-"));
-    headers.insert(REPLAY_GROUP_HEADER.to_owned(), group.to_owned());
-    headers.insert(REPLAY_SEQUENCE_HEADER.to_owned(), sequence.to_string());
-    serde_json::to_string(&headers).unwrap_or_else(|_| "{}".to_owned())
-}
-
-fn entry(t: EntryTuple) -> DeadLetterEntry {
+pub(super) fn entry(t: EntryTuple) -> DeadLetterEntry {
     let headers: BTreeMap<String, String> = serde_json::from_str(&t.5).unwrap_or_default();
     let signature = fingerprint::signature(&t.7, &t.3, t.8.as_deref());
     let status = if t.12.is_some() {
@@ -573,7 +164,7 @@ fn entry(t: EntryTuple) -> DeadLetterEntry {
 /// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
 /// replay's provenance only where the store replayed an earlier letter of the same
 /// group and key; otherwise `delivered_by_replay` is `None`.
-fn confirm_replay<C: OperatorConnection>(
+pub(super) fn confirm_replay<C: OperatorConnection>(
     conn: &mut C,
     mut e: DeadLetterEntry,
 ) -> Result<DeadLetterEntry> {
@@ -585,30 +176,8 @@ fn confirm_replay<C: OperatorConnection>(
     Ok(e)
 }
 
-fn as_limit(n: usize) -> i64 {
+pub(super) fn as_limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-/// How often a replay is tried again after contention, or when a replay sequence
-/// written before the counter existed took the number.
-const SEQUENCE_RETRIES: u32 = 5;
-
-/// Why a resolved letter is not replayed.
-const RESOLVED_ADVICE: &str = "a projection rebuild counted this event already (the letter is \
-     resolved): a replay would count it twice; discard the letter";
-
-/// Ends a replay's transaction without writing: an answer decided by a guard (the
-/// transaction rolls back, so a letter marked before the claim's guard failed is
-/// unmarked), or a database error.
-enum Undo {
-    Answer(ReplayOutcome),
-    Database(diesel::result::Error),
-}
-
-impl From<diesel::result::Error> for Undo {
-    fn from(err: diesel::result::Error) -> Self {
-        Self::Database(err)
-    }
 }
 
 /// The operator's handle on a store: dead letters (list, show, failure groups,
@@ -657,15 +226,20 @@ impl<C: OperatorConnection> Operator<C> {
         &self.store
     }
 
-    fn connection(&self) -> Result<crate::PooledStoreConnection<C>> {
+    pub(super) fn connection(&self) -> Result<crate::PooledStoreConnection<C>> {
         self.store.connection()
     }
 
-    fn clock(&self) -> &std::sync::Arc<dyn inbox_core::Clock> {
+    pub(super) fn clock(&self) -> &std::sync::Arc<dyn inbox_core::Clock> {
         self.store.clock()
     }
 
-    fn purge(&self, target: crate::PurgeTarget, window: Duration, batch: usize) -> Result<u64> {
+    pub(super) fn purge(
+        &self,
+        target: crate::PurgeTarget,
+        window: Duration,
+        batch: usize,
+    ) -> Result<u64> {
         self.store.purge(target, window, batch)
     }
 }
@@ -787,184 +361,11 @@ impl<C: OperatorConnection> Operator<C> {
         Ok(out)
     }
 
-    /// Replays one dead letter, in one transaction decided by two guarded writes,
-    /// never by a read before them: first the letter is marked replayed where it is
-    /// neither discarded, nor replayed, nor resolved by a rebuild; only then is its
-    /// claim taken where it is `dead` with the letter's payload digest (it becomes a
-    /// due `failed` claim with no attempts or starts). Only if both touched their row
-    /// is an outbox row enqueued for the letter's group alone, with the original
-    /// message key and the key's next replay sequence; otherwise the transaction rolls
-    /// back and nothing was written.
-    pub fn replay_dead_letter(&self, id: i64, target: &ReplayTarget) -> Result<ReplayOutcome> {
-        let mut conn = self.connection()?;
-        let mut tries = 0;
-        loop {
-            let now = self.clock().now();
-            let attempt = C::write_transaction(&mut *conn, |conn| {
-                let Some(letter) = C::op_letter(conn, id)? else {
-                    return Err(Undo::Answer(ReplayOutcome::NotFound));
-                };
-                // The reason never changes: read once, it decides nothing that a
-                // concurrent writer could change.
-                if let Some(advice) = replay_refusal(&letter.reason) {
-                    // Nothing is written either way: the read only picks the answer.
-                    if letter.discarded {
-                        return Err(Undo::Answer(ReplayOutcome::Discarded));
-                    }
-                    return Err(Undo::Answer(ReplayOutcome::Refused {
-                        reason: letter.reason,
-                        advice,
-                    }));
-                }
-                // The guard on the letter: a discard, a replay or a rebuild that
-                // committed first leaves nothing to mark (and one still open holds the
-                // row until it commits).
-                if C::op_mark_replayed(conn, letter.id, now)? != 1 {
-                    return Err(Undo::Answer(Self::why_not_replayed(conn, &letter)?));
-                }
-                let digest = payload_digest(&letter.payload);
-                // The guard on the claim: only the transaction that takes the dead
-                // claim enqueues (a rebuild's cover empties the digest).
-                let took = C::op_reset_dead_claim(
-                    conn,
-                    &letter.group,
-                    &letter.key,
-                    &digest,
-                    &letter.payload,
-                    now,
-                )?;
-                if took != 1 {
-                    let status = C::op_claim_state(conn, &letter.group, &letter.key)?
-                        .and_then(|(s, _)| ClaimStatus::parse(&s));
-                    return Err(Undo::Answer(ReplayOutcome::ClaimNotDead { status }));
-                }
-                let sequence = C::op_next_sequence(conn, &letter.key)?;
-                let headers = replay_headers(&letter.headers, &letter.group, sequence);
-                let routing_key = target.queue(&letter.group);
-                let outbox_id = C::op_insert_replay(
-                    conn,
-                    &NewReplay {
-                        key: &letter.key,
-                        routing_key: &routing_key,
-                        message_type: &letter.message_type,
-                        tenant: letter.tenant.as_deref(),
-                        payload: &letter.payload,
-                        headers: &headers,
-                        sequence,
-                        now,
-                    },
-                )?;
-                C::notify_enqueue(conn)?;
-                Ok::<_, Undo>(ReplayOutcome::Replayed {
-                    sequence,
-                    outbox_id,
-                })
-            });
-            match attempt {
-                Ok(outcome) => {
-                    metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
-                    tracing::info!(id, ?outcome, "dead letter replayed");
-                    return Ok(outcome);
-                }
-                Err(Undo::Answer(outcome)) => return Ok(outcome),
-                // An older sequence the counter does not know of (written before the
-                // counter existed) took the number: the next try takes the next one.
-                Err(Undo::Database(diesel::result::Error::DatabaseError(
-                    diesel::result::DatabaseErrorKind::UniqueViolation,
-                    _,
-                ))) if tries < SEQUENCE_RETRIES => tries += 1,
-                Err(Undo::Database(err))
-                    if crate::backend::is_retryable(&err) && tries < SEQUENCE_RETRIES =>
-                {
-                    tries += 1;
-                }
-                Err(Undo::Database(err)) => return Err(err.into()),
-            }
-        }
-    }
-
-    /// Why a letter's guarded mark touched nothing, read after the guard (in the same
-    /// transaction, which rolls back).
-    fn why_not_replayed(
-        conn: &mut C,
-        letter: &ops::Letter,
-    ) -> std::result::Result<ReplayOutcome, diesel::result::Error> {
-        Ok(match C::op_letter(conn, letter.id)? {
-            None => ReplayOutcome::NotFound,
-            Some(now) if now.discarded => ReplayOutcome::Discarded,
-            Some(now) if now.resolved => ReplayOutcome::Refused {
-                reason: now.reason,
-                advice: RESOLVED_ADVICE,
-            },
-            // Replayed already: its claim says where that replay stands.
-            Some(now) => ReplayOutcome::ClaimNotDead {
-                status: C::op_claim_state(conn, &now.group, &now.key)?
-                    .and_then(|(s, _)| ClaimStatus::parse(&s)),
-            },
-        })
-    }
-
-    /// Replays up to `limit` letters matching `filter` (oldest of the newest first:
-    /// the filter's order), each in its own transaction; see
-    /// [`replay_dead_letter`](Self::replay_dead_letter).
-    pub fn replay_dead_letters(
+    pub(super) fn matching_ids(
         &self,
         filter: &DeadLetterFilter,
         limit: Option<usize>,
-        target: &ReplayTarget,
-    ) -> Result<BulkReport> {
-        let ids = self.matching_ids(filter, limit)?;
-        let mut report = BulkReport {
-            matched: ids.len() as u64,
-            ..BulkReport::default()
-        };
-        for id in ids {
-            match self.replay_dead_letter(id, target)? {
-                ReplayOutcome::Replayed { .. } => report.affected += 1,
-                ReplayOutcome::Refused { .. } => report.refused += 1,
-                _ => report.skipped += 1,
-            }
-        }
-        Ok(report)
-    }
-
-    /// Discards (archives) one letter: kept until a purge of discarded letters, never
-    /// replayed, listed only when asked for.
-    pub fn discard_dead_letter(&self, id: i64) -> Result<DiscardOutcome> {
-        let now = self.clock().now();
-        let mut conn = self.connection()?;
-        Ok(C::write_transaction(&mut *conn, |conn| {
-            if C::op_discard(conn, id, now)? == 1 {
-                return Ok::<_, diesel::result::Error>(DiscardOutcome::Discarded);
-            }
-            Ok(match C::op_letter(conn, id)? {
-                Some(_) => DiscardOutcome::AlreadyDiscarded,
-                None => DiscardOutcome::NotFound,
-            })
-        })?)
-    }
-
-    /// Discards up to `limit` letters matching `filter`.
-    pub fn discard_dead_letters(
-        &self,
-        filter: &DeadLetterFilter,
-        limit: Option<usize>,
-    ) -> Result<BulkReport> {
-        let ids = self.matching_ids(filter, limit)?;
-        let mut report = BulkReport {
-            matched: ids.len() as u64,
-            ..BulkReport::default()
-        };
-        for id in ids {
-            match self.discard_dead_letter(id)? {
-                DiscardOutcome::Discarded => report.affected += 1,
-                _ => report.skipped += 1,
-            }
-        }
-        Ok(report)
-    }
-
-    fn matching_ids(&self, filter: &DeadLetterFilter, limit: Option<usize>) -> Result<Vec<i64>> {
+    ) -> Result<Vec<i64>> {
         Ok(self
             .list_dead_letters(filter, 0, limit.unwrap_or(usize::MAX))?
             .into_iter()
@@ -999,81 +400,6 @@ impl<C: OperatorConnection> Operator<C> {
                 })
             })
             .collect()
-    }
-
-    /// Sends failed claims again whose retry copy was lost: due, and unchanged, for at
-    /// least `filter.overdue_for`, with their payload kept. Each is marked by a write
-    /// guarded by the `updated_at` it was read with (so two redrives at once send it
-    /// once) and enqueued for its group alone, like a replay. A copy that was only
-    /// late, not lost, is then a duplicate of the redriven one: the claim absorbs it.
-    pub fn redrive_failed_claims(
-        &self,
-        filter: &RedriveFilter,
-        limit: Option<usize>,
-        target: &ReplayTarget,
-    ) -> Result<BulkReport> {
-        let now = self.clock().now();
-        // A window reaching before year 1 starts there: nothing is that overdue.
-        let cutoff = inbox_core::earlier_by(now, filter.overdue_for);
-        let mut conn = self.connection()?;
-        let candidates = C::op_redrivable(
-            &mut conn,
-            filter.consumer_group.as_deref(),
-            filter.message_key.as_deref(),
-            cutoff,
-            as_limit(limit.unwrap_or(usize::MAX)),
-        )?;
-        let mut report = BulkReport {
-            matched: candidates.len() as u64,
-            ..BulkReport::default()
-        };
-        for claim in candidates {
-            let mut tries = 0;
-            loop {
-                let attempt = C::write_transaction(&mut *conn, |conn| {
-                    if C::op_touch_redriven(conn, &claim.group, &claim.key, claim.updated_at, now)?
-                        != 1
-                    {
-                        return Ok(false);
-                    }
-                    let sequence = C::op_next_sequence(conn, &claim.key)?;
-                    let headers = replay_headers("{}", &claim.group, sequence);
-                    let routing_key = target.queue(&claim.group);
-                    C::op_insert_replay(
-                        conn,
-                        &NewReplay {
-                            key: &claim.key,
-                            routing_key: &routing_key,
-                            message_type: &claim.message_type,
-                            tenant: claim.tenant.as_deref(),
-                            payload: &claim.payload,
-                            headers: &headers,
-                            sequence,
-                            now,
-                        },
-                    )?;
-                    C::notify_enqueue(conn)?;
-                    Ok::<_, diesel::result::Error>(true)
-                });
-                match attempt {
-                    Ok(true) => {
-                        metrics::counter!("inbox_replays_total", "kind" => "redrive").increment(1);
-                        report.affected += 1;
-                    }
-                    Ok(false) => report.skipped += 1,
-                    Err(diesel::result::Error::DatabaseError(
-                        diesel::result::DatabaseErrorKind::UniqueViolation,
-                        _,
-                    )) if tries < SEQUENCE_RETRIES => {
-                        tries += 1;
-                        continue;
-                    }
-                    Err(err) => return Err(err.into()),
-                }
-                break;
-            }
-        }
-        Ok(report)
     }
 
     /// Claims by status per group, retries due and waiting, the oldest pending retry,
@@ -1162,14 +488,6 @@ impl<C: OperatorConnection> Operator<C> {
             done_claims: count(done),
             discarded_dead_letters: count(letters),
         })
-    }
-
-    /// Deletes dead letters discarded longer than `window` ago, at most `batch` per
-    /// transaction, until a batch deletes fewer; returns how many. Concurrency as for
-    /// [`purge_done_claims`](crate::Store::purge_done_claims): on PostgreSQL one purge of
-    /// discarded letters runs at a time per schema, a second one returns at once.
-    pub fn purge_discarded_dead_letters(&self, window: Duration, batch: usize) -> Result<u64> {
-        self.purge(crate::PurgeTarget::DiscardedDeadLetters, window, batch)
     }
 }
 
