@@ -311,14 +311,7 @@ fn the_example_processes_under_chaos_end_with_the_projection_exact() {
         amqp: amqp.clone(),
         logs: tempfile::tempdir().unwrap(),
     };
-    let topology = inbox_amqp::Topology::new("billing")
-        .unwrap()
-        .prefix(scene.prefix.clone())
-        .unwrap()
-        .group(
-            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
-            ["usage.recorded"],
-        );
+    let topology = inbox_test_support::amqp::usage_consumer_topology(&scene.prefix);
     let queue = topology.queue(&inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap());
 
     let mut db = scene.db();

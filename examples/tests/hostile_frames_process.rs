@@ -136,14 +136,7 @@ fn a_table_as_deep_as_a_frame_allows_costs_its_neighbours_nothing() {
     let sep = if db.url().contains('?') { '&' } else { '?' };
     let url = format!("{}{sep}options=-csearch_path%3D{schema}", db.url());
     let prefix = format!("{schema}.");
-    let topology = inbox_amqp::Topology::new("billing")
-        .unwrap()
-        .prefix(prefix.clone())
-        .unwrap()
-        .group(
-            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
-            ["usage.recorded"],
-        );
+    let topology = inbox_test_support::amqp::usage_consumer_topology(&prefix);
     let _teardown = Teardown {
         amqp: amqp.clone(),
         topology,

@@ -95,11 +95,8 @@ impl Running {
         let sep = if db.url().contains('?') { '&' } else { '?' };
         let url = format!("{}{sep}options=-csearch_path%3D{schema}", db.url());
         let prefix = format!("{schema}.");
-        let topology = Topology::new("billing")
-            .unwrap()
-            .prefix(prefix.clone())
-            .unwrap()
-            .group(ConsumerGroup::new(GROUP).unwrap(), [TYPE]);
+        // The program's whole topology, its canary group's queues included.
+        let topology = inbox_test_support::amqp::usage_consumer_topology(&prefix);
         let teardown = Teardown {
             amqp: amqp.clone(),
             topology: topology.clone(),

@@ -207,14 +207,7 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     );
     drop_schema(&base, &schema);
     // The example's queues and exchange carry no expiry: remove them.
-    let topology = inbox_amqp::Topology::new("billing")
-        .unwrap()
-        .prefix(format!("{schema}."))
-        .unwrap()
-        .group(
-            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
-            ["usage.recorded"],
-        );
+    let topology = inbox_test_support::amqp::usage_consumer_topology(&format!("{schema}."));
     runtime.block_on(async {
         let amqp = amqp_url().unwrap();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
@@ -340,14 +333,7 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
     let out = consumer.0.take().unwrap().wait_with_output().unwrap();
     assert!(out.status.success());
     drop_schema(&base, &schema);
-    let topology = inbox_amqp::Topology::new("billing")
-        .unwrap()
-        .prefix(prefix)
-        .unwrap()
-        .group(
-            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
-            ["usage.recorded"],
-        );
+    let topology = inbox_test_support::amqp::usage_consumer_topology(&prefix);
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let amqp = amqp_url().unwrap();
         let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())

@@ -102,6 +102,22 @@ impl Drop for Schema {
         if let Ok(mut conn) = PgConnection::establish(&self.base) {
             let _ = conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name));
         }
+        // The consumer's queues carry no expiry: remove them (a test's consumers are
+        // gone by now, being declared after the schema).
+        let topology =
+            inbox_test_support::amqp::usage_consumer_topology(&format!("{}.", self.name));
+        if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            rt.block_on(async {
+                let props = lapin::ConnectionProperties::default();
+                if let Ok(conn) = lapin::Connection::connect(&amqp_url(), props).await {
+                    let _ = topology.delete(&conn).await;
+                    let _ = conn.close(200, "done".into()).await;
+                }
+            });
+        }
     }
 }
 

@@ -16,8 +16,83 @@ use tokio::sync::watch;
 
 /// The RabbitMQ URL (see [`crate::services`]), or `None` when it is found nowhere and
 /// `INBOX_SKIP_SERVICES=1`; panics when it is found nowhere otherwise.
+///
+/// The first call of a test process also starts the [broker watchdog](watch_broker).
 pub fn amqp_url() -> Option<String> {
-    crate::services::url_of(crate::Service::Amqp)
+    let url = crate::services::url_of(crate::Service::Amqp)?;
+    watch_broker(&url);
+    Some(url)
+}
+
+/// How long the broker may leave every AMQP handshake unanswered before
+/// [`watch_broker`] ends the test process.
+pub const BROKER_SILENCE_LIMIT: Duration = Duration::from_secs(120);
+
+/// Starts, once per test process, a thread that opens an AMQP handshake with the
+/// broker at `url` every few seconds (the protocol header, answered by
+/// `Connection.Start`) and, once no handshake has been answered for
+/// [`BROKER_SILENCE_LIMIT`], writes why to stderr and exits the process with status 101.
+///
+/// A broker that stops answering (RabbitMQ 3.10 on a small machine has been seen to
+/// wedge under hundreds of quorum queues) would otherwise leave every test of the
+/// binary waiting forever on a connect or a confirm; this way the binary fails with
+/// the cause named, and the next one starts. Only `amqp://` URLs are watched (a TLS
+/// port answers the header with nothing readable).
+pub fn watch_broker(url: &str) {
+    static WATCHING: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    if !url.starts_with("amqp://") {
+        return;
+    }
+    let Some(authority) = crate::services::authority(url) else {
+        return;
+    };
+    WATCHING.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("broker-watchdog".into())
+            .spawn(move || watchdog(&authority));
+        if let Err(e) = spawned {
+            eprintln!("broker watchdog not started: {e}");
+        }
+    });
+}
+
+fn watchdog(authority: &str) {
+    let mut last_answer = std::time::Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_secs(5));
+        if handshake_answered(authority) {
+            last_answer = std::time::Instant::now();
+        } else if last_answer.elapsed() >= BROKER_SILENCE_LIMIT {
+            eprintln!(
+                "\nbroker watchdog: RabbitMQ at {authority} has answered no AMQP handshake \
+                 for {}s; it is wedged or gone. Ending this test process (status 101) \
+                 instead of letting its tests wait forever; restart the broker \
+                 (.ci/services does).",
+                BROKER_SILENCE_LIMIT.as_secs()
+            );
+            std::process::exit(101);
+        }
+    }
+}
+
+/// Whether the broker answers the AMQP 0-9-1 protocol header within 10 s.
+fn handshake_answered(authority: &str) -> bool {
+    use std::io::{Read, Write};
+    use std::net::ToSocketAddrs;
+    let within = Duration::from_secs(10);
+    let Some(addr) = authority.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return false;
+    };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, within) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(within));
+    let _ = stream.set_write_timeout(Some(within));
+    let mut first = [0u8; 1];
+    // Connection.Start is a method frame: type 1.
+    stream.write_all(b"AMQP\x00\x00\x09\x01").is_ok()
+        && stream.read_exact(&mut first).is_ok()
+        && first[0] == 1
 }
 
 /// A broker name prefix no other test uses: `<unique_name(tag)>.`.
@@ -36,6 +111,29 @@ pub fn test_topology(prefix: &str, ladder_ms: &[u64]) -> Topology {
         .expect("prefix")
         .ladder(RetryLadder::new(ladder).expect("retry ladder"))
         .queue_expires(Duration::from_secs(120))
+}
+
+/// Every name the `usage_consumer` example declares under `prefix` with its default
+/// retry ladder: the exchange `billing`, the group `billing.daily-usage` (type
+/// `usage.recorded`) and the group of the canary handler it runs for `inbox selftest`
+/// ([`inbox_diesel::operator::CANARY_GROUP`]). A test that runs the program deletes
+/// this whole topology: the program's queues carry no expiry, and quorum queues left
+/// behind by the hundred slow the shared broker down until it stops answering.
+pub fn usage_consumer_topology(prefix: &str) -> Topology {
+    use inbox_core::ConsumerGroup;
+    use inbox_diesel::operator::{CANARY_GROUP, CANARY_MESSAGE_TYPE};
+    Topology::new("billing")
+        .expect("exchange name")
+        .prefix(prefix)
+        .expect("prefix")
+        .group(
+            ConsumerGroup::new("billing.daily-usage").expect("group name"),
+            ["usage.recorded"],
+        )
+        .group(
+            ConsumerGroup::new(CANARY_GROUP).expect("group name"),
+            [CANARY_MESSAGE_TYPE],
+        )
 }
 
 /// A connection for the test's own publishing and inspection.
@@ -581,5 +679,41 @@ pub mod raw {
         tokio::time::timeout(within, steps)
             .await
             .map_err(|_| format!("the broker did not answer within {within:?}"))?
+    }
+}
+
+#[cfg(test)]
+mod watchdog_tests {
+    use super::*;
+
+    /// A listener that accepts and never says a word: a wedged node as a client sees it.
+    #[test]
+    fn a_silent_listener_is_no_broker() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            std::thread::sleep(Duration::from_secs(12));
+            drop(stream);
+        });
+        assert!(!handshake_answered(&addr.to_string()));
+        held.join().unwrap();
+    }
+
+    #[test]
+    fn a_closed_port_is_no_broker() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        assert!(!handshake_answered(&addr.to_string()));
+    }
+
+    #[test]
+    fn the_shared_broker_answers() {
+        let Some(url) = amqp_url() else { return };
+        let authority = crate::services::authority(&url).unwrap();
+        if url.starts_with("amqp://") {
+            assert!(handshake_answered(&authority));
+        }
     }
 }

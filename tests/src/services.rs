@@ -224,7 +224,7 @@ pub fn answers(url: &str) -> bool {
 }
 
 /// `host:port` of a URL (its scheme's default port when it names none).
-fn authority(url: &str) -> Option<String> {
+pub(crate) fn authority(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://")?;
     let host_port = rest.split(['/', '?']).next()?;
     let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);

@@ -72,6 +72,35 @@ impl Drop for Schema {
         if let Ok(mut conn) = PgConnection::establish(&self.url) {
             let _ = conn.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name));
         }
+        // A test that settles over a broker runs the service with the prefix
+        // `<schema>.`; its retry tiers carry no expiry. The services are gone by now
+        // (declared after the schema), so the whole topology goes.
+        // Quietly: a test without a broker has nothing there to remove.
+        let amqp = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| inbox_test_support::Service::Amqp.default_url().to_owned());
+        {
+            use inbox_examples::metered::db::{SETTLEMENT_GROUP, SETTLEMENT_TYPE};
+            let topology = inbox_amqp::Topology::new("metered")
+                .and_then(|t| t.prefix(format!("{}.", self.name)))
+                .map(|t| {
+                    let group = inbox_core::ConsumerGroup::new(SETTLEMENT_GROUP);
+                    t.group(group.expect("group name"), [SETTLEMENT_TYPE])
+                });
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            if let (Ok(topology), Ok(rt)) = (topology, rt) {
+                rt.block_on(async {
+                    let props = lapin::ConnectionProperties::default();
+                    let connect = lapin::Connection::connect(&amqp, props);
+                    let within = Duration::from_secs(5);
+                    if let Ok(Ok(conn)) = tokio::time::timeout(within, connect).await {
+                        let _ = topology.delete(&conn).await;
+                        let _ = conn.close(200, "done".into()).await;
+                    }
+                });
+            }
+        }
     }
 }
 
