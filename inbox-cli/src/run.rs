@@ -136,17 +136,21 @@ fn open<C: OperatorConnection>(
     } else {
         builder.build_unchecked()
     };
-    built.map_err(|e| match e {
-        inbox_diesel::Error::SchemaMismatch { .. } | inbox_diesel::Error::OperatorSchema { .. } => {
-            Failure::new(exit::SCHEMA, e.to_string())
-        }
+    built.map_err(opening_failed)
+}
+
+/// The exit code of a store that would not open: 3 for every schema mismatch, whose
+/// ever the table (the claims', the operator's, a rebuild's, the idempotency keys').
+fn opening_failed(e: inbox_diesel::Error) -> Failure {
+    match e {
+        inbox_diesel::Error::SchemaMismatch { .. } => Failure::new(exit::SCHEMA, e.to_string()),
         // `--schema` (the only setting an operator gives the builder) refused before
         // connecting: a bad argument.
         inbox_diesel::Error::InvalidSchemaName(_) | inbox_diesel::Error::InvalidSetting { .. } => {
             Failure::new(exit::USAGE, format!("--schema (INBOX_SCHEMA): {e}"))
         }
         other => failed(other),
-    })
+    }
 }
 
 fn on_store<C: OperatorConnection>(
@@ -169,5 +173,35 @@ fn on_store<C: OperatorConnection>(
         Command::Purge(args) => purge::purge(global, &store, args, out),
         Command::Selftest(args) => selftest::run(global, &store, args, out),
         Command::Verify(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inbox_diesel::{SchemaPart, SchemaProblem};
+
+    #[test]
+    fn every_schema_mismatch_exits_3_whatever_the_table() {
+        for part in [
+            SchemaPart::Claims,
+            SchemaPart::Idempotency,
+            SchemaPart::Operator,
+            SchemaPart::Rebuild,
+        ] {
+            let failure = opening_failed(inbox_diesel::Error::SchemaMismatch {
+                part,
+                problem: SchemaProblem::MissingTable,
+                expected: "table t".to_owned(),
+                found: "no such table".to_owned(),
+                table: "t".to_owned(),
+            });
+            assert_eq!(failure.code, exit::SCHEMA, "{part:?}");
+            assert!(
+                failure.message.starts_with(part.label()),
+                "{}",
+                failure.message
+            );
+        }
     }
 }

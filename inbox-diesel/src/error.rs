@@ -28,9 +28,15 @@ pub enum Error {
     /// Running the embedded migrations failed.
     #[error("migration failed")]
     Migration(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
-    /// The live schema does not enforce the claim key the store uses.
-    #[error("claim index mismatch: expected {expected}, found {found} on {table}")]
+    /// The live schema does not hold what the store needs: the claim table's key,
+    /// the idempotency table's key, the operator's or a rebuild's objects. One
+    /// variant whatever the table, so a caller (the CLI's exit code 3, say) maps
+    /// every schema mismatch alike; `part` says whose objects, `problem` which rule.
+    #[error("{} mismatch: expected {expected}, found {found} on {table}", part.label())]
     SchemaMismatch {
+        /// Whose objects: the claim table, the idempotency table, the operator's,
+        /// a rebuild's.
+        part: SchemaPart,
         /// Which requirement the schema breaks.
         problem: SchemaProblem,
         /// What the store needs.
@@ -51,18 +57,6 @@ pub enum Error {
         expected: &'static str,
         /// The value given.
         found: String,
-    },
-    /// The live schema does not enforce the idempotency key the store uses.
-    #[error("idempotency index mismatch: expected {expected}, found {found} on {table}")]
-    IdempotencySchemaMismatch {
-        /// Which requirement the schema breaks.
-        problem: SchemaProblem,
-        /// What the store needs.
-        expected: String,
-        /// What the catalog says.
-        found: String,
-        /// The table, schema-qualified where the backend has schemas.
-        table: String,
     },
     /// A request's write was refused: its lease was taken over (another request
     /// holds another fencing token), its record was deleted (and perhaps begun again
@@ -87,17 +81,6 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
-    /// The operator migration's objects are missing or wrong (see
-    /// [`Store::verify_schema`](crate::Store::verify_schema)).
-    #[error("schema mismatch: expected {expected}, found {found} on {table}")]
-    OperatorSchema {
-        /// What the store needs.
-        expected: String,
-        /// What the catalog holds.
-        found: String,
-        /// The table.
-        table: String,
-    },
     /// An outbox message was refused before it was written.
     #[error("invalid outbox message {key}: {reason}")]
     InvalidOutboxMessage {
@@ -121,16 +104,6 @@ pub enum Error {
     /// text says which.
     #[error("internal error: {0}")]
     Internal(&'static str),
-    /// A projection rebuild's schema objects are missing or wrong.
-    #[error("rebuild schema mismatch: expected {expected}, found {found} on {table}")]
-    RebuildSchemaMismatch {
-        /// What the store needs.
-        expected: String,
-        /// What the catalog says.
-        found: String,
-        /// The table.
-        table: String,
-    },
     /// A projection was registered with rebuild hooks, but its handler declares no
     /// projection lock (a rebuild could not exclude live batches).
     #[error("projection {projection} has rebuild hooks but its handler (group {group}, message type {message_type}) declares no projection lock")]
@@ -189,21 +162,50 @@ pub enum Error {
     Core(#[from] inbox_core::Error),
 }
 
-/// Which requirement of the claim table a [`Error::SchemaMismatch`] found broken.
+/// Whose schema objects an [`Error::SchemaMismatch`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SchemaPart {
+    /// The claim table `inbox_claims` (the inbox path).
+    Claims,
+    /// The table `idempotency_keys` (the feature `idempotency`).
+    Idempotency,
+    /// The operator's columns and tables (the feature `operator`).
+    Operator,
+    /// The rebuild tables (the feature `rebuild`).
+    Rebuild,
+}
+
+impl SchemaPart {
+    /// The start of the error's message: `claim index`, `idempotency index`,
+    /// `operator schema`, `rebuild schema`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Claims => "claim index",
+            Self::Idempotency => "idempotency index",
+            Self::Operator => "operator schema",
+            Self::Rebuild => "rebuild schema",
+        }
+    }
+}
+
+/// Which requirement of a table an [`Error::SchemaMismatch`] found broken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SchemaProblem {
-    /// There is no claim table (the migrations did not run).
+    /// A table is missing (the migrations did not run).
     MissingTable,
-    /// A claim-key column is missing.
+    /// A column is missing (a claim-key column, or one a capability writes).
     MissingColumn,
     /// A claim-key column is nullable.
     NullableColumn,
     /// A claim-key column's own collation lets values that differ in bytes compare
     /// equal, so the lookup by key would find a row the insert did not conflict with.
     ColumnCollation,
-    /// No unique index covers exactly the claim key: a subset, a superset, a
-    /// predicate, an expression or a case-folding collation, or no unique index.
+    /// No unique index covers exactly the key (the claim key, the idempotency key, a
+    /// rebuild's projection, the outbox's key and replay sequence): a subset, a
+    /// superset, a predicate, an expression or a case-folding collation, or no unique
+    /// index.
     NoClaimIndex,
     /// A unique index on exactly the claim-key columns is deferrable (initially
     /// deferred or immediate): `ON CONFLICT` refuses it as an arbiter, so every
@@ -212,7 +214,8 @@ pub enum SchemaProblem {
     /// The only index on exactly the claim key is invalid or not ready (a failed
     /// `CREATE INDEX CONCURRENTLY`, a concurrent drop): `ON CONFLICT` cannot use it.
     InvalidIndex,
-    /// Another unique index can reject a claim the claim key allows.
+    /// Another unique index can reject a row the key allows (a claim; an outbox
+    /// replay, which keeps its message key).
     ExtraUniqueIndex,
     /// A column has another type than the store writes (an idempotency table whose
     /// lease tokens are still integers: a migration has not run).

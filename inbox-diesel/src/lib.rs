@@ -87,7 +87,7 @@ mod url;
 mod verify;
 
 pub use backend::{ErrorClass, StoreConnection};
-pub use error::{Error, Result, SchemaProblem};
+pub use error::{Error, Result, SchemaPart, SchemaProblem};
 #[cfg(feature = "bench-knobs")]
 pub use knobs::BenchKnobs;
 pub use outbox::{

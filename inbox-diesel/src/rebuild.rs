@@ -146,7 +146,9 @@ const REQUIRED: &[(&str, &[&str])] = &[
 fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
     for (table, required) in REQUIRED {
         let Some((_, columns)) = catalog.tables.iter().find(|(t, _)| t == table) else {
-            return Err(Error::RebuildSchemaMismatch {
+            return Err(Error::SchemaMismatch {
+                part: crate::SchemaPart::Rebuild,
+                problem: crate::SchemaProblem::MissingTable,
                 expected: format!("table {table}"),
                 found: "no such table".to_owned(),
                 table: (*table).to_owned(),
@@ -155,7 +157,9 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
         if let Some(missing) = required.iter().find(|c| !columns.iter().any(|h| h == *c)) {
             let mut found = columns.clone();
             found.sort();
-            return Err(Error::RebuildSchemaMismatch {
+            return Err(Error::SchemaMismatch {
+                part: crate::SchemaPart::Rebuild,
+                problem: crate::SchemaProblem::MissingColumn,
                 expected: format!("column {missing}"),
                 found: format!("columns {}", found.join(", ")),
                 table: (*table).to_owned(),
@@ -176,7 +180,9 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
                 format!("unique ({})", names.join(", "))
             })
             .collect();
-        return Err(Error::RebuildSchemaMismatch {
+        return Err(Error::SchemaMismatch {
+            part: crate::SchemaPart::Rebuild,
+            problem: crate::SchemaProblem::NoClaimIndex,
             expected: "unique (projection)".to_owned(),
             found: if found.is_empty() {
                 "no unique index".to_owned()
@@ -554,10 +560,12 @@ mod tests {
 
     fn problem(c: &RebuildCatalog) -> (String, String, String) {
         match check_catalog(c) {
-            Err(Error::RebuildSchemaMismatch {
+            Err(Error::SchemaMismatch {
+                part: crate::SchemaPart::Rebuild,
                 expected,
                 found,
                 table,
+                ..
             }) => (expected, found, table),
             other => panic!("expected a mismatch, found {other:?}"),
         }

@@ -124,6 +124,7 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
 
 fn mismatch(catalog: &Catalog, problem: SchemaProblem, expected: String, found: String) -> Error {
     Error::SchemaMismatch {
+        part: crate::SchemaPart::Claims,
         problem,
         expected,
         found,

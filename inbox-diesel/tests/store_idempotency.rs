@@ -685,7 +685,12 @@ fn a_wrong_idempotency_index_is_refused_at_startup<F: Fixture>(fx: &F, sabotage:
     env(fx); // migrations run, the schema passes
     fx.execute(sabotage);
     match fx.builder().build() {
-        Err(Error::IdempotencySchemaMismatch { problem, found, .. }) => {
+        Err(Error::SchemaMismatch {
+            part: inbox_diesel::SchemaPart::Idempotency,
+            problem,
+            found,
+            ..
+        }) => {
             assert_eq!(problem, SchemaProblem::NoClaimIndex, "{found}");
             assert!(
                 found.contains("unique (idempotency_key) [by_key]"),
@@ -697,7 +702,10 @@ fn a_wrong_idempotency_index_is_refused_at_startup<F: Fixture>(fx: &F, sabotage:
     let unchecked = fx.builder().build_unchecked().unwrap();
     assert!(matches!(
         unchecked.verify_schema(),
-        Err(Error::IdempotencySchemaMismatch { .. })
+        Err(Error::SchemaMismatch {
+            part: inbox_diesel::SchemaPart::Idempotency,
+            ..
+        })
     ));
 }
 

@@ -533,8 +533,11 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("CREATE UNIQUE INDEX outbox_key_alone ON outbox_messages (message_key)");
     let err = fx.builder().build().unwrap_err();
     match &err {
-        Error::OperatorSchema {
-            expected, found, ..
+        Error::SchemaMismatch {
+            part: inbox_diesel::SchemaPart::Operator,
+            expected,
+            found,
+            ..
         } => {
             assert!(expected.contains("message_key alone"), "{err}");
             assert!(found.contains("outbox_key_alone"), "{err}");
@@ -546,7 +549,7 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("DROP TABLE inbox_canary");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(
-        matches!(&err, Error::OperatorSchema { expected, found, .. }
+        matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Operator, expected, found, .. }
             if expected == "table inbox_canary with column run_id" && found.starts_with("no such table")),
         "{err}"
     );
@@ -554,7 +557,7 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("DROP TABLE inbox_group_halts");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(
-        matches!(&err, Error::OperatorSchema { expected, found, .. }
+        matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Operator, expected, found, .. }
             if expected == "table inbox_group_halts with column consumer_group" && found.starts_with("no such table")),
         "{err}"
     );
@@ -562,7 +565,7 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("DROP TABLE inbox_replay_sequences");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(
-        matches!(&err, Error::OperatorSchema { expected, found, .. }
+        matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Operator, expected, found, .. }
             if expected == "table inbox_replay_sequences with column message_key" && found.starts_with("no such table")),
         "{err}"
     );
@@ -572,7 +575,7 @@ fn verify_schema_refuses_an_outbox_that_cannot_hold_replays<F: Fixture>(fx: &F) 
     fx.execute("ALTER TABLE inbox_dead_letters DROP COLUMN discarded_at");
     let err = fx.builder().run_migrations(false).build().unwrap_err();
     assert!(
-        matches!(&err, Error::OperatorSchema { expected, .. } if expected == "column discarded_at"),
+        matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Operator, expected, .. } if expected == "column discarded_at"),
         "{err}"
     );
 }
@@ -870,7 +873,7 @@ fn the_unique_key_pair_is_required_on_postgres() {
     fx.execute("ALTER TABLE outbox_messages DROP CONSTRAINT outbox_messages_key_replay");
     let err = fx.builder().build().unwrap_err();
     assert!(
-        matches!(&err, Error::OperatorSchema { expected, found, .. }
+        matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Operator, expected, found, .. }
             if expected == "unique (message_key, replay_seq)" && found == "unique (id) [outbox_messages_pkey]"),
         "{err}"
     );

@@ -609,7 +609,7 @@ where
         fx.execute(sabotage);
         let err = store.verify_schema().unwrap_err();
         assert!(
-            matches!(&err, Error::RebuildSchemaMismatch { table: t, .. } if t == table),
+            matches!(&err, Error::SchemaMismatch { part: inbox_diesel::SchemaPart::Rebuild, table: t, .. } if t == table),
             "{sabotage}: {err:?}"
         );
         // A store refuses to start on it.

@@ -39,14 +39,14 @@ fn is_key_index(index: &IndexInfo) -> bool {
 
 /// Refuses an idempotency table whose unique indexes do not enforce exactly the key.
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
-    let mismatch = |problem: SchemaProblem, expected: String, found: String| {
-        Error::IdempotencySchemaMismatch {
+    let mismatch =
+        |problem: SchemaProblem, expected: String, found: String| Error::SchemaMismatch {
+            part: crate::SchemaPart::Idempotency,
             problem,
             expected,
             found,
             table: catalog.table.clone(),
-        }
-    };
+        };
     if !catalog.exists {
         return Err(mismatch(
             SchemaProblem::MissingTable,
@@ -135,7 +135,8 @@ pub(crate) fn check_token_type(table: &str, found: Option<String>, expected: &st
         Some(t) if t == expected => return Ok(()),
         Some(_) => SchemaProblem::ColumnType,
     };
-    Err(Error::IdempotencySchemaMismatch {
+    Err(Error::SchemaMismatch {
+        part: crate::SchemaPart::Idempotency,
         problem,
         expected: format!("column lease_token of type {expected} (16 random bytes)"),
         found: match found {
@@ -184,7 +185,11 @@ mod tests {
 
     fn problem(catalog: &Catalog) -> SchemaProblem {
         match check(catalog) {
-            Err(Error::IdempotencySchemaMismatch { problem, .. }) => problem,
+            Err(Error::SchemaMismatch {
+                part: crate::SchemaPart::Idempotency,
+                problem,
+                ..
+            }) => problem,
             other => panic!("expected a mismatch, got {other:?}"),
         }
     }
@@ -256,14 +261,16 @@ mod tests {
         );
         assert!(matches!(
             err,
-            Error::IdempotencySchemaMismatch {
+            Error::SchemaMismatch {
+                part: crate::SchemaPart::Idempotency,
                 problem: SchemaProblem::ColumnType,
                 ..
             }
         ));
         assert!(matches!(
             check_token_type("t", None, "blob"),
-            Err(Error::IdempotencySchemaMismatch {
+            Err(Error::SchemaMismatch {
+                part: crate::SchemaPart::Idempotency,
                 problem: SchemaProblem::MissingColumn,
                 ..
             })

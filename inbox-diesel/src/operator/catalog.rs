@@ -5,7 +5,7 @@
 
 use diesel::result::QueryResult;
 
-use crate::{Error, Result};
+use crate::{Error, Result, SchemaPart, SchemaProblem};
 
 /// One unique index of `outbox_messages`.
 #[derive(Debug)]
@@ -68,34 +68,44 @@ fn has_columns(index: &UniqueIndex, wanted: &[&str]) -> bool {
 /// Refuses a schema whose outbox cannot hold replays exactly once, or whose dead
 /// letters lack the replay and discard columns.
 pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
-    let mismatch = |table: &str, expected: &str, found: String| Error::OperatorSchema {
-        expected: expected.to_owned(),
-        found,
-        table: table.to_owned(),
+    let mismatch = |table: &str, problem: SchemaProblem, expected: &str, found: String| {
+        Error::SchemaMismatch {
+            part: SchemaPart::Operator,
+            problem,
+            expected: expected.to_owned(),
+            found,
+            table: table.to_owned(),
+        }
+    };
+    // A required column of a table, or the table itself, is missing.
+    let missing = |table: &str, expected: &str, no_table: bool| {
+        let (problem, found) = if no_table {
+            (
+                SchemaProblem::MissingTable,
+                "no such table (were the migrations run?)",
+            )
+        } else {
+            (
+                SchemaProblem::MissingColumn,
+                "no such column (were the migrations run?)",
+            )
+        };
+        mismatch(table, problem, expected, found.to_owned())
     };
     let outbox = &catalog.outbox_table;
     if catalog.outbox_columns.is_empty() {
-        return Err(mismatch(
-            outbox,
-            "table outbox_messages",
-            "no such table (were the migrations run?)".to_owned(),
-        ));
+        return Err(missing(outbox, "table outbox_messages", true));
     }
     match catalog
         .outbox_columns
         .iter()
         .find(|(n, _)| n == "replay_seq")
     {
-        None => {
-            return Err(mismatch(
-                outbox,
-                "NOT NULL column replay_seq",
-                "no such column (were the migrations run?)".to_owned(),
-            ))
-        }
+        None => return Err(missing(outbox, "NOT NULL column replay_seq", false)),
         Some((_, false)) => {
             return Err(mismatch(
                 outbox,
+                SchemaProblem::NullableColumn,
                 "NOT NULL column replay_seq",
                 "nullable column replay_seq".to_owned(),
             ))
@@ -109,6 +119,7 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
     {
         return Err(mismatch(
             outbox,
+            SchemaProblem::ExtraUniqueIndex,
             "no unique index on message_key alone (a replay keeps the message key)",
             describe(alone),
         ));
@@ -122,6 +133,7 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
         let found: Vec<String> = catalog.outbox_unique.iter().map(describe).collect();
         return Err(mismatch(
             outbox,
+            SchemaProblem::NoClaimIndex,
             "unique (message_key, replay_seq)",
             if found.is_empty() {
                 "no unique index".to_owned()
@@ -132,40 +144,28 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
     }
     for column in ["run_id", "seq", "sent_at", "arrived_at", "arrivals"] {
         if !catalog.canary_columns.iter().any(|c| c == column) {
-            return Err(mismatch(
+            return Err(missing(
                 &catalog.canary_table,
                 &format!("table inbox_canary with column {column}"),
-                if catalog.canary_columns.is_empty() {
-                    "no such table (were the migrations run?)".to_owned()
-                } else {
-                    "no such column (were the migrations run?)".to_owned()
-                },
+                catalog.canary_columns.is_empty(),
             ));
         }
     }
     for column in ["consumer_group", "message_key", "detail", "halted_at"] {
         if !catalog.halt_columns.iter().any(|c| c == column) {
-            return Err(mismatch(
+            return Err(missing(
                 &catalog.halt_table,
                 &format!("table inbox_group_halts with column {column}"),
-                if catalog.halt_columns.is_empty() {
-                    "no such table (were the migrations run?)".to_owned()
-                } else {
-                    "no such column (were the migrations run?)".to_owned()
-                },
+                catalog.halt_columns.is_empty(),
             ));
         }
     }
     for column in ["message_key", "last_seq"] {
         if !catalog.sequence_columns.iter().any(|c| c == column) {
-            return Err(mismatch(
+            return Err(missing(
                 &catalog.sequence_table,
                 &format!("table inbox_replay_sequences with column {column}"),
-                if catalog.sequence_columns.is_empty() {
-                    "no such table (were the migrations run?)".to_owned()
-                } else {
-                    "no such column (were the migrations run?)".to_owned()
-                },
+                catalog.sequence_columns.is_empty(),
             ));
         }
     }
@@ -176,14 +176,10 @@ pub(crate) fn check(catalog: &OperatorCatalog) -> Result<()> {
         "payload_sha256",
     ] {
         if !catalog.dead_letter_columns.iter().any(|c| c == column) {
-            return Err(mismatch(
+            return Err(missing(
                 &catalog.dead_letter_table,
                 &format!("column {column}"),
-                if catalog.dead_letter_columns.is_empty() {
-                    "no such table (were the migrations run?)".to_owned()
-                } else {
-                    "no such column (were the migrations run?)".to_owned()
-                },
+                catalog.dead_letter_columns.is_empty(),
             ));
         }
     }
