@@ -79,8 +79,8 @@ impl Retention {
 
 /// PostgreSQL: the first key of the purge lock, `pg_try_advisory_xact_lock(
 /// PURGE_LOCK_CLASS, '<table>'::regclass::oid::int4)`, whose second key is the purged
-/// table's oid (`inbox_claims`, `outbox_messages` or `inbox_dead_letters` of the
-/// store's schema). Each purge batch tries it and stops when another purge holds it;
+/// table's oid (`inbox_claims`, `outbox_messages`, `inbox_dead_letters` or
+/// `idempotency_keys` of the store's schema). Each purge batch tries it and stops when another purge holds it;
 /// an operator can hold it (`SELECT pg_advisory_lock(...)`) to pause purges of a table.
 pub const PURGE_LOCK_CLASS: i32 = 0x696e_6278;
 

@@ -414,6 +414,10 @@ pub enum PurgeTarget {
     DoneClaims,
     /// Dead letters discarded before the cutoff (by `discarded_at`).
     DiscardedDeadLetters,
+    /// Idempotency records created before the cutoff (by `created_at`) that are
+    /// settled, or uncommitted with a lease that ended before the cutoff; a committed
+    /// request not settled yet is kept (the feature `idempotency` purges them).
+    ExpiredIdempotencyKeys,
 }
 
 /// What one bounded purge batch did (see [`purge_batch`](crate::purge_batch)).

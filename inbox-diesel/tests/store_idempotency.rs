@@ -746,3 +746,52 @@ fn postgres_refuses_a_wrong_idempotency_index() {
 fn sqlite_refuses_a_wrong_idempotency_index() {
     a_wrong_idempotency_index_is_refused_at_startup(&SqliteFixture::new(), SQLITE_SABOTAGE);
 }
+
+/// The idempotency purge is the retention purge: one purge of the table at a time.
+/// Another instance's purge holds the table's purge lock: a second purge stops at
+/// once and deletes nothing; once the lock is free, it takes every expired record,
+/// batch after batch (a batch of 1 resumes where the previous one stopped).
+#[test]
+fn postgres_an_idempotency_purge_that_finds_another_running_leaves_the_records_to_it() {
+    use diesel::connection::SimpleConnection;
+    use inbox_diesel::PURGE_LOCK_CLASS;
+    let Some(fx) = PgFixture::new() else { return };
+    let env = env(&fx);
+    let fp = fingerprint("x", b"s");
+    for i in 0..5 {
+        let k = key(&format!("settled-{i}"));
+        let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
+            panic!("executes");
+        };
+        env.commit("a", &k, token).unwrap();
+        assert!(env.settle("a", &k, token, &Settlement::Refunded));
+    }
+    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    env.clock.advance(day + LEASE + Duration::from_secs(1));
+    let mut other = fx.connect();
+    let lock = format!("({PURGE_LOCK_CLASS}, 'idempotency_keys'::regclass::oid::int4)");
+    other
+        .batch_execute(&format!("SELECT pg_advisory_lock{lock}"))
+        .unwrap();
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 1).unwrap(),
+        0,
+        "a second purge stops at once"
+    );
+    let kept = (0..5)
+        .filter(|i| {
+            let k = key(&format!("settled-{i}"));
+            inbox_diesel::idempotency::request_record(&env.store, "a", &k)
+                .unwrap()
+                .is_some()
+        })
+        .count();
+    assert_eq!(kept, 5, "and deletes nothing");
+    other
+        .batch_execute(&format!("SELECT pg_advisory_unlock{lock}"))
+        .unwrap();
+    assert_eq!(
+        inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 1).unwrap(),
+        5
+    );
+}

@@ -36,6 +36,7 @@
 //! | take-over, then commit | the commit matches the old token: fenced, roll back | `a_takeover_ahead_of_a_late_commit_fences_it` |
 //! | take-over, then abandon | the abandon matches the old token: deletes nothing | `an_abandon_racing_a_takeover_never_deletes_the_new_lease` |
 //! | abandon, then begin | the insert waits for the delete, then begins a record with a new token; the old token is fenced | `an_abandon_racing_a_takeover_never_deletes_the_new_lease`, `a_late_commit_never_lands_on_a_record_begun_after_an_abandon` |
+//! | purge, purge (two instances) | the retention purge's lock on PostgreSQL: the second finds it held and returns at once, deleting nothing | `postgres_an_idempotency_purge_that_finds_another_running_leaves_the_records_to_it` |
 //! | commit, then purge | the purge skips the locked row (PostgreSQL) and never takes a committed, unsettled record | `a_purge_racing_a_late_commit_never_loses_a_committed_request` |
 //! | purge, then commit | the commit finds no record: fenced; a record begun later has another token | `a_purge_racing_a_late_commit_never_loses_a_committed_request`, `a_late_commit_never_lands_on_a_record_begun_after_a_purge` |
 //! | settle, settle (delivered against refunded) | guarded from in flight: the first wins, the second touches nothing | `a_committed_request_is_in_flight_until_settled_whatever_its_lease` |
@@ -56,7 +57,7 @@ use inbox_core::{
 
 use crate::backend::StoreConnection;
 use crate::verify::Catalog;
-use crate::{AsStoreConnection, Error, Result, Store};
+use crate::{AsStoreConnection, Error, PurgeTarget, Result, Store};
 
 pub(crate) use verify::check;
 
@@ -127,24 +128,18 @@ impl<C: StoreConnection + IdempotencyOps> IdempotencyConnection for C {}
 /// request that is not settled yet is kept until it is. A replay after its
 /// record is gone executes as a new request.
 ///
-/// On PostgreSQL rows locked by a running request are skipped (the next purge
-/// takes them).
+/// The purge is the retention purge's, with [`PurgeTarget::ExpiredIdempotencyKeys`]
+/// (see [`purge_batch`](crate::purge_batch)): one cutoff, the rows oldest first from
+/// the `created_at` index, each batch starting where the previous one stopped. On
+/// PostgreSQL rows locked by a running request are skipped (the next purge takes
+/// them), and one purge of the table runs at a time: a purge that finds another
+/// running (its purge lock held) returns at once with what it deleted so far.
 pub fn purge_expired_requests<C: IdempotencyConnection>(
     store: &Store<C>,
     retention: Duration,
     batch: usize,
 ) -> Result<u64> {
-    check_batch(batch)?;
-    let now = store.clock().now();
-    let mut conn = store.connection()?;
-    let mut total = 0u64;
-    loop {
-        let deleted = purge_on(&mut *conn, retention, batch, now)?;
-        total += deleted as u64;
-        if deleted < batch {
-            return Ok(total);
-        }
-    }
+    store.purge(PurgeTarget::ExpiredIdempotencyKeys, retention, batch)
 }
 
 /// Reads the idempotency record of (caller, key) on a connection of `store`'s pool.
@@ -207,10 +202,6 @@ pub trait IdempotencyOps: StoreConnection {
 
     /// Deletes an uncommitted, in-flight record, fenced by the token.
     fn abandon(conn: &mut Self, caller: &str, key: &str, token: &[u8]) -> QueryResult<usize>;
-
-    /// Deletes up to `limit` records created before `cutoff` that are settled, or
-    /// uncommitted with a lease that ended before it; oldest first.
-    fn purge(conn: &mut Self, cutoff: DateTime<Utc>, limit: i64) -> QueryResult<usize>;
 
     /// The idempotency table's indexes and columns from the live catalog.
     fn idempotency_catalog(conn: &mut Self) -> Result<Catalog>;
@@ -436,10 +427,13 @@ where
 }
 
 /// Deletes up to `batch` idempotency records that expired `retention` before `now`
-/// (the rules of [`purge_expired_requests`]), in one statement on the
-/// caller's connection (inside its transaction, if one is open); returns how many.
-/// A maintenance job that purges in its own transactions, or a test that holds a
-/// purge open, calls this; most programs call the store's method.
+/// (the rules of [`purge_expired_requests`]), oldest first, on the caller's
+/// connection (inside its transaction, if one is open); returns how many. It is one
+/// [`purge_batch`](crate::purge_batch) of [`PurgeTarget::ExpiredIdempotencyKeys`]
+/// from the oldest row: on PostgreSQL it deletes nothing while another purge of the
+/// table holds the purge lock. A maintenance job that purges in its own
+/// transactions, or a test that holds a purge open, calls this (or `purge_batch`,
+/// to resume where a batch stopped); most programs call [`purge_expired_requests`].
 pub fn purge_requests<C>(
     conn: &mut C,
     retention: Duration,
@@ -473,10 +467,16 @@ fn purge_on<C: IdempotencyConnection>(
 ) -> Result<usize> {
     // A retention reaching before year 1 keeps every record.
     let cutoff = inbox_core::earlier_by(now, retention);
-    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-    Ok(C::write_transaction(conn, |conn| {
-        C::purge(conn, cutoff, limit)
-    })?)
+    let done = C::write_transaction(conn, |conn| {
+        crate::purge_batch(
+            conn,
+            PurgeTarget::ExpiredIdempotencyKeys,
+            cutoff,
+            batch,
+            None,
+        )
+    })?;
+    Ok(usize::try_from(done.deleted).unwrap_or(usize::MAX))
 }
 
 /// Refuses an idempotency table whose unique indexes do not enforce exactly
@@ -650,19 +650,6 @@ macro_rules! idempotency_ops {
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
                     .bind::<Binary, _>(token)
-                    .execute(conn)
-            }
-
-            fn purge(
-                conn: &mut Self,
-                cutoff: chrono::DateTime<chrono::Utc>,
-                limit: i64,
-            ) -> diesel::QueryResult<usize> {
-                use diesel::prelude::*;
-                use diesel::sql_types::BigInt;
-                diesel::sql_query($sql::PURGE)
-                    .bind::<$ts, _>(cutoff)
-                    .bind::<BigInt, _>(limit)
                     .execute(conn)
             }
 

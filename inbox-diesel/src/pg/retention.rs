@@ -1,5 +1,5 @@
 //! PostgreSQL's retention statements: bounded deletes of published outbox rows,
-//! `done` claims and discarded dead letters.
+//! `done` claims, discarded dead letters and expired idempotency records.
 //!
 //! Three rules keep a purge cheap and safe on a table of tens of millions of rows
 //! while consumers write to it and other instances purge too:
@@ -67,6 +67,11 @@ pub fn purge_statement(target: PurgeTarget) -> &'static str {
             "discarded_at",
             "discarded_at IS NOT NULL"
         ),
+        PurgeTarget::ExpiredIdempotencyKeys => purge_sql!(
+            "idempotency_keys",
+            "created_at",
+            "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1))"
+        ),
     }
 }
 
@@ -81,6 +86,9 @@ fn lock_statement(target: PurgeTarget) -> &'static str {
         }
         PurgeTarget::DiscardedDeadLetters => {
             "SELECT pg_try_advisory_xact_lock($1, 'inbox_dead_letters'::regclass::oid::int4) AS held"
+        }
+        PurgeTarget::ExpiredIdempotencyKeys => {
+            "SELECT pg_try_advisory_xact_lock($1, 'idempotency_keys'::regclass::oid::int4) AS held"
         }
     }
 }

@@ -46,13 +46,6 @@ mod sql {
         WHERE caller = ?1 AND idempotency_key = ?2 AND lease_token = ?3 \
           AND status = 'in_flight' AND committed_at IS NULL";
 
-    pub(super) const PURGE: &str = "\
-        DELETE FROM idempotency_keys WHERE (caller, idempotency_key) IN ( \
-            SELECT caller, idempotency_key FROM idempotency_keys \
-            WHERE created_at < ?1 \
-              AND (status <> 'in_flight' OR (committed_at IS NULL AND lease_until < ?1)) \
-            ORDER BY created_at LIMIT ?2)";
-
     pub(super) const TOKEN_TYPE: &str = "blob";
 
     pub(super) const LEASE_TOKEN_TYPE: &str = "\

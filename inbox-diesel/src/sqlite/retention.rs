@@ -1,5 +1,5 @@
 //! SQLite's retention statements: bounded deletes of published outbox rows, `done`
-//! claims and discarded dead letters.
+//! claims, discarded dead letters and expired idempotency records.
 //!
 //! The same rows as PostgreSQL's, oldest first from the timestamp's partial index,
 //! each batch starting where the previous one stopped. SQLite has one writer: every
@@ -65,6 +65,13 @@ fn purge_statement(target: PurgeTarget) -> &'static str {
             "id",
             "discarded_at",
             "discarded_at IS NOT NULL"
+        ),
+        PurgeTarget::ExpiredIdempotencyKeys => purge_sql!(
+            "idempotency_keys",
+            "(caller, idempotency_key)",
+            "caller, idempotency_key",
+            "created_at",
+            "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < ?1))"
         ),
     }
 }
