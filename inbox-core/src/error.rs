@@ -8,8 +8,13 @@ pub enum Error {
     #[error(transparent)]
     InvalidName(#[from] InvalidName),
     /// An idempotency key is empty, longer than 255 bytes or not printable ASCII.
-    #[error("invalid idempotency key: {0}")]
-    InvalidIdempotencyKey(String),
+    #[error("invalid idempotency key: expected {expected}, found {found}")]
+    InvalidIdempotencyKey {
+        /// What a key must be.
+        expected: &'static str,
+        /// What was given (its length, or its first byte outside the range).
+        found: String,
+    },
     /// A lease token was not 32 hex digits.
     #[error("invalid lease token: expected {expected}, found {found}")]
     InvalidLeaseToken {
@@ -19,8 +24,13 @@ pub enum Error {
         found: String,
     },
     /// A request's fingerprint fields were given wrongly (a name twice).
-    #[error("invalid request fields: {0}")]
-    InvalidRequestFields(String),
+    #[error("invalid request fields: expected {expected}, found {found}")]
+    InvalidRequestFields {
+        /// What the fields must be.
+        expected: &'static str,
+        /// What was given.
+        found: String,
+    },
     /// A duration given as text (a setting, a command's argument) does not parse.
     #[error("invalid duration: expected {expected}, found {found:?}")]
     InvalidDuration {
@@ -29,9 +39,17 @@ pub enum Error {
         /// What was given.
         found: String,
     },
-    /// A retry policy's settings make no sense.
-    #[error("invalid retry policy: {0}")]
-    InvalidRetryPolicy(String),
+    /// A retry policy's or retry ladder's settings make no sense.
+    #[error("invalid retry policy: {setting} must be {expected}, found {found}")]
+    InvalidRetryPolicy {
+        /// The setting: `max_attempts`, `initial`, `max` (a policy's), `tiers` (a
+        /// ladder's).
+        setting: &'static str,
+        /// What it must be.
+        expected: &'static str,
+        /// What was given.
+        found: String,
+    },
     /// Two handlers were registered for the same group and message type.
     #[error("a handler for message type {message_type:?} in group {group} is already registered")]
     DuplicateHandler {

@@ -40,6 +40,11 @@ use crate::Error;
 /// The longest idempotency key, in bytes.
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 
+/// What [`Error::InvalidIdempotencyKey`] expects of a key's length; kept in step with
+/// [`MAX_IDEMPOTENCY_KEY_LEN`] by the assertion below.
+const KEY_LENGTHS: &str = "1 to 255 bytes";
+const _: () = assert!(MAX_IDEMPOTENCY_KEY_LEN == 255);
+
 /// How long idempotency records are kept by default (24 hours): a replay arriving
 /// later executes as a new request.
 pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -65,15 +70,16 @@ impl IdempotencyKey {
     pub fn new(key: impl Into<String>) -> Result<Self, Error> {
         let key = key.into();
         if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
-            return Err(Error::InvalidIdempotencyKey(format!(
-                "expected 1 to {MAX_IDEMPOTENCY_KEY_LEN} bytes, found {}",
-                key.len()
-            )));
+            return Err(Error::InvalidIdempotencyKey {
+                expected: KEY_LENGTHS,
+                found: format!("{} bytes", key.len()),
+            });
         }
         if let Some(bad) = key.bytes().find(|b| !(0x20..=0x7e).contains(b)) {
-            return Err(Error::InvalidIdempotencyKey(format!(
-                "expected printable ASCII, found byte 0x{bad:02x}"
-            )));
+            return Err(Error::InvalidIdempotencyKey {
+                expected: "printable ASCII",
+                found: format!("byte 0x{bad:02x}"),
+            });
         }
         Ok(Self(key))
     }
@@ -250,9 +256,10 @@ impl RequestFields {
     /// Adds a field; a name given twice is refused.
     pub fn field(mut self, name: &str, value: impl AsRef<[u8]>) -> Result<Self, Error> {
         if self.fields.contains_key(name) {
-            return Err(Error::InvalidRequestFields(format!(
-                "field {name:?} given twice"
-            )));
+            return Err(Error::InvalidRequestFields {
+                expected: "each field name once",
+                found: format!("field {name:?} twice"),
+            });
         }
         self.fields.insert(name.to_owned(), value.as_ref().to_vec());
         Ok(self)

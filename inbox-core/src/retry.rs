@@ -37,24 +37,32 @@ impl RetryPolicy {
     /// `max` above [`MAX_RETRY_DELAY`].
     pub fn new(max_attempts: u32, initial: Duration, max: Duration) -> Result<Self, Error> {
         if max_attempts == 0 {
-            return Err(Error::InvalidRetryPolicy(
-                "max_attempts must be at least 1, found 0".to_owned(),
-            ));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "max_attempts",
+                expected: "at least 1",
+                found: "0".to_owned(),
+            });
         }
         if initial.is_zero() {
-            return Err(Error::InvalidRetryPolicy(
-                "initial backoff must be greater than zero".to_owned(),
-            ));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "initial",
+                expected: "greater than zero",
+                found: format!("{initial:?}"),
+            });
         }
         if initial > max {
-            return Err(Error::InvalidRetryPolicy(format!(
-                "initial backoff ({initial:?}) must not exceed max backoff ({max:?})"
-            )));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "initial",
+                expected: "at most max",
+                found: format!("{initial:?} with max {max:?}"),
+            });
         }
         if max > MAX_RETRY_DELAY {
-            return Err(Error::InvalidRetryPolicy(format!(
-                "max backoff must be at most {MAX_RETRY_DELAY:?}, found {max:?}"
-            )));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "max",
+                expected: "at most MAX_RETRY_DELAY (365 days)",
+                found: format!("{max:?}"),
+            });
         }
         Ok(Self {
             max_attempts,
@@ -135,11 +143,14 @@ mod tests {
         assert!(RetryPolicy::new(3, s, MAX_RETRY_DELAY).is_ok());
         assert!(matches!(
             RetryPolicy::new(3, s, Duration::MAX),
-            Err(Error::InvalidRetryPolicy(_))
+            Err(Error::InvalidRetryPolicy { setting: "max", .. })
         ));
         assert!(matches!(
             RetryLadder::new([s, MAX_RETRY_DELAY + s]),
-            Err(Error::InvalidRetryPolicy(_))
+            Err(Error::InvalidRetryPolicy {
+                setting: "tiers",
+                ..
+            })
         ));
         let policy = RetryPolicy::new(64, s, MAX_RETRY_DELAY).unwrap_or_default();
         assert_eq!(policy.delay_after(64), MAX_RETRY_DELAY);
@@ -153,7 +164,7 @@ mod tests {
         let err = RetryPolicy::new(3, 2 * s, s).unwrap_err().to_string();
         assert_eq!(
             err,
-            "invalid retry policy: initial backoff (2s) must not exceed max backoff (1s)"
+            "invalid retry policy: initial must be at most max, found 2s with max 1s"
         );
     }
 
@@ -212,22 +223,28 @@ impl RetryLadder {
         tiers.sort_unstable();
         tiers.dedup();
         if tiers.is_empty() {
-            return Err(Error::InvalidRetryPolicy(
-                "a retry ladder needs at least one tier".to_owned(),
-            ));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "tiers",
+                expected: "at least one tier",
+                found: "none".to_owned(),
+            });
         }
         if let Some(bad) = tiers.iter().find(|d| **d > MAX_RETRY_DELAY) {
-            return Err(Error::InvalidRetryPolicy(format!(
-                "a retry tier must be at most {MAX_RETRY_DELAY:?}, found {bad:?}"
-            )));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "tiers",
+                expected: "each at most MAX_RETRY_DELAY (365 days)",
+                found: format!("{bad:?}"),
+            });
         }
         if let Some(bad) = tiers
             .iter()
             .find(|d| d.is_zero() || d.subsec_nanos() % 1_000_000 != 0)
         {
-            return Err(Error::InvalidRetryPolicy(format!(
-                "retry tiers must be whole, non-zero milliseconds, found {bad:?}"
-            )));
+            return Err(Error::InvalidRetryPolicy {
+                setting: "tiers",
+                expected: "whole, non-zero milliseconds",
+                found: format!("{bad:?}"),
+            });
         }
         Ok(Self(tiers))
     }
