@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 
 mod connect;
+mod connection;
 mod consumer;
 mod delivery;
 mod error;
@@ -38,6 +39,7 @@ mod tls;
 mod topology;
 
 pub use connect::connect;
+pub use connection::ConnectionSettings;
 pub use consumer::{Consumer, ConsumerSettings};
 pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
 pub use error::{Error, Result};

@@ -12,7 +12,8 @@ use inbox_core::{
     MAX_RETRY_DELAY,
 };
 
-use crate::connect::{check_backoff, check_connect_timeout, SessionEnd};
+use crate::connect::SessionEnd;
+use crate::connection::ConnectionSettings;
 use crate::outbox_publisher::{confirm_channel, AmqpPublisher};
 use crate::supervisor::Supervisor;
 use crate::{Error, Result};
@@ -47,19 +48,9 @@ pub struct RelaySettings {
     /// [`DEFAULT_OUTBOX_MAX_ATTEMPTS`], about a quarter of an hour of tries with the
     /// default delays).
     pub max_attempts: u32,
-    /// First wait before reconnecting (default 100 ms).
-    pub backoff_min: Duration,
-    /// Longest wait before reconnecting (default 5 s).
-    pub backoff_max: Duration,
-    /// The connection's name, shown by `rabbitmqctl list_connections`.
-    pub connection_name: Option<String>,
-    /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
-    /// accepts the connection and never answers is then tried again after backoff.
-    pub connect_timeout: Duration,
-    /// A PEM file of CA certificates trusted for an `amqps://` URL besides the
-    /// system's roots (a broker with a private CA); read and checked once when the
-    /// run starts (default none; see [`ca_cert_from_env`](crate::ca_cert_from_env)).
-    pub ca_cert: Option<PathBuf>,
+    /// How the relay connects: its connection's name, the handshake limit, CA
+    /// certificates and the reconnect backoff (the consumer's type).
+    pub connection: ConnectionSettings,
 }
 
 impl Default for RelaySettings {
@@ -72,11 +63,7 @@ impl Default for RelaySettings {
             wake_on_notify: true,
             retry_after: Duration::from_secs(1),
             max_attempts: DEFAULT_OUTBOX_MAX_ATTEMPTS,
-            backoff_min: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(5),
-            connection_name: None,
-            connect_timeout: Duration::from_secs(30),
-            ca_cert: None,
+            connection: ConnectionSettings::default(),
         }
     }
 }
@@ -119,31 +106,35 @@ impl RelaySettings {
         self
     }
 
-    /// Sets the reconnect backoff.
+    /// Sets how the relay connects, all at once.
+    pub fn connection(mut self, connection: ConnectionSettings) -> Self {
+        self.connection = connection;
+        self
+    }
+
+    /// Sets the reconnect backoff ([`ConnectionSettings::backoff`]).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.backoff_min = min;
-        self.backoff_max = max;
+        self.connection = self.connection.backoff(min, max);
         self
     }
 
-    /// Names the connection.
+    /// Names the connection ([`ConnectionSettings::connection_name`]).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
+        self.connection = self.connection.connection_name(name);
         self
     }
 
-    /// Sets the longest wait for a connection's AMQP handshake.
+    /// Sets the longest wait for a connection's AMQP handshake
+    /// ([`ConnectionSettings::connect_timeout`]).
     pub fn connect_timeout(mut self, within: Duration) -> Self {
-        self.connect_timeout = within;
+        self.connection = self.connection.connect_timeout(within);
         self
     }
 
     /// Trusts the CA certificates of the PEM file at `path` for `amqps://`, besides
-    /// the system's roots. An unreadable file, one without a certificate, or a CA with
-    /// a plain `amqp://` URL stops the run at its start with
-    /// [`Error::InvalidSetting`] (`ca_cert`).
+    /// the system's roots ([`ConnectionSettings::ca_cert`]).
     pub fn ca_cert(mut self, path: impl Into<PathBuf>) -> Self {
-        self.ca_cert = Some(path.into());
+        self.connection = self.connection.ca_cert(path);
         self
     }
 
@@ -184,9 +175,7 @@ impl RelaySettings {
         if self.max_attempts == 0 {
             return Err(Error::invalid("max_attempts", "at least 1", 0));
         }
-        check_backoff(self.backoff_min, self.backoff_max)?;
-        check_connect_timeout(self.connect_timeout)?;
-        Ok(())
+        self.connection.check()
     }
 }
 
@@ -322,14 +311,8 @@ impl<O: OutboxStore> Relay<O> {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         self.settings.check()?;
         let s = &self.settings;
-        let supervisor = Supervisor::new(
-            &self.url,
-            s.connection_name.as_deref(),
-            s.connect_timeout,
-            (s.backoff_min, s.backoff_max),
-            "relay stopping",
-            s.ca_cert.as_deref(),
-        )?;
+        let name = s.connection.connection_name.as_deref();
+        let supervisor = Supervisor::new(&self.url, name, &s.connection, "relay stopping")?;
         let (relay, shutdown) = (&self, &shutdown);
         let span = tracing::info_span!("outbox.relay", relay = %s.relay_id);
         supervisor
@@ -401,7 +384,7 @@ impl<O: OutboxStore> Relay<O> {
                 // A database outage is not the broker's: wait and lease again.
                 Err(err) => {
                     tracing::error!(error = %ErrorChain(&err), "leasing failed");
-                    tokio::time::sleep(s.backoff_min).await;
+                    tokio::time::sleep(s.connection.backoff_min).await;
                     continue;
                 }
             };
@@ -448,7 +431,7 @@ impl<O: OutboxStore> Relay<O> {
             // The rows stay leased; when the lease expires they are published again
             // and the consumers' inboxes absorb the copies.
             tracing::error!(error = %ErrorChain(&err), "marking published rows failed");
-            tokio::time::sleep(self.settings.backoff_min).await;
+            tokio::time::sleep(self.settings.connection.backoff_min).await;
         } else if marked < confirmed {
             tracing::warn!(
                 marked,

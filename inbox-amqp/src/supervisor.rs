@@ -3,7 +3,6 @@
 //! connection politely, back off and reconnect until shutdown.
 
 use std::future::Future;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::connect::SessionEnd;
-use crate::connect::{check_backoff, check_connect_timeout, close_connection, open, pause};
+use crate::connect::{close_connection, open, pause};
+use crate::connection::ConnectionSettings;
 use crate::tls::Tls;
 use crate::{Error, Result};
 
@@ -47,21 +47,18 @@ impl<'a> Supervisor<'a> {
     pub(crate) fn new(
         url: &'a str,
         name: Option<&'a str>,
-        connect_timeout: Duration,
-        (backoff_min, backoff_max): (Duration, Duration),
+        settings: &ConnectionSettings,
         goodbye: &'a str,
-        ca_cert: Option<&Path>,
     ) -> Result<Self> {
-        check_backoff(backoff_min, backoff_max)?;
-        check_connect_timeout(connect_timeout)?;
-        let tls = Tls::for_url(url, ca_cert)?;
+        settings.check()?;
+        let tls = Tls::for_url(url, settings.ca_cert.as_deref())?;
         Ok(Self {
             tls,
             url,
             name,
-            connect_timeout,
-            backoff_min,
-            backoff_max,
+            connect_timeout: settings.connect_timeout,
+            backoff_min: settings.backoff_min,
+            backoff_max: settings.backoff_max,
             goodbye,
             frame_max: None,
         })
@@ -180,18 +177,22 @@ mod tests {
     use super::*;
 
     fn supervisor() -> Supervisor<'static> {
-        let backoff = (Duration::from_millis(100), Duration::from_secs(5));
+        let settings = ConnectionSettings::default()
+            .backoff(Duration::from_millis(100), Duration::from_secs(5))
+            .connect_timeout(Duration::from_secs(1));
         let url = "amqp://127.0.0.1:1/%2f";
-        Supervisor::new(url, None, Duration::from_secs(1), backoff, "bye", None)
-            .unwrap_or_else(|e| panic!("{e}"))
+        Supervisor::new(url, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"))
     }
 
     #[test]
     fn settings_out_of_range_are_refused_when_built() {
         let s = Duration::from_secs(1);
         let url = "amqp://127.0.0.1:1/%2f";
-        let refused = |timeout, backoff| {
-            let built = Supervisor::new(url, None, timeout, backoff, "bye", None);
+        let refused = |timeout, (min, max)| {
+            let settings = ConnectionSettings::default()
+                .backoff(min, max)
+                .connect_timeout(timeout);
+            let built = Supervisor::new(url, None, &settings, "bye");
             crate::connect::config_error(built.map(|_| ())).0
         };
         assert_eq!(refused(s, (2 * s, s)), "backoff");

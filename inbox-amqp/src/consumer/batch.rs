@@ -57,7 +57,12 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             stats.add(Counter::Requeued, deliveries.len() as u64);
             let actions = vec![Action::Requeue; deliveries.len()];
             self.settle(channel, &deliveries, &actions).await?;
-            pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
+            pause(
+                &tokens.stop,
+                backoff.store,
+                self.settings.connection.backoff_max,
+            )
+            .await;
             return Ok(());
         };
         let mut actions = vec![Action::Requeue; deliveries.len()];
@@ -81,11 +86,16 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                 self.settle(channel, &deliveries, &actions).await?;
                 // Not any delivery's fault: back off, longer each time, until the
                 // store answers again.
-                pause(&tokens.stop, backoff.store, self.settings.backoff_max).await;
+                pause(
+                    &tokens.stop,
+                    backoff.store,
+                    self.settings.connection.backoff_max,
+                )
+                .await;
                 return Ok(());
             }
         };
-        *backoff.store = self.settings.backoff_min;
+        *backoff.store = self.settings.connection.backoff_min;
 
         let (retries, halt) = self.carry_out(
             group,
@@ -262,9 +272,9 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         if unconfirmed {
             // A full tier refuses copies until it drains: an original requeued at once
             // would come straight back, in a loop as fast as the broker answers.
-            pause(r.stop, r.backoff, self.settings.backoff_max).await;
+            pause(r.stop, r.backoff, self.settings.connection.backoff_max).await;
         } else {
-            *r.backoff = self.settings.backoff_min;
+            *r.backoff = self.settings.connection.backoff_min;
         }
         Ok(())
     }

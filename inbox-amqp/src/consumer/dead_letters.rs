@@ -51,7 +51,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             // own, where a delivery limit drops it. The same delivery is tried again
             // with backoff until the store answers or the session ends (then the
             // broker returns it to the queue).
-            let mut backoff = self.settings.backoff_min;
+            let mut backoff = self.settings.connection.backoff_min;
             let recorded = loop {
                 let store = Arc::clone(&self.store);
                 let (g, env, why) = (group.clone(), envelope.clone(), detail.clone());
@@ -74,7 +74,8 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                             () = tokens.halt.halted.cancelled() => break None,
                             () = tokio::time::sleep(backoff) => {}
                         }
-                        backoff = exponential_backoff(backoff, 1, self.settings.backoff_max);
+                        backoff =
+                            exponential_backoff(backoff, 1, self.settings.connection.backoff_max);
                     }
                 }
             };

@@ -24,9 +24,7 @@ use inbox_core::{
     TransportAction,
 };
 
-use crate::connect::{
-    check_backoff, check_connect_timeout, close_channel, goodbye, pause, SessionEnd,
-};
+use crate::connect::{close_channel, goodbye, pause, SessionEnd};
 use crate::delivery::{self, Malformed};
 use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::publish::{publish_with_confirm, Confirmed};
@@ -303,8 +301,8 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
         role: Role,
         stop: CancellationToken,
     ) -> Result<()> {
-        let name =
-            (self.settings.connection_name.as_deref()).map(|n| role.connection_name(n, &group));
+        let name = (self.settings.connection.connection_name.as_deref())
+            .map(|n| role.connection_name(n, &group));
         let supervisor = self.supervisor(&url, name.as_deref(), role)?;
         let (shared, group, stop, caution) = (&self, &group, &stop, &Caution::default());
         supervisor
@@ -328,16 +326,8 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
         name: Option<&'a str>,
         role: Role,
     ) -> Result<Supervisor<'a>> {
-        let s = &self.settings;
-        let backoff = (s.backoff_min, s.backoff_max);
-        let supervisor = Supervisor::new(
-            url,
-            name,
-            s.connect_timeout,
-            backoff,
-            role.goodbye(),
-            s.ca_cert.as_deref(),
-        )?;
+        let connection = &self.settings.connection;
+        let supervisor = Supervisor::new(url, name, connection, role.goodbye())?;
         Ok(supervisor.frame_max(FRAME_MAX))
     }
 
@@ -350,7 +340,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
     /// A consumer of no group still connects and declares (the exchange), so a
     /// misconfigured one fails at startup, then holds the connection until `stop`.
     async fn idle(self: Arc<Self>, url: String, stop: CancellationToken) -> Result<()> {
-        let name = self.settings.connection_name.as_deref();
+        let name = self.settings.connection.connection_name.as_deref();
         let supervisor = self.supervisor(&url, name, Role::Workers)?;
         let (shared, stop) = (&self, &stop);
         supervisor

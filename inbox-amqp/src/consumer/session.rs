@@ -162,8 +162,8 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         pace: Pace,
     ) -> std::result::Result<(), SessionEnd> {
         let settings = &self.settings;
-        let mut retry_backoff = settings.backoff_min;
-        let mut store_backoff = settings.backoff_min;
+        let mut retry_backoff = settings.connection.backoff_min;
+        let mut store_backoff = settings.connection.backoff_min;
         channel
             .basic_qos(pace.prefetch, BasicQosOptions::default())
             .await?;

@@ -1,6 +1,7 @@
 //! The consumer's settings and their checks.
 
 use super::*;
+use crate::connection::ConnectionSettings;
 
 /// How a [`Consumer`] runs.
 #[derive(Clone, Debug)]
@@ -22,21 +23,9 @@ pub struct ConsumerSettings {
     /// by `prefetch` times the broker's `max_message_size`, not by this setting: set the
     /// broker's limit to match it (see the RabbitMQ guide).
     pub max_body_bytes: usize,
-    /// First wait before reconnecting or after a store failure (default 100 ms).
-    pub backoff_min: Duration,
-    /// Longest such wait (default 5 s).
-    pub backoff_max: Duration,
-    /// The name of the consumer's connections, shown by `rabbitmqctl
-    /// list_connections`: a group's workers' connection is `<name> (<group>)`, its
-    /// dead-letter reader's `<name> (<group> dead letters)`.
-    pub connection_name: Option<String>,
-    /// Longest wait for a connection's AMQP handshake (default 30 s); a broker that
-    /// accepts the connection and never answers is then tried again after backoff.
-    pub connect_timeout: Duration,
-    /// A PEM file of CA certificates trusted for an `amqps://` URL besides the
-    /// system's roots (a broker with a private CA); read and checked once when the
-    /// run starts (default none; see [`ca_cert_from_env`](crate::ca_cert_from_env)).
-    pub ca_cert: Option<PathBuf>,
+    /// How the consumer connects: names, handshake limit, CA certificates, and the
+    /// backoff it also waits after a store failure (the relay's type).
+    pub connection: ConnectionSettings,
     /// How often the store's recorded halts are read (default 5 s): a halted group
     /// whose halt an operator lifted resumes within this, a group another consumer
     /// halted halts, and a halt the store failed to record is written again.
@@ -51,11 +40,7 @@ impl Default for ConsumerSettings {
             batch_size: 100,
             batch_wait: Duration::from_millis(10),
             max_body_bytes: 1 << 20,
-            backoff_min: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(5),
-            connection_name: None,
-            connect_timeout: Duration::from_secs(30),
-            ca_cert: None,
+            connection: ConnectionSettings::default(),
             halt_poll: Duration::from_secs(5),
         }
     }
@@ -87,31 +72,35 @@ impl ConsumerSettings {
         self
     }
 
-    /// Sets the reconnect and store-failure backoff.
+    /// Sets how the consumer connects, all at once.
+    pub fn connection(mut self, connection: ConnectionSettings) -> Self {
+        self.connection = connection;
+        self
+    }
+
+    /// Sets the reconnect and store-failure backoff ([`ConnectionSettings::backoff`]).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.backoff_min = min;
-        self.backoff_max = max;
+        self.connection = self.connection.backoff(min, max);
         self
     }
 
-    /// Names the connections (see [`ConsumerSettings::connection_name`](Self#structfield.connection_name)).
+    /// Names the connections ([`ConnectionSettings::connection_name`]).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
+        self.connection = self.connection.connection_name(name);
         self
     }
 
-    /// Sets the longest wait for a connection's AMQP handshake.
+    /// Sets the longest wait for a connection's AMQP handshake
+    /// ([`ConnectionSettings::connect_timeout`]).
     pub fn connect_timeout(mut self, within: Duration) -> Self {
-        self.connect_timeout = within;
+        self.connection = self.connection.connect_timeout(within);
         self
     }
 
     /// Trusts the CA certificates of the PEM file at `path` for `amqps://`, besides
-    /// the system's roots. An unreadable file, one without a certificate, or a CA with
-    /// a plain `amqp://` URL stops the run at its start with
-    /// [`Error::InvalidSetting`] (`ca_cert`).
+    /// the system's roots ([`ConnectionSettings::ca_cert`]).
     pub fn ca_cert(mut self, path: impl Into<PathBuf>) -> Self {
-        self.ca_cert = Some(path.into());
+        self.connection = self.connection.ca_cert(path);
         self
     }
 
@@ -146,8 +135,7 @@ impl ConsumerSettings {
                 format_args!("{} with a batch size of {}", self.prefetch, self.batch_size),
             ));
         }
-        check_backoff(self.backoff_min, self.backoff_max)?;
-        check_connect_timeout(self.connect_timeout)?;
+        self.connection.check()?;
         if self.halt_poll.is_zero() {
             return Err(Error::invalid(
                 "halt_poll",

@@ -69,7 +69,7 @@ pub(crate) fn run<C: OperatorConnection>(
         let mut settings = RelaySettings::default();
         settings.poll_interval = Duration::from_millis(50);
         settings.relay_id = format!("selftest-{run}");
-        settings.ca_cert = args.ca_cert.clone();
+        settings.connection.ca_cert = args.ca_cert.clone();
         let relay = Relay::new(url, Arc::new(store.clone())).with_settings(settings);
         runtime.spawn(relay.run(shutdown.clone()))
     });
