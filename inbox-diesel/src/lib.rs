@@ -72,8 +72,6 @@ mod pool;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
 pub mod rebuild;
-#[cfg(feature = "rebuild")]
-mod rebuild_ops;
 mod retention;
 mod rows;
 mod schema;

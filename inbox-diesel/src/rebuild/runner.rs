@@ -9,7 +9,7 @@ use inbox_core::{delta, RebuildReport, WindowPartition};
 
 use super::RebuildConnection;
 use super::Rebuilder;
-use crate::rebuild_ops::RunLease;
+use crate::rebuild::ops::RunLease;
 use crate::{Error, Result};
 
 /// The default [`RebuildRunner::every`]: hourly.

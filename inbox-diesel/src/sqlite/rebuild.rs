@@ -10,7 +10,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{Nullable, Text};
 use diesel::SqliteConnection;
 
-use crate::rebuild_ops::{
+use crate::rebuild::ops::{
     rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
 };
 
@@ -55,7 +55,7 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
-        use crate::rebuild_ops::tables::sqlite::covered_claims::dsl::*;
+        use crate::rebuild::ops::tables::sqlite::covered_claims::dsl::*;
         use crate::ClaimStatus;
         let mut out = Covered::default();
         for chunk in c.keys.chunks(CHUNK) {

@@ -138,9 +138,9 @@ macro_rules! rebuild_dsl {
     ($conn:ty, $tables:ident) => {
         fn shared_lease(
             conn: &mut $conn,
-            l: &crate::rebuild_ops::RunLease<'_>,
+            l: &crate::rebuild::ops::RunLease<'_>,
         ) -> diesel::QueryResult<String> {
-            use crate::rebuild_ops::tables::$tables::inbox_rebuild_runs::dsl::*;
+            use crate::rebuild::ops::tables::$tables::inbox_rebuild_runs::dsl::*;
             use diesel::prelude::*;
             use diesel::query_dsl::methods::FilterDsl;
             let took: Option<String> = diesel::insert_into(inbox_rebuild_runs)
@@ -164,7 +164,7 @@ macro_rules! rebuild_dsl {
         }
 
         fn shared_release(conn: &mut $conn, name: &str, me: &str) -> diesel::QueryResult<()> {
-            use crate::rebuild_ops::tables::$tables::inbox_rebuild_runs::dsl::*;
+            use crate::rebuild::ops::tables::$tables::inbox_rebuild_runs::dsl::*;
             use diesel::prelude::*;
             diesel::delete(
                 inbox_rebuild_runs
@@ -180,12 +180,12 @@ macro_rules! rebuild_dsl {
         /// `done` stays.
         fn shared_take_over(
             conn: &mut $conn,
-            c: &crate::rebuild_ops::CoverClaims<'_>,
+            c: &crate::rebuild::ops::CoverClaims<'_>,
             chunk: &[&str],
-            out: &mut crate::rebuild_ops::Covered,
+            out: &mut crate::rebuild::ops::Covered,
         ) -> diesel::QueryResult<()> {
-            use crate::rebuild_ops::tables::$tables::covered_claims::dsl::*;
-            use crate::rebuild_ops::tables::$tables::resolved_letters::dsl as letters;
+            use crate::rebuild::ops::tables::$tables::covered_claims::dsl::*;
+            use crate::rebuild::ops::tables::$tables::resolved_letters::dsl as letters;
             use crate::ClaimStatus;
             use diesel::prelude::*;
             let mine = || {
@@ -199,7 +199,7 @@ macro_rules! rebuild_dsl {
             .set((
                 status.eq(ClaimStatus::Done.as_str()),
                 payload.eq(None::<Vec<u8>>),
-                payload_digest.eq(crate::rebuild_ops::NO_DIGEST),
+                payload_digest.eq(crate::rebuild::ops::NO_DIGEST),
                 next_attempt_at.eq(None::<chrono::DateTime<chrono::Utc>>),
                 covered_at.eq(Some(c.now)),
                 updated_at.eq(c.now),
@@ -212,7 +212,7 @@ macro_rules! rebuild_dsl {
             )
             .set((
                 payload.eq(None::<Vec<u8>>),
-                payload_digest.eq(crate::rebuild_ops::NO_DIGEST),
+                payload_digest.eq(crate::rebuild::ops::NO_DIGEST),
                 covered_at.eq(Some(c.now)),
                 updated_at.eq(c.now),
             ))

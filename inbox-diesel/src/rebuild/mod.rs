@@ -93,6 +93,7 @@
 //! so this bounds their wait too) and is retried after a pause, a bounded number of
 //! times.
 
+pub(crate) mod ops;
 mod runner;
 
 use std::sync::Arc;
@@ -105,8 +106,8 @@ pub use runner::{
 };
 
 use crate::backend::{classify, ErrorClass, StoreConnection};
-use crate::rebuild_ops::RebuildOps;
-use crate::rebuild_ops::{CoverClaims, RebuildCatalog};
+use crate::rebuild::ops::RebuildOps;
+use crate::rebuild::ops::{CoverClaims, RebuildCatalog};
 use crate::{Error, Result, Store, StoreBuilder};
 
 /// A connection type projection rebuilds run on: `PgConnection` or
