@@ -7,7 +7,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
 use diesel::PgConnection;
 
-use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease};
+use crate::rebuild::ops::{
+    rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease,
+};
 
 rebuild_dsl!(PgConnection, pg);
 
