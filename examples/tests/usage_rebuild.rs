@@ -23,7 +23,8 @@ use inbox_test_support::services::{url_of, Service};
 fn database_url() -> Option<String> {
     inbox_diesel::init_tls();
     let url = url_of(Service::Postgres)?;
-    url_of(Service::Amqp)?;
+    // Through the AMQP fixtures: they start the broker watchdog.
+    inbox_test_support::amqp::amqp_url()?;
     Some(url)
 }
 
@@ -110,10 +111,14 @@ impl Drop for Schema {
             .enable_all()
             .build()
         {
+            // Bounded: a broker that stopped answering must not hang the test's end.
             rt.block_on(async {
                 let props = lapin::ConnectionProperties::default();
-                if let Ok(conn) = lapin::Connection::connect(&amqp_url(), props).await {
-                    let _ = topology.delete(&conn).await;
+                let url = amqp_url();
+                let connect = lapin::Connection::connect(&url, props);
+                let within = Duration::from_secs(10);
+                if let Ok(Ok(conn)) = tokio::time::timeout(within, connect).await {
+                    let _ = tokio::time::timeout(within, topology.delete(&conn)).await;
                     let _ = conn.close(200, "done".into()).await;
                 }
             });

@@ -139,8 +139,9 @@ fn open<C: OperatorConnection>(
     built.map_err(opening_failed)
 }
 
-/// The exit code of a store that would not open: 3 for every schema mismatch, whose
-/// ever the table (the claims', the operator's, a rebuild's, the idempotency keys').
+/// The exit code of a store that would not open: 3 for every schema mismatch,
+/// whatever the table (the claims', the operator's, a rebuild's, the idempotency
+/// keys').
 fn opening_failed(e: inbox_diesel::Error) -> Failure {
     match e {
         inbox_diesel::Error::SchemaMismatch { .. } => Failure::new(exit::SCHEMA, e.to_string()),

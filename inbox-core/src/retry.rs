@@ -60,7 +60,7 @@ impl RetryPolicy {
         if max > MAX_RETRY_DELAY {
             return Err(Error::InvalidRetryPolicy {
                 setting: "max",
-                expected: "at most MAX_RETRY_DELAY (365 days)",
+                expected: "365 days or less",
                 found: format!("{max:?}"),
             });
         }
@@ -225,14 +225,14 @@ impl RetryLadder {
         if tiers.is_empty() {
             return Err(Error::InvalidRetryPolicy {
                 setting: "tiers",
-                expected: "at least one tier",
+                expected: "one tier or more",
                 found: "none".to_owned(),
             });
         }
         if let Some(bad) = tiers.iter().find(|d| **d > MAX_RETRY_DELAY) {
             return Err(Error::InvalidRetryPolicy {
                 setting: "tiers",
-                expected: "each at most MAX_RETRY_DELAY (365 days)",
+                expected: "each 365 days or less",
                 found: format!("{bad:?}"),
             });
         }
@@ -242,7 +242,7 @@ impl RetryLadder {
         {
             return Err(Error::InvalidRetryPolicy {
                 setting: "tiers",
-                expected: "whole, non-zero milliseconds",
+                expected: "each a whole, non-zero number of milliseconds",
                 found: format!("{bad:?}"),
             });
         }

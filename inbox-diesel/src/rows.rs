@@ -416,7 +416,8 @@ pub enum PurgeTarget {
     DiscardedDeadLetters,
     /// Idempotency records created before the cutoff (by `created_at`) that are
     /// settled, or uncommitted with a lease that ended before the cutoff; a committed
-    /// request not settled yet is kept (the feature `idempotency` purges them).
+    /// request not settled yet is kept. The feature `idempotency`'s
+    /// `purge_expired_requests` runs this purge.
     ExpiredIdempotencyKeys,
 }
 

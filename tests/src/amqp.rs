@@ -70,20 +70,59 @@ fn watchdog(authority: &str) {
                  (.ci/services does).",
                 BROKER_SILENCE_LIMIT.as_secs()
             );
+            // No destructor runs past `exit`: the programs the tests started would
+            // outlive the process and go on reconnecting.
+            kill_children(std::process::id());
             std::process::exit(101);
         }
     }
 }
 
-/// Whether the broker answers the AMQP 0-9-1 protocol header within 10 s.
-fn handshake_answered(authority: &str) -> bool {
-    use std::io::{Read, Write};
-    use std::net::ToSocketAddrs;
-    let within = Duration::from_secs(10);
-    let Some(addr) = authority.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
-        return false;
+/// Kills (SIGKILL) every descendant of process `pid`, children first found by their
+/// parent in `/proc` (Linux; elsewhere nothing is found).
+fn kill_children(pid: u32) {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
     };
-    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, within) else {
+    for entry in entries.flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: the command may hold spaces and parentheses.
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if parent == Some(pid) {
+            kill_children(child);
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &child.to_string()])
+                .status();
+        }
+    }
+}
+
+/// Whether the broker answers the AMQP 0-9-1 protocol header within 10 s, at any of
+/// the addresses its host resolves to.
+fn handshake_answered(authority: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    authority
+        .to_socket_addrs()
+        .map(|mut addrs| addrs.any(|addr| answered_at(&addr)))
+        .unwrap_or(false)
+}
+
+fn answered_at(addr: &std::net::SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    let within = Duration::from_secs(10);
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(addr, within) else {
         return false;
     };
     let _ = stream.set_read_timeout(Some(within));
@@ -698,6 +737,34 @@ mod watchdog_tests {
         });
         assert!(!handshake_answered(&addr.to_string()));
         held.join().unwrap();
+    }
+
+    #[test]
+    fn a_wedged_run_leaves_no_program_of_its_own_behind() {
+        // A shell whose child sleeps and which then says how the sleep ended: the
+        // watchdog kills the descendants of the test process; here, of the shell.
+        let shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 60; echo $?"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Until the shell has started its sleep.
+        let pid = shell.id();
+        while !std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("stat")).is_ok_and(|stat| {
+                stat.contains("(sleep)")
+                    && stat
+                        .rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().nth(1))
+                        == Some(pid.to_string().as_str())
+            })
+        }) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        kill_children(pid);
+        let out = shell.wait_with_output().unwrap();
+        // 128 + SIGKILL (9): killed, not finished.
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "137");
     }
 
     #[test]

@@ -228,7 +228,12 @@ pub(crate) fn authority(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://")?;
     let host_port = rest.split(['/', '?']).next()?;
     let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);
-    if host_port.contains(':') {
+    // A port given: after the host, or after a bracketed IPv6 address.
+    let has_port = match host_port.strip_prefix('[') {
+        Some(v6) => v6.contains("]:"),
+        None => host_port.contains(':'),
+    };
+    if has_port {
         return Some(host_port.to_owned());
     }
     let port = match scheme {
@@ -258,6 +263,16 @@ fn redacted(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_authority_gets_the_default_port_only_when_it_names_none() {
+        let amqp = |url| authority(url).unwrap();
+        assert_eq!(amqp("amqp://guest:pw@127.0.0.1/%2f"), "127.0.0.1:5672");
+        assert_eq!(amqp("amqp://127.0.0.1:5673/%2f"), "127.0.0.1:5673");
+        assert_eq!(amqp("amqp://[::1]/%2f"), "[::1]:5672");
+        assert_eq!(amqp("amqp://[::1]:5673"), "[::1]:5673");
+        assert_eq!(amqp("amqps://broker.example"), "broker.example:5671");
+    }
 
     #[test]
     fn authority_takes_host_and_port_or_the_schemes_default() {

@@ -95,7 +95,7 @@ impl Drop for Schema {
                     let connect = lapin::Connection::connect(&amqp, props);
                     let within = Duration::from_secs(5);
                     if let Ok(Ok(conn)) = tokio::time::timeout(within, connect).await {
-                        let _ = topology.delete(&conn).await;
+                        let _ = tokio::time::timeout(within, topology.delete(&conn)).await;
                         let _ = conn.close(200, "done".into()).await;
                     }
                 });

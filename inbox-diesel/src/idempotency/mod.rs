@@ -428,10 +428,15 @@ where
 
 /// Deletes up to `batch` idempotency records that expired `retention` before `now`
 /// (the rules of [`purge_expired_requests`]), oldest first, on the caller's
-/// connection (inside its transaction, if one is open); returns how many. It is one
+/// connection in a write transaction of its own; returns how many. It is one
 /// [`purge_batch`](crate::purge_batch) of [`PurgeTarget::ExpiredIdempotencyKeys`]
-/// from the oldest row: on PostgreSQL it deletes nothing while another purge of the
-/// table holds the purge lock. A maintenance job that purges in its own
+/// from the oldest row: on PostgreSQL it deletes nothing (and answers 0) while
+/// another purge of the table holds the purge lock.
+///
+/// Inside a transaction the caller opened: on PostgreSQL it runs as a savepoint and
+/// the purge lock is held until the caller's transaction ends (every other purge of
+/// the table answers 0 until then); SQLite refuses to nest it (a database error):
+/// call [`purge_batch`](crate::purge_batch) there instead. A maintenance job that purges in its own
 /// transactions, or a test that holds a purge open, calls this (or `purge_batch`,
 /// to resume where a batch stopped); most programs call [`purge_expired_requests`].
 pub fn purge_requests<C>(

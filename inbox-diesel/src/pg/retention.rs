@@ -4,8 +4,9 @@
 //! Three rules keep a purge cheap and safe on a table of tens of millions of rows
 //! while consumers write to it and other instances purge too:
 //!
-//! - the rows come from the partial index of their timestamp, oldest first, `LIMIT`
-//!   rows per batch (never a scan of the table);
+//! - the rows come from the index of their timestamp (partial where the table keeps
+//!   other rows for good; `idempotency_keys (created_at)` is plain), oldest first,
+//!   `LIMIT` rows per batch (never a scan of the table);
 //! - each batch starts at the newest timestamp the previous batch deleted: until
 //!   vacuum runs, deleted rows stay in the index, and a batch that started from the
 //!   oldest row again would walk over every row the purge has deleted so far;

@@ -1,7 +1,7 @@
 //! SQLite's retention statements: bounded deletes of published outbox rows, `done`
 //! claims, discarded dead letters and expired idempotency records.
 //!
-//! The same rows as PostgreSQL's, oldest first from the timestamp's partial index,
+//! The same rows as PostgreSQL's, oldest first from the timestamp's index,
 //! each batch starting where the previous one stopped. SQLite has one writer: every
 //! batch is an immediate transaction, so two purges (or a purge and a consumer) take
 //! turns batch by batch, and a row deleted by one is not there for the other; there
