@@ -57,8 +57,8 @@ pub(crate) fn verify<C: OperatorConnection>(
         });
         print(out, text)?;
     }
-    if let Some(e) = schema_error {
-        return Err(Failure::new(exit::SCHEMA, e).reported());
+    if let (Err(err), Some(e)) = (&schema, schema_error) {
+        return Err(Failure::new(schema_exit_code(err), e).reported());
     }
     if let Some(Err(e)) = topology {
         return Err(Failure::new(e.exit_code(), e.to_string()).reported());
@@ -162,4 +162,33 @@ fn check_topology<C: OperatorConnection>(
             )),
         })
     })
+}
+
+/// 3 when the schema does not match, whatever the table; 1 when it could not be
+/// read at all (a database error: the catalog was never compared).
+fn schema_exit_code(err: &inbox_diesel::Error) -> u8 {
+    match err {
+        inbox_diesel::Error::SchemaMismatch { .. } => exit::SCHEMA,
+        _ => exit::FAILURE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inbox_diesel::{SchemaPart, SchemaProblem};
+
+    #[test]
+    fn a_mismatch_exits_3_and_a_schema_that_cannot_be_read_exits_1() {
+        let mismatch = inbox_diesel::Error::SchemaMismatch {
+            part: SchemaPart::Rebuild,
+            problem: SchemaProblem::MissingTable,
+            expected: "table inbox_rebuild_runs".to_owned(),
+            found: "no such table".to_owned(),
+            table: "inbox_rebuild_runs".to_owned(),
+        };
+        assert_eq!(schema_exit_code(&mismatch), exit::SCHEMA);
+        let unread = inbox_diesel::Error::Database(diesel::result::Error::BrokenTransactionManager);
+        assert_eq!(schema_exit_code(&unread), exit::FAILURE);
+    }
 }
