@@ -97,7 +97,7 @@ pub use outbox::{
 #[cfg(feature = "postgres")]
 pub use pg::retention::purge_statement as pg_purge_statement;
 pub use pool::{PooledStoreConnection, StoreManager};
-pub use retention::{purge_batch, Retention, PURGE_LOCK_CLASS};
+pub use retention::{count_purgeable, purge_batch, Retention, PURGE_LOCK_CLASS};
 pub use rows::{ClaimRecord, ClaimStatus, DeadLetter, DeadOutboxRow, PurgeBatch, PurgeTarget};
 pub use store::{
     Store, StoreBuilder, DEFAULT_BATCH_DEADLINE, DEFAULT_STATEMENT_TIMEOUT, MIGRATION_LOCK_CLASS,

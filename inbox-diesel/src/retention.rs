@@ -133,6 +133,20 @@ pub fn purge_batch<C: StoreConnection>(
     Ok(C::purge_batch(conn, target, cutoff, limit, from)?)
 }
 
+/// How many of `target`'s rows a purge with `cutoff` would delete now: the dry-run
+/// count beside [`purge_batch`], built from the same table, timestamp and rows, so
+/// the two cannot disagree. Rows a running transaction holds are counted (a purge
+/// skips them until they are free); a purge that runs later also takes the rows
+/// that became eligible meanwhile.
+pub fn count_purgeable<C: StoreConnection>(
+    conn: &mut C,
+    target: PurgeTarget,
+    cutoff: DateTime<Utc>,
+) -> Result<u64> {
+    let n = C::count_purgeable(conn, target, cutoff)?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
 impl<C: StoreConnection> Store<C> {
     /// Deletes outbox rows published longer ago than `retention.published()`, at most
     /// `batch` rows per transaction, until a batch deletes fewer; returns how many.

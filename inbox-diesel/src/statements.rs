@@ -159,6 +159,14 @@ pub trait RetentionOps: Sized {
         limit: i64,
         from: Option<DateTime<Utc>>,
     ) -> QueryResult<PurgeBatch>;
+
+    /// How many rows a purge of `target` with `cutoff` would delete now (the same
+    /// rows as [`purge_batch`](Self::purge_batch), counted, locked or not).
+    fn count_purgeable(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+    ) -> QueryResult<i64>;
 }
 
 /// How a claim upsert meets a row already under its claim key.

@@ -237,9 +237,19 @@ fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
             ..
         })
     ));
+    // The dry-run count is what the purge then deletes: the settled records and the
+    // one that died before its commit, never the committed, unsettled one.
+    assert_eq!(
+        inbox_diesel::idempotency::count_expired_requests(&env.store, day).unwrap(),
+        6
+    );
     assert_eq!(
         inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 2).unwrap(),
         6
+    );
+    assert_eq!(
+        inbox_diesel::idempotency::count_expired_requests(&env.store, day).unwrap(),
+        0
     );
     assert!(
         inbox_diesel::idempotency::request_record(&env.store, "a", &open)

@@ -157,6 +157,17 @@ where
         .cloned()
         .collect();
     assert_eq!(eligible.len(), 3000 - started.len());
+    // The dry-run count is the purge's own: these rows, not the started, failed,
+    // dead or recent ones.
+    let hour_ago = inbox_core::Clock::now(&clock) - chrono::TimeDelta::hours(1);
+    let count = |target| {
+        inbox_diesel::count_purgeable(&mut *store.connection().unwrap(), target, hour_ago).unwrap()
+    };
+    assert_eq!(count(PurgeTarget::DoneClaims), eligible.len() as u64);
+    let report = Operator::new(&store)
+        .count_purgeable(&hour(), secs(3600))
+        .unwrap();
+    assert_eq!(report.done_claims, eligible.len() as u64);
 
     // The consumer keeps writing claims (newer than the window) while they purge.
     let counts = race(
@@ -240,6 +251,17 @@ where
         )
     };
     let before = outbox(fx);
+    // The dry-run count: the old published rows, not the leased or recent ones.
+    let hour_ago = inbox_core::Clock::now(&clock) - chrono::TimeDelta::hours(1);
+    assert_eq!(
+        inbox_diesel::count_purgeable(
+            &mut *store.connection().unwrap(),
+            PurgeTarget::PublishedOutboxRows,
+            hour_ago
+        )
+        .unwrap(),
+        1500
+    );
 
     // A relay keeps publishing (newer than the window) while they purge.
     let counts = race(
@@ -332,6 +354,11 @@ where
     let old = |k: &str, s: &str| k.starts_with("old-") && s == "discarded";
     let eligible = before.iter().filter(|(k, s)| old(k, s)).count();
     assert_eq!(eligible, 500);
+    // The dry-run count: the old discarded letters, not the pending or recent ones.
+    let report = Operator::new(&store)
+        .count_purgeable(&hour(), secs(3600))
+        .unwrap();
+    assert_eq!(report.discarded_dead_letters, 500);
 
     // Letters keep arriving and being discarded (newer than the window) meanwhile.
     let counts = race(

@@ -142,6 +142,18 @@ pub fn purge_expired_requests<C: IdempotencyConnection>(
     store.purge(PurgeTarget::ExpiredIdempotencyKeys, retention, batch)
 }
 
+/// How many records [`purge_expired_requests`] with `retention` would delete now:
+/// the retention purge's dry-run count ([`count_purgeable`](crate::count_purgeable)),
+/// the same rows by the same rules.
+pub fn count_expired_requests<C: IdempotencyConnection>(
+    store: &Store<C>,
+    retention: Duration,
+) -> Result<u64> {
+    let cutoff = inbox_core::earlier_by(store.clock().now(), retention);
+    let mut conn = store.connection()?;
+    crate::count_purgeable(&mut *conn, PurgeTarget::ExpiredIdempotencyKeys, cutoff)
+}
+
 /// Reads the idempotency record of (caller, key) on a connection of `store`'s pool.
 pub fn request_record<C: IdempotencyConnection>(
     store: &Store<C>,

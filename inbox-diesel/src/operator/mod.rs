@@ -102,7 +102,7 @@ use std::time::Duration;
 use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
-use crate::{ClaimRecord, ClaimStatus, Error, Result, Store};
+use crate::{ClaimRecord, ClaimStatus, Error, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
@@ -476,17 +476,12 @@ impl<C: OperatorConnection> Operator<C> {
         // As the purges: a window reaching before year 1 counts nothing.
         let before = |d: Duration| inbox_core::earlier_by(now, d);
         let mut conn = self.connection()?;
-        let (published, done, letters) = C::op_count_purgeable(
-            &mut conn,
-            before(retention.published()),
-            before(retention.done_claims()),
-            before(discarded),
-        )?;
-        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        // The retention purge's own count: the same rows the purges delete.
+        let mut count = |target, window| crate::count_purgeable(&mut *conn, target, before(window));
         Ok(PurgeReport {
-            published_outbox_rows: count(published),
-            done_claims: count(done),
-            discarded_dead_letters: count(letters),
+            published_outbox_rows: count(PurgeTarget::PublishedOutboxRows, retention.published())?,
+            done_claims: count(PurgeTarget::DoneClaims, retention.done_claims())?,
+            discarded_dead_letters: count(PurgeTarget::DiscardedDeadLetters, discarded)?,
         })
     }
 }

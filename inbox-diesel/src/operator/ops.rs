@@ -195,16 +195,6 @@ pub trait OperatorOps: StoreConnection {
     #[doc(hidden)]
     fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats>;
 
-    /// Counts what a purge with these cutoffs would delete: published outbox rows,
-    /// done claims, discarded dead letters.
-    #[doc(hidden)]
-    fn op_count_purgeable(
-        conn: &mut Self,
-        published_before: DateTime<Utc>,
-        done_before: DateTime<Utc>,
-        discarded_before: DateTime<Utc>,
-    ) -> QueryResult<(i64, i64, i64)>;
-
     /// Records an arrival of a canary message.
     #[doc(hidden)]
     fn op_record_canary(
@@ -699,38 +689,6 @@ macro_rules! operator_ops {
                         .first(conn)?;
                 }
                 Ok(stats)
-            }
-
-            fn op_count_purgeable(
-                conn: &mut Self,
-                published_before: DateTime<Utc>,
-                done_before: DateTime<Utc>,
-                discarded_before: DateTime<Utc>,
-            ) -> QueryResult<(i64, i64, i64)> {
-                use diesel::dsl::count_star;
-                let published: i64 = {
-                    use crate::operator::tables::$schema::op_outbox::dsl::*;
-                    op_outbox
-                        .filter(published_at.lt(published_before))
-                        .select(count_star())
-                        .first(conn)?
-                };
-                let done: i64 = {
-                    use crate::schema::$schema::inbox_claims::dsl::*;
-                    inbox_claims
-                        .filter(status.eq(crate::ClaimStatus::Done.as_str()))
-                        .filter(updated_at.lt(done_before))
-                        .select(count_star())
-                        .first(conn)?
-                };
-                let discarded: i64 = {
-                    use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                    op_dead_letters
-                        .filter(discarded_at.lt(discarded_before))
-                        .select(count_star())
-                        .first(conn)?
-                };
-                Ok((published, done, discarded))
             }
 
             fn op_record_canary(

@@ -50,30 +50,59 @@ macro_rules! purge_sql {
     };
 }
 
+/// The dry-run count of what a purge of the same target and cutoff deletes: the
+/// same table, timestamp and rows as [`purge_sql`], `$1` the cutoff.
+macro_rules! count_sql {
+    ($table:literal, $at:literal, $keep:literal) => {
+        concat!(
+            "SELECT count(*) AS n FROM ",
+            $table,
+            " WHERE ",
+            $keep,
+            " AND ",
+            $at,
+            " < $1"
+        )
+    };
+}
+
+/// Each target's table, timestamp and rows, written once: the purge and its dry-run
+/// count are both built from them, so they cannot disagree.
+macro_rules! for_target {
+    ($target:expr, $sql:ident) => {
+        match $target {
+            PurgeTarget::PublishedOutboxRows => {
+                $sql!(
+                    "outbox_messages",
+                    "published_at",
+                    "published_at IS NOT NULL"
+                )
+            }
+            PurgeTarget::DoneClaims => $sql!("inbox_claims", "updated_at", "status = 'done'"),
+            PurgeTarget::DiscardedDeadLetters => $sql!(
+                "inbox_dead_letters",
+                "discarded_at",
+                "discarded_at IS NOT NULL"
+            ),
+            PurgeTarget::ExpiredIdempotencyKeys => $sql!(
+                "idempotency_keys",
+                "created_at",
+                "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1))"
+            ),
+        }
+    };
+}
+
 /// The statement that deletes one batch of `target` (see [`purge_sql`]); public,
 /// hidden, for the tests that read its plan.
 #[doc(hidden)]
 pub fn purge_statement(target: PurgeTarget) -> &'static str {
-    match target {
-        PurgeTarget::PublishedOutboxRows => {
-            purge_sql!(
-                "outbox_messages",
-                "published_at",
-                "published_at IS NOT NULL"
-            )
-        }
-        PurgeTarget::DoneClaims => purge_sql!("inbox_claims", "updated_at", "status = 'done'"),
-        PurgeTarget::DiscardedDeadLetters => purge_sql!(
-            "inbox_dead_letters",
-            "discarded_at",
-            "discarded_at IS NOT NULL"
-        ),
-        PurgeTarget::ExpiredIdempotencyKeys => purge_sql!(
-            "idempotency_keys",
-            "created_at",
-            "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < $1))"
-        ),
-    }
+    for_target!(target, purge_sql)
+}
+
+/// The statement that counts what a purge of `target` deletes (see [`count_sql`]).
+fn count_statement(target: PurgeTarget) -> &'static str {
+    for_target!(target, count_sql)
 }
 
 /// The purge lock of `target`'s table, tried, never waited for.
@@ -98,6 +127,12 @@ fn lock_statement(target: PurgeTarget) -> &'static str {
 struct Held {
     #[diesel(sql_type = Bool)]
     held: bool,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
 }
 
 #[derive(QueryableByName)]
@@ -135,5 +170,16 @@ impl RetentionOps for PgConnection {
             resume_from: done.last,
             busy: false,
         })
+    }
+
+    fn count_purgeable(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+    ) -> QueryResult<i64> {
+        let count: Count = diesel::sql_query(count_statement(target))
+            .bind::<Timestamptz, _>(cutoff)
+            .get_result(conn)?;
+        Ok(count.n)
     }
 }

@@ -43,37 +43,71 @@ macro_rules! purge_sql {
     };
 }
 
+/// The dry-run count of what a purge of the same target and cutoff deletes: the
+/// same table, timestamp and rows as [`purge_sql`], `?1` the cutoff.
+macro_rules! count_sql {
+    ($table:literal, $key:literal, $columns:literal, $at:literal, $keep:literal) => {
+        concat!(
+            "SELECT count(*) AS n FROM ",
+            $table,
+            " WHERE ",
+            $keep,
+            " AND ",
+            $at,
+            " < ?1"
+        )
+    };
+}
+
+/// Each target's table, key, timestamp and rows, written once: the purge and its
+/// dry-run count are both built from them, so they cannot disagree.
+macro_rules! for_target {
+    ($target:expr, $sql:ident) => {
+        match $target {
+            PurgeTarget::PublishedOutboxRows => $sql!(
+                "outbox_messages",
+                "id",
+                "id",
+                "published_at",
+                "published_at IS NOT NULL"
+            ),
+            PurgeTarget::DoneClaims => $sql!(
+                "inbox_claims",
+                "(message_key, consumer_group)",
+                "message_key, consumer_group",
+                "updated_at",
+                "status = 'done'"
+            ),
+            PurgeTarget::DiscardedDeadLetters => $sql!(
+                "inbox_dead_letters",
+                "id",
+                "id",
+                "discarded_at",
+                "discarded_at IS NOT NULL"
+            ),
+            PurgeTarget::ExpiredIdempotencyKeys => $sql!(
+                "idempotency_keys",
+                "(caller, idempotency_key)",
+                "caller, idempotency_key",
+                "created_at",
+                "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < ?1))"
+            ),
+        }
+    };
+}
+
 fn purge_statement(target: PurgeTarget) -> &'static str {
-    match target {
-        PurgeTarget::PublishedOutboxRows => purge_sql!(
-            "outbox_messages",
-            "id",
-            "id",
-            "published_at",
-            "published_at IS NOT NULL"
-        ),
-        PurgeTarget::DoneClaims => purge_sql!(
-            "inbox_claims",
-            "(message_key, consumer_group)",
-            "message_key, consumer_group",
-            "updated_at",
-            "status = 'done'"
-        ),
-        PurgeTarget::DiscardedDeadLetters => purge_sql!(
-            "inbox_dead_letters",
-            "id",
-            "id",
-            "discarded_at",
-            "discarded_at IS NOT NULL"
-        ),
-        PurgeTarget::ExpiredIdempotencyKeys => purge_sql!(
-            "idempotency_keys",
-            "(caller, idempotency_key)",
-            "caller, idempotency_key",
-            "created_at",
-            "(status <> 'in_flight' OR (committed_at IS NULL AND lease_until < ?1))"
-        ),
-    }
+    for_target!(target, purge_sql)
+}
+
+fn count_statement(target: PurgeTarget) -> &'static str {
+    for_target!(target, count_sql)
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
 }
 
 #[derive(QueryableByName)]
@@ -100,5 +134,16 @@ impl RetentionOps for SqliteConnection {
             resume_from: gone.iter().map(|d| d.at).max(),
             busy: false,
         })
+    }
+
+    fn count_purgeable(
+        conn: &mut Self,
+        target: PurgeTarget,
+        cutoff: DateTime<Utc>,
+    ) -> QueryResult<i64> {
+        let count: Count = diesel::sql_query(count_statement(target))
+            .bind::<TimestamptzSqlite, _>(cutoff)
+            .get_result(conn)?;
+        Ok(count.n)
     }
 }
