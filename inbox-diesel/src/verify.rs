@@ -1,8 +1,9 @@
-//! `verify_schema`: the claim table's unique index must enforce exactly the claim key.
+//! `verify_schema`: the claim table's unique index must enforce exactly the claim key,
+//! by the one rule every keyed table is checked with ([`check_key`]).
 
 use inbox_core::ClaimKey;
 
-use crate::{Error, Result, SchemaProblem};
+use crate::{Error, Result, SchemaPart, SchemaProblem};
 
 /// One index of the claim table, as the live catalog describes it.
 #[derive(Debug)]
@@ -73,58 +74,91 @@ pub(crate) fn describe(index: &IndexInfo) -> String {
     )
 }
 
-fn key_list() -> String {
-    format!("({})", ClaimKey::COLUMNS.join(", "))
+/// A table's key: the columns its unique index must enforce exactly, and whose
+/// schema objects they are (the claim table's, the idempotency table's).
+#[derive(Clone, Copy)]
+pub(crate) struct Key {
+    /// Whose table.
+    pub part: SchemaPart,
+    /// The key's columns.
+    pub columns: &'static [&'static str],
 }
 
-/// Whether the index's plain columns include every claim-key column.
-fn covers_key(index: &IndexInfo) -> bool {
-    ClaimKey::COLUMNS
-        .iter()
-        .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
-}
+/// The claim table's key.
+const CLAIMS: Key = Key {
+    part: SchemaPart::Claims,
+    columns: &ClaimKey::COLUMNS,
+};
 
-/// Whether the index's plain columns are the claim-key columns, in any order: the
-/// indexes `ON CONFLICT (consumer_group, message_key)` takes as its arbiters.
-fn same_columns(index: &IndexInfo) -> bool {
-    index.columns.len() == ClaimKey::COLUMNS.len() && covers_key(index)
-}
+impl Key {
+    fn list(self) -> String {
+        format!("({})", self.columns.join(", "))
+    }
 
-/// Whether the index compares a claim-key column under a loose collation: it would
-/// refuse a key that the lookup, comparing bytes, tells apart from another.
-fn folds_key(index: &IndexInfo) -> bool {
-    index
-        .columns
-        .iter()
-        .zip(&index.loose_collations)
-        .any(|(c, loose)| {
-            loose.is_some() && c.as_deref().is_some_and(|c| ClaimKey::COLUMNS.contains(&c))
-        })
-}
+    /// Whether the index's plain columns include every key column.
+    fn covered_by(self, index: &IndexInfo) -> bool {
+        self.columns
+            .iter()
+            .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
+    }
 
-/// Whether the index is exactly the claim key: unique, not partial, no expression,
-/// the same column set (not a superset), keys equal only when their bytes are.
-fn is_claim_key(index: &IndexInfo) -> bool {
-    index.unique && !index.partial && !folds_key(index) && same_columns(index)
+    /// Whether the index's plain columns are the key's, in any order: the indexes
+    /// `ON CONFLICT (<key>)` takes as its arbiters.
+    fn same_columns(self, index: &IndexInfo) -> bool {
+        index.columns.len() == self.columns.len() && self.covered_by(index)
+    }
+
+    /// Whether the index compares a key column under a loose collation: it would
+    /// refuse a key that the lookup, comparing bytes, tells apart from another.
+    fn folded_by(self, index: &IndexInfo) -> bool {
+        index
+            .columns
+            .iter()
+            .zip(&index.loose_collations)
+            .any(|(c, loose)| {
+                loose.is_some() && c.as_deref().is_some_and(|c| self.columns.contains(&c))
+            })
+    }
+
+    /// Whether the index is exactly the key: unique, not partial, no expression, the
+    /// same column set (not a superset), keys equal only when their bytes are.
+    fn is_exactly(self, index: &IndexInfo) -> bool {
+        index.unique && !index.partial && !self.folded_by(index) && self.same_columns(index)
+    }
 }
 
 /// Refuses a claim table whose unique indexes do not enforce exactly the claim key.
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
+    check_key(catalog, CLAIMS)
+}
+
+/// The one rule for "a unique index enforces exactly this key", for every table that
+/// needs it (the claims', the idempotency keys'): the table exists, the key's
+/// columns are NOT NULL and compare bytes, one valid, non-deferrable unique index
+/// covers exactly the key, and no other unique index can refuse a row the key allows.
+pub(crate) fn check_key(catalog: &Catalog, key: Key) -> Result<()> {
     if !catalog.exists {
         return Err(mismatch(
             catalog,
+            key,
             SchemaProblem::MissingTable,
-            format!("table with unique {}", key_list()),
+            format!("table with unique {}", key.list()),
             "no such table (were the migrations run?)".to_owned(),
         ));
     }
-    check_columns(catalog)?;
-    check_indexes(catalog)
+    check_columns(catalog, key)?;
+    check_indexes(catalog, key)
 }
 
-fn mismatch(catalog: &Catalog, problem: SchemaProblem, expected: String, found: String) -> Error {
+fn mismatch(
+    catalog: &Catalog,
+    key: Key,
+    problem: SchemaProblem,
+    expected: String,
+    found: String,
+) -> Error {
     Error::SchemaMismatch {
-        part: crate::SchemaPart::Claims,
+        part: key.part,
         problem,
         expected,
         found,
@@ -132,12 +166,12 @@ fn mismatch(catalog: &Catalog, problem: SchemaProblem, expected: String, found: 
     }
 }
 
-/// The claim key's columns: present, NOT NULL, comparing bytes.
-fn check_columns(catalog: &Catalog) -> Result<()> {
-    let mismatch = |problem, expected, found| mismatch(catalog, problem, expected, found);
-    for key in ClaimKey::COLUMNS {
-        let expected = || format!("NOT NULL column {key} comparing bytes");
-        match catalog.columns.iter().find(|c| c.name == *key) {
+/// The key's columns: present, NOT NULL, comparing bytes.
+fn check_columns(catalog: &Catalog, key: Key) -> Result<()> {
+    let mismatch = |problem, expected, found| mismatch(catalog, key, problem, expected, found);
+    for column in key.columns {
+        let expected = || format!("NOT NULL column {column} comparing bytes");
+        match catalog.columns.iter().find(|c| c.name == *column) {
             None => {
                 return Err(mismatch(
                     SchemaProblem::MissingColumn,
@@ -149,7 +183,7 @@ fn check_columns(catalog: &Catalog) -> Result<()> {
                 return Err(mismatch(
                     SchemaProblem::NullableColumn,
                     expected(),
-                    format!("nullable column {key}"),
+                    format!("nullable column {column}"),
                 ))
             }
             Some(ColumnInfo {
@@ -159,7 +193,7 @@ fn check_columns(catalog: &Catalog) -> Result<()> {
                 return Err(mismatch(
                     SchemaProblem::ColumnCollation,
                     expected(),
-                    format!("column {key} collate {collation}"),
+                    format!("column {column} collate {collation}"),
                 ))
             }
             Some(_) => {}
@@ -168,10 +202,10 @@ fn check_columns(catalog: &Catalog) -> Result<()> {
     Ok(())
 }
 
-/// The unique indexes: one valid, non-deferrable index of exactly the claim key, and
-/// no other that could reject a claim the claim key allows.
-fn check_indexes(catalog: &Catalog) -> Result<()> {
-    let mismatch = |problem, expected, found| mismatch(catalog, problem, expected, found);
+/// The unique indexes: one valid, non-deferrable index of exactly the key, and no
+/// other that could reject a row the key allows.
+fn check_indexes(catalog: &Catalog, key: Key) -> Result<()> {
+    let mismatch = |problem, expected, found| mismatch(catalog, key, problem, expected, found);
     let unique: Vec<&IndexInfo> = catalog.indexes.iter().filter(|i| i.unique).collect();
     let found_all = || {
         if unique.is_empty() {
@@ -184,21 +218,21 @@ fn check_indexes(catalog: &Catalog) -> Result<()> {
                 .join(", ")
         }
     };
-    // `ON CONFLICT` takes every unique index on the claim-key columns as an arbiter
-    // and refuses a deferrable one, even initially immediate and beside a good one.
-    if let Some(deferrable) = unique.iter().find(|i| i.deferrable && same_columns(i)) {
+    // `ON CONFLICT` takes every unique index on the key's columns as an arbiter and
+    // refuses a deferrable one, even initially immediate and beside a good one.
+    if let Some(deferrable) = unique.iter().find(|i| i.deferrable && key.same_columns(i)) {
         return Err(mismatch(
             SchemaProblem::DeferrableIndex,
-            format!("non-deferrable unique {}", key_list()),
+            format!("non-deferrable unique {}", key.list()),
             describe(deferrable),
         ));
     }
     // An invalid index is no arbiter either (a failed CREATE INDEX CONCURRENTLY).
-    if !unique.iter().any(|i| is_claim_key(i) && i.valid) {
-        if let Some(invalid) = unique.iter().find(|i| is_claim_key(i)) {
+    if !unique.iter().any(|i| key.is_exactly(i) && i.valid) {
+        if let Some(invalid) = unique.iter().find(|i| key.is_exactly(i)) {
             return Err(mismatch(
                 SchemaProblem::InvalidIndex,
-                format!("valid unique {}", key_list()),
+                format!("valid unique {}", key.list()),
                 describe(invalid),
             ));
         }
@@ -206,21 +240,24 @@ fn check_indexes(catalog: &Catalog) -> Result<()> {
             SchemaProblem::NoClaimIndex,
             format!(
                 "unique {} without predicate, expression or non-deterministic collation",
-                key_list()
+                key.list()
             ),
             found_all(),
         ));
     }
-    // Another unique index that does not contain the whole claim key, or folds one of
-    // its columns, can reject a claim the claim key allows (a unique message_key makes
-    // a second group's claim fail; a case-folding one, a key differing in case), so
-    // the insert's conflict and the lookup would disagree.
-    if let Some(extra) = unique.iter().find(|i| !covers_key(i) || folds_key(i)) {
+    // Another unique index that does not contain the whole key, or folds one of its
+    // columns, can reject a row the key allows (a unique message_key makes a second
+    // group's claim fail; a case-folding one, a key differing in case), so the
+    // insert's conflict and the lookup would disagree.
+    if let Some(extra) = unique
+        .iter()
+        .find(|i| !key.covered_by(i) || key.folded_by(i))
+    {
         return Err(mismatch(
             SchemaProblem::ExtraUniqueIndex,
             format!(
                 "no unique index other than on {} or a superset of it",
-                key_list()
+                key.list()
             ),
             describe(extra),
         ));

@@ -4,127 +4,19 @@
 //! key's request could refuse another's (a unique index on a part of the key).
 
 use super::IDEMPOTENCY_KEY_COLUMNS as KEY;
-use crate::verify::{describe, Catalog, IndexInfo};
-use crate::{Error, Result, SchemaProblem};
+use crate::verify::{check_key, Catalog, Key};
+use crate::{Error, Result, SchemaPart, SchemaProblem};
 
-fn key_list() -> String {
-    format!("({})", KEY.join(", "))
-}
-
-fn covers_key(index: &IndexInfo) -> bool {
-    KEY.iter()
-        .all(|k| index.columns.iter().any(|c| c.as_deref() == Some(*k)))
-}
-
-fn same_columns(index: &IndexInfo) -> bool {
-    index.columns.len() == KEY.len() && covers_key(index)
-}
-
-fn folds_key(index: &IndexInfo) -> bool {
-    index
-        .columns
-        .iter()
-        .zip(&index.loose_collations)
-        .any(|(c, loose)| loose.is_some() && c.as_deref().is_some_and(|c| KEY.contains(&c)))
-}
-
-fn is_key_index(index: &IndexInfo) -> bool {
-    index.unique
-        && !index.partial
-        && !index.deferrable
-        && index.valid
-        && !folds_key(index)
-        && same_columns(index)
-}
-
-/// Refuses an idempotency table whose unique indexes do not enforce exactly the key.
+/// Refuses an idempotency table whose unique indexes do not enforce exactly the key:
+/// the claim table's rule ([`check_key`]), with (caller, idempotency_key).
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
-    let mismatch =
-        |problem: SchemaProblem, expected: String, found: String| Error::SchemaMismatch {
-            part: crate::SchemaPart::Idempotency,
-            problem,
-            expected,
-            found,
-            table: catalog.table.clone(),
-        };
-    if !catalog.exists {
-        return Err(mismatch(
-            SchemaProblem::MissingTable,
-            format!("table with unique {}", key_list()),
-            "no such table (were the migrations run?)".to_owned(),
-        ));
-    }
-    for key in KEY {
-        let expected = || format!("NOT NULL column {key} comparing bytes");
-        match catalog.columns.iter().find(|c| c.name == key) {
-            None => {
-                return Err(mismatch(
-                    SchemaProblem::MissingColumn,
-                    expected(),
-                    "no such column".to_owned(),
-                ))
-            }
-            Some(c) if !c.not_null => {
-                return Err(mismatch(
-                    SchemaProblem::NullableColumn,
-                    expected(),
-                    format!("nullable column {key}"),
-                ))
-            }
-            Some(c) => {
-                if let Some(collation) = &c.loose_collation {
-                    return Err(mismatch(
-                        SchemaProblem::ColumnCollation,
-                        expected(),
-                        format!("column {key} collate {collation}"),
-                    ));
-                }
-            }
-        }
-    }
-    let unique: Vec<&IndexInfo> = catalog.indexes.iter().filter(|i| i.unique).collect();
-    if let Some(deferrable) = unique.iter().find(|i| i.deferrable && same_columns(i)) {
-        return Err(mismatch(
-            SchemaProblem::DeferrableIndex,
-            format!("non-deferrable unique {}", key_list()),
-            describe(deferrable),
-        ));
-    }
-    if !unique.iter().any(|i| is_key_index(i)) {
-        let found = if unique.is_empty() {
-            "no unique index".to_owned()
-        } else {
-            unique
-                .iter()
-                .map(|i| describe(i))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let problem = if unique.iter().any(|i| same_columns(i) && !i.valid) {
-            SchemaProblem::InvalidIndex
-        } else {
-            SchemaProblem::NoClaimIndex
-        };
-        return Err(mismatch(
-            problem,
-            format!(
-                "valid unique {} without predicate, expression or non-deterministic collation",
-                key_list()
-            ),
-            found,
-        ));
-    }
-    if let Some(extra) = unique.iter().find(|i| !covers_key(i) || folds_key(i)) {
-        return Err(mismatch(
-            SchemaProblem::ExtraUniqueIndex,
-            format!(
-                "no unique index other than on {} or a superset of it",
-                key_list()
-            ),
-            describe(extra),
-        ));
-    }
-    Ok(())
+    check_key(
+        catalog,
+        Key {
+            part: SchemaPart::Idempotency,
+            columns: &KEY,
+        },
+    )
 }
 
 /// Refuses a `lease_token` column of another type than `expected` (an integer
@@ -151,6 +43,7 @@ pub(crate) fn check_token_type(table: &str, found: Option<String>, expected: &st
 mod tests {
     use super::*;
     use crate::verify::ColumnInfo;
+    use crate::verify::IndexInfo;
 
     fn index(name: &str, cols: &[&str]) -> IndexInfo {
         IndexInfo {
@@ -211,7 +104,7 @@ mod tests {
             .to_string();
         assert_eq!(
             err,
-            "idempotency index mismatch: expected valid unique (caller, idempotency_key) \
+            "idempotency index mismatch: expected unique (caller, idempotency_key) \
              without predicate, expression or non-deterministic collation, found unique \
              (idempotency_key) [k] on s.idempotency_keys"
         );
