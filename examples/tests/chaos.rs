@@ -313,6 +313,8 @@ fn the_example_processes_under_chaos_end_with_the_projection_exact() {
     };
     let topology = inbox_test_support::amqp::usage_consumer_topology(&scene.prefix);
     let queue = topology.queue(&inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap());
+    // The queues go whatever the outcome, after the programs (declared before them).
+    let _topology = inbox_test_support::amqp::DeleteOnDrop::new(amqp.clone(), topology);
 
     let mut db = scene.db();
     let mut consumer = scene.consumer();
@@ -449,12 +451,6 @@ fn the_example_processes_under_chaos_end_with_the_projection_exact() {
             "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
             scene.schema
         ))
-    });
-    rt.block_on(async {
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        topology.delete(&conn).await.unwrap();
     });
 }
 

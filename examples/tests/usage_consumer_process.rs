@@ -66,6 +66,12 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     let Some(base) = database_url() else { return };
     let schema = unique("ex");
     let url = schema_url(&base, &schema);
+    // The example's queues carry no expiry: they go, whatever the test's outcome
+    // (declared before the child, so dropped after it is killed).
+    let _topology = inbox_test_support::amqp::DeleteOnDrop::new(
+        amqp_url().unwrap(),
+        inbox_test_support::amqp::usage_consumer_topology(&format!("{schema}.")),
+    );
     let mut child = KillOnDrop(Some(
         Command::new(example_binary())
             .env("DATABASE_URL", &url)
@@ -206,15 +212,6 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
         "{stderr}"
     );
     drop_schema(&base, &schema);
-    // The example's queues and exchange carry no expiry: remove them.
-    let topology = inbox_test_support::amqp::usage_consumer_topology(&format!("{schema}."));
-    runtime.block_on(async {
-        let amqp = amqp_url().unwrap();
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        topology.delete(&conn).await.unwrap();
-    });
 }
 
 #[test]
@@ -276,6 +273,10 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
     let schema = unique("ex");
     let url = schema_url(&base, &schema);
     let prefix = format!("{schema}.");
+    let _topology = inbox_test_support::amqp::DeleteOnDrop::new(
+        amqp_url().unwrap(),
+        inbox_test_support::amqp::usage_consumer_topology(&prefix),
+    );
     let mut consumer = KillOnDrop(Some(
         Command::new(example_binary())
             .env("DATABASE_URL", &url)
@@ -333,14 +334,6 @@ fn producer_and_consumer_round_trip_through_outbox_broker_and_inbox() {
     let out = consumer.0.take().unwrap().wait_with_output().unwrap();
     assert!(out.status.success());
     drop_schema(&base, &schema);
-    let topology = inbox_test_support::amqp::usage_consumer_topology(&prefix);
-    tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let amqp = amqp_url().unwrap();
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        topology.delete(&conn).await.unwrap();
-    });
 }
 
 /// Busy threads while the startups run: the exit race showed under load.

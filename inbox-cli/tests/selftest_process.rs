@@ -77,6 +77,21 @@ fn selftest_passes_against_a_running_consumer_and_fails_once_it_is_stopped() {
     let sep = if base.contains('?') { '&' } else { '?' };
     let db = format!("{base}{sep}options=-csearch_path%3D{schema}");
     let prefix = format!("{}.", unique_name("st"));
+    let topology = Topology::new("billing")
+        .unwrap()
+        .prefix(prefix.clone())
+        .unwrap()
+        .ladder(RetryLadder::new([Duration::from_millis(50)]).unwrap())
+        .group(
+            ConsumerGroup::new("billing.daily-usage").unwrap(),
+            ["usage.recorded"],
+        )
+        .group(
+            ConsumerGroup::new("inbox.canary").unwrap(),
+            ["inbox.canary"],
+        );
+    // The consumer's queues go whatever the outcome, after it (declared before it).
+    let _topology = amqp::DeleteOnDrop::new(amqp_url.clone(), topology);
 
     let mut child = Command::new(usage_consumer())
         .env("DATABASE_URL", &db)
@@ -113,27 +128,5 @@ fn selftest_passes_against_a_running_consumer_and_fails_once_it_is_stopped() {
     assert_eq!(report["passed"], false);
     assert!(stderr.contains("5 of 5 canaries lost"), "{stderr}");
 
-    let topology = Topology::new("billing")
-        .unwrap()
-        .prefix(prefix)
-        .unwrap()
-        .ladder(RetryLadder::new([Duration::from_millis(50)]).unwrap())
-        .group(
-            ConsumerGroup::new("billing.daily-usage").unwrap(),
-            ["usage.recorded"],
-        )
-        .group(
-            ConsumerGroup::new("inbox.canary").unwrap(),
-            ["inbox.canary"],
-        );
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async {
-            let conn = amqp::connect(&amqp_url).await;
-            topology.delete(&conn).await.unwrap();
-            let _ = conn.close(200, "done".into()).await;
-        });
     let _ = conn.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"));
 }

@@ -175,6 +175,50 @@ pub fn usage_consumer_topology(prefix: &str) -> Topology {
         )
 }
 
+/// Deletes a topology from the broker at `url` when dropped, whether the test
+/// passed or failed: the queues of a program a test ran carry no expiry. The delete
+/// runs on a thread of its own (so a drop inside a runtime is fine), bounded to 10 s
+/// for the connect and 10 s for the delete; its failure is ignored.
+pub struct DeleteOnDrop {
+    url: String,
+    topology: Option<Topology>,
+}
+
+impl DeleteOnDrop {
+    /// Deletes `topology` from the broker at `url` when dropped.
+    pub fn new(url: impl Into<String>, topology: Topology) -> Self {
+        Self {
+            url: url.into(),
+            topology: Some(topology),
+        }
+    }
+}
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        let (url, Some(topology)) = (self.url.clone(), self.topology.take()) else {
+            return;
+        };
+        let deleting = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let within = Duration::from_secs(10);
+                let connect = Connection::connect(&url, ConnectionProperties::default());
+                if let Ok(Ok(conn)) = tokio::time::timeout(within, connect).await {
+                    let _ = tokio::time::timeout(within, topology.delete(&conn)).await;
+                    let _ = conn.close(200, "done".into()).await;
+                }
+            });
+        });
+        let _ = deleting.join();
+    }
+}
+
 /// A connection for the test's own publishing and inspection.
 pub async fn connect(url: &str) -> Connection {
     Connection::connect(url, ConnectionProperties::default())
@@ -773,6 +817,46 @@ mod watchdog_tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         assert!(!handshake_answered(&addr.to_string()));
+    }
+
+    /// A test that fails still removes its topology: the guard deletes it while the
+    /// panic unwinds.
+    #[test]
+    fn a_failing_test_still_deletes_its_topology() {
+        let Some(url) = amqp_url() else { return };
+        let topology = test_topology(&unique_prefix("dod"), &[50]).group(
+            inbox_core::ConsumerGroup::new("billing.daily-usage").unwrap(),
+            ["usage.recorded"],
+        );
+        let queue = topology.queues()[0].clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let exists = |queue: &str| {
+            rt.block_on(async {
+                let conn = connect(&url).await;
+                let channel = conn.create_channel().await.unwrap();
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                };
+                let found = channel
+                    .queue_declare(queue.into(), passive, FieldTable::default())
+                    .await
+                    .is_ok();
+                let _ = conn.close(200, "done".into()).await;
+                found
+            })
+        };
+        rt.block_on(async { topology.declare(&connect(&url).await).await.unwrap() });
+        assert!(exists(&queue));
+        let failed = std::panic::catch_unwind(|| {
+            let _topology = DeleteOnDrop::new(url.clone(), topology.clone());
+            panic!("the test fails");
+        });
+        assert!(failed.is_err());
+        assert!(!exists(&queue), "{queue} outlived the failed test");
     }
 
     #[test]
