@@ -151,7 +151,8 @@ impl<C: StoreConnection> StoreBuilder<C> {
     /// row and projection locks: nothing of the batch commits, nothing is acked, and a
     /// redelivered message that hung has its start counted like a crash. A process's
     /// crash-detection slot held longer than this is taken over. Transports give
-    /// [`InboxStore::batch_deadline`] to a batch before they abandon it.
+    /// [`InboxStore::batch_deadline`](inbox_core::InboxStore::batch_deadline) to a
+    /// batch before they abandon it.
     pub fn batch_deadline(mut self, deadline: Duration) -> Self {
         self.batch_deadline = deadline;
         self
