@@ -59,6 +59,19 @@ impl<C: inbox_test_support::FullConnection> Env<C> {
         begin_request(&mut *conn, &request, now).unwrap()
     }
 
+    /// Begins, commits and settles (refunded) `n` requests of caller `a`, keys
+    /// `settled-0` .. `settled-{n-1}`.
+    fn settled_requests(&self, n: usize, fp: &Fingerprint) {
+        for i in 0..n {
+            let k = key(&format!("settled-{i}"));
+            let IdempotencyAnswer::Execute { token } = self.begin("a", &k, fp) else {
+                panic!("executes");
+            };
+            self.commit("a", &k, token).unwrap();
+            assert!(self.settle("a", &k, token, &Settlement::Refunded));
+        }
+    }
+
     fn commit(&self, caller: &str, key: &IdempotencyKey, token: LeaseToken) -> Result<(), Error> {
         let mut conn = self.store.connection().unwrap();
         commit_request(&mut *conn, caller, key, token, self.clock.now())
@@ -206,14 +219,7 @@ fn a_delivered_request_refunded_later_answers_refunded<F: Fixture>(fx: &F) {
 fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
     let env = env(fx);
     let fp = fingerprint("x", b"s");
-    for i in 0..5 {
-        let k = key(&format!("settled-{i}"));
-        let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
-            panic!("executes");
-        };
-        env.commit("a", &k, token).unwrap();
-        assert!(env.settle("a", &k, token, &Settlement::Refunded));
-    }
+    env.settled_requests(5, &fp);
     let open = key("committed-unsettled");
     let IdempotencyAnswer::Execute { token } = env.begin("a", &open, &fp) else {
         panic!("executes");
@@ -768,14 +774,7 @@ fn postgres_an_idempotency_purge_that_finds_another_running_leaves_the_records_t
     let Some(fx) = PgFixture::new() else { return };
     let env = env(&fx);
     let fp = fingerprint("x", b"s");
-    for i in 0..5 {
-        let k = key(&format!("settled-{i}"));
-        let IdempotencyAnswer::Execute { token } = env.begin("a", &k, &fp) else {
-            panic!("executes");
-        };
-        env.commit("a", &k, token).unwrap();
-        assert!(env.settle("a", &k, token, &Settlement::Refunded));
-    }
+    env.settled_requests(5, &fp);
     let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
     env.clock.advance(day + LEASE + Duration::from_secs(1));
     let mut other = fx.connect();
