@@ -3,7 +3,7 @@
 use std::fmt;
 
 use clap::{Args, Subcommand, ValueEnum};
-use inbox_core::redact_url;
+use inbox_core::{redact_url, DeadLetterReason};
 
 /// A URL as `Debug` shows it: every password replaced by `***`.
 fn redacted(url: Option<&String>) -> Option<String> {
@@ -201,9 +201,10 @@ pub struct FilterArgs {
     /// Only this consumer group.
     #[arg(long)]
     pub consumer_group: Option<String>,
-    /// Only this reason (max_attempts, permanent, no_handler, ...).
-    #[arg(long)]
-    pub reason: Option<String>,
+    /// Only this reason (max_attempts, permanent, decode_error, key_collision,
+    /// crash_loop, delivery_limit, no_handler, malformed).
+    #[arg(long, value_parser = parse_reason)]
+    pub reason: Option<DeadLetterReason>,
     /// Only this message type.
     #[arg(long = "type")]
     pub message_type: Option<String>,
@@ -328,4 +329,13 @@ pub struct PurgeArgs {
     /// Count what would be deleted; delete nothing.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+/// A dead-letter reason as stored (`max_attempts`, ...); any other text is refused
+/// with the list of reasons (clap exits 2).
+fn parse_reason(text: &str) -> Result<DeadLetterReason, String> {
+    DeadLetterReason::parse(text).ok_or_else(|| {
+        let known: Vec<&str> = DeadLetterReason::ALL.iter().map(|r| r.as_str()).collect();
+        format!("expected one of {}", known.join(", "))
+    })
 }

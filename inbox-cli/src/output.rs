@@ -139,7 +139,7 @@ pub(crate) fn entry_json(e: &DeadLetterEntry) -> Value {
         "message_key": e.message_key,
         "message_type": e.message_type,
         "tenant": e.tenant,
-        "reason": e.reason,
+        "reason": e.reason.as_str(),
         "attempts": e.attempts,
         "last_error": e.last_error,
         "dead_lettered_at": time_json(Some(e.dead_lettered_at)),
@@ -204,7 +204,7 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     field("message key", e.message_key.clone());
     field("message type", e.message_type.clone());
     field("tenant", e.tenant.clone().unwrap_or_else(|| "-".to_owned()));
-    field("reason", e.reason.clone());
+    field("reason", e.reason.as_str().to_owned());
     field("status", e.status.as_str().to_owned());
     field("attempts", e.attempts.to_string());
     field("dead-lettered at", time(e.dead_lettered_at));
@@ -271,7 +271,7 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
 pub(crate) fn group_json(g: &FailureGroup) -> Value {
     json!({
         "fingerprint": g.fingerprint,
-        "reason": g.reason,
+        "reason": g.reason.as_str(),
         "message_type": g.message_type,
         "kind": g.kind,
         "signature": g.signature,
@@ -322,7 +322,7 @@ pub(crate) fn stats_json(s: &OperatorStats) -> Value {
         .dead_letters
         .iter()
         .map(
-            |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason, "count": l.count }),
+            |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason.as_str(), "count": l.count }),
         )
         .collect();
     let halted: Vec<Value> = s.halted.iter().map(halt_json).collect();
@@ -366,7 +366,7 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
     for l in &s.dead_letters {
         letters.row([
             l.consumer_group.clone(),
-            l.reason.clone(),
+            l.reason.as_str().to_owned(),
             l.count.to_string(),
         ]);
     }

@@ -373,6 +373,14 @@ fn scenario(db: &Db) {
         2
     );
     assert_eq!(code(&inbox(db, &["dead-letters", "nonsense"])), 2);
+    // A reason no letter can have is refused, with the reasons there are.
+    let bogus = inbox(db, &["dead-letters", "list", "--reason", "max-attempts"]);
+    assert_eq!(code(&bogus), 2);
+    assert!(
+        stderr(&bogus).contains("expected one of max_attempts, permanent"),
+        "{}",
+        stderr(&bogus)
+    );
 }
 
 #[test]

@@ -217,6 +217,25 @@ impl fmt::Display for DeadLetterReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_reason_is_classified_for_replay() {
+        use DeadLetterReason as R;
+        for (reason, replayable) in [
+            (R::MaxAttempts, true),
+            (R::Permanent, true),
+            (R::CrashLoop, true),
+            (R::DeliveryLimit, true),
+            (R::NoHandler, true),
+            (R::KeyCollision, false),
+            (R::Malformed, false),
+            (R::DecodeError, false),
+        ] {
+            assert_eq!(reason.replay_refusal().is_none(), replayable, "{reason}");
+            assert_eq!(DeadLetterReason::parse(reason.as_str()), Some(reason));
+        }
+        assert_eq!(DeadLetterReason::parse("something_new"), None);
+    }
     use crate::{ConsumerGroup, MessageKey};
 
     fn violation() -> ClaimInvariantViolated {

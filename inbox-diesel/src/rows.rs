@@ -247,6 +247,20 @@ pub(crate) fn claim_record(t: ClaimTuple) -> QueryResult<ClaimRecord> {
     })
 }
 
+/// The reason stored as `text` for the letters named by `what` ("dead letter 7"),
+/// or a deserialization error naming them: a reason this version does not know (a
+/// newer version wrote it) is never read as another one.
+pub(crate) fn stored_reason(
+    what: std::fmt::Arguments<'_>,
+    text: &str,
+) -> QueryResult<DeadLetterReason> {
+    DeadLetterReason::parse(text).ok_or_else(|| {
+        diesel::result::Error::DeserializationError(
+            format!("{what}: unknown stored reason {text:?}").into(),
+        )
+    })
+}
+
 /// A stored dead letter, or a deserialization error naming the row and what of it
 /// cannot be read (an unknown reason, headers that are not a JSON object of strings).
 pub(crate) fn dead_letter(t: DeadLetterTuple) -> QueryResult<DeadLetter> {
@@ -255,8 +269,7 @@ pub(crate) fn dead_letter(t: DeadLetterTuple) -> QueryResult<DeadLetter> {
             format!("dead letter {}: {problem}", t.0).into(),
         )
     };
-    let reason = DeadLetterReason::parse(&t.8)
-        .ok_or_else(|| unreadable(format!("unknown stored reason {:?}", t.8)))?;
+    let reason = stored_reason(format_args!("dead letter {}", t.0), &t.8)?;
     let headers = serde_json::from_str(&t.6).map_err(|err| {
         unreadable(format!(
             "headers {:?} are not a JSON object of strings: {err}",

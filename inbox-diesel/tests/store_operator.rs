@@ -115,7 +115,7 @@ fn replays_reach_the_failing_group_alone_and_apply_once<F: Fixture>(fx: &F) {
     assert_eq!(groups.len(), 1, "{groups:?}");
     let fg = &groups[0];
     assert_eq!(fg.count, 3);
-    assert_eq!(fg.reason, "max_attempts");
+    assert_eq!(fg.reason, DeadLetterReason::MaxAttempts);
     assert_eq!(fg.signature, "ledger row <n> is locked");
     assert_eq!(fg.consumer_groups, [FAILING]);
     assert!(fg.replayable);
@@ -319,7 +319,10 @@ fn reasons_that_cannot_be_replayed_are_refused_and_no_handler_is_replayed_once_h
         [Decision::DeadLettered(DeadLetterReason::NoHandler)]
     );
     let target = ReplayTarget::default();
-    for reason in ["key_collision", "decode_error"] {
+    for reason in [
+        DeadLetterReason::KeyCollision,
+        DeadLetterReason::DecodeError,
+    ] {
         let letter = Operator::new(&s.store)
             .list_dead_letters(&DeadLetterFilter::default().reason(reason), 0, 1)
             .unwrap()
@@ -597,7 +600,11 @@ fn a_letter_of_another_payload_never_takes_the_claim<F: Fixture>(fx: &F) {
         )
         .unwrap();
     let letter = Operator::new(&s.store)
-        .list_dead_letters(&DeadLetterFilter::default().reason("delivery_limit"), 0, 1)
+        .list_dead_letters(
+            &DeadLetterFilter::default().reason(DeadLetterReason::DeliveryLimit),
+            0,
+            1,
+        )
         .unwrap()
         .remove(0);
     assert_eq!(
@@ -849,7 +856,69 @@ fn a_halt_is_recorded_listed_and_resumed_once<F: Fixture>(fx: &F) {
     ));
 }
 
+/// A reason this version does not know (a newer version stored it) is never read as
+/// another one: every operator read of the letter fails and names it and the text;
+/// the letters of known reasons are untouched.
+fn a_stored_reason_this_version_does_not_know_fails_loudly<F: Fixture>(fx: &F) {
+    let s = scene(fx);
+    dead_letter_three(&s);
+    let op = Operator::new(&s.store);
+    let listed = op
+        .list_dead_letters(&DeadLetterFilter::default(), 0, 10)
+        .unwrap();
+    assert_eq!(listed.len(), 3);
+    let id = listed.iter().find(|e| e.message_key == "bad-1").unwrap().id;
+    fx.execute(&format!(
+        "UPDATE inbox_dead_letters SET reason = 'from_the_future' WHERE id = {id}"
+    ));
+    // The error and its causes, as an error reporter prints them.
+    let chain = |err: &dyn std::error::Error| {
+        let mut text = err.to_string();
+        let mut cause = err.source();
+        while let Some(c) = cause {
+            text += &format!(": {c}");
+            cause = c.source();
+        }
+        text
+    };
+    let unknown = |err: Error| {
+        let text = chain(&err);
+        assert!(
+            text.contains(&format!("dead letter {id}")) && text.contains("\"from_the_future\""),
+            "{text}"
+        );
+    };
+    unknown(
+        op.list_dead_letters(&DeadLetterFilter::default(), 0, 10)
+            .unwrap_err(),
+    );
+    unknown(op.failure_groups(&DeadLetterFilter::default()).unwrap_err());
+    unknown(op.dead_letter_details(id).unwrap_err());
+    unknown(
+        op.replay_dead_letter(id, &ReplayTarget::default())
+            .unwrap_err(),
+    );
+    let err = chain(&op.operator_stats().unwrap_err());
+    assert!(
+        err.contains("dead letters of billing.daily-usage") && err.contains("from_the_future"),
+        "{err}"
+    );
+    // Narrowed to a known reason, the other letters list as before.
+    let known = op
+        .list_dead_letters(
+            &DeadLetterFilter::default().reason(DeadLetterReason::MaxAttempts),
+            0,
+            10,
+        )
+        .unwrap();
+    assert_eq!(known.len(), 2);
+    assert!(known
+        .iter()
+        .all(|e| e.reason == DeadLetterReason::MaxAttempts));
+}
+
 on_both_backends!(
+    a_stored_reason_this_version_does_not_know_fails_loudly,
     a_halt_is_recorded_listed_and_resumed_once,
     gauges_show_backlog_unprocessed_age_failure_groups_and_replays,
     a_letter_of_another_payload_never_takes_the_claim,

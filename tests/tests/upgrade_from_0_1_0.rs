@@ -883,11 +883,16 @@ where
             .iter()
             .find(|e| e.message_key == l.key)
             .unwrap_or_else(|| panic!("letter {} not listed", l.key));
-        assert_eq!(e.reason, l.reason);
+        assert_eq!(e.reason.as_str(), l.reason);
         assert_eq!(e.status, LetterStatus::Pending, "{}", l.key);
         assert_eq!(e.replay_count, 0, "{}", l.key);
         assert_eq!(e.delivered_by_replay, None, "{}", l.key);
-        assert!(DeadLetterReason::parse(&e.reason).is_some(), "{}", e.reason);
+        assert_eq!(
+            DeadLetterReason::parse(l.reason),
+            Some(e.reason),
+            "{}",
+            l.key
+        );
         let details = Operator::new(&store)
             .dead_letter_details(e.id)
             .unwrap()
@@ -1142,7 +1147,7 @@ where
         .filter(|e| {
             letters
                 .iter()
-                .any(|l| l.key == e.message_key && l.reason == e.reason)
+                .any(|l| l.key == e.message_key && l.reason == e.reason.as_str())
         })
         .map(|e| (e.message_key, e.id))
         .collect();

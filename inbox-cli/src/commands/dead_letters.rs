@@ -23,7 +23,7 @@ fn filter<C: OperatorConnection>(
     let now = store.clock().now();
     let mut f = DeadLetterFilter::default();
     f.consumer_group.clone_from(&args.consumer_group);
-    f.reason.clone_from(&args.reason);
+    f.reason = args.reason;
     f.message_type.clone_from(&args.message_type);
     f.message_key.clone_from(&args.key);
     f.failure_group.clone_from(&args.group);
@@ -85,7 +85,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
                     e.consumer_group.clone(),
                     e.message_key.clone(),
                     e.message_type.clone(),
-                    e.reason.clone(),
+                    e.reason.as_str().to_owned(),
                     e.attempts.to_string(),
                     e.replay_count.to_string(),
                     e.status.as_str().to_owned(),
@@ -131,7 +131,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
                 table.row([
                     g.fingerprint.clone(),
                     g.count.to_string(),
-                    g.reason.clone(),
+                    g.reason.as_str().to_owned(),
                     g.message_type.clone(),
                     g.consumer_groups.join(","),
                     if g.replayable { "yes" } else { "no" }.to_owned(),
@@ -275,7 +275,7 @@ fn replay_one<C: OperatorConnection>(
             None,
         ),
         ReplayOutcome::Refused { reason, advice } => (
-            json!({ "id": id, "outcome": "refused", "reason": reason, "advice": advice }),
+            json!({ "id": id, "outcome": "refused", "reason": reason.as_str(), "advice": advice }),
             format!("dead letter {id}: refused ({reason}): {advice}\n"),
             Some(Failure::new(
                 exit::REFUSED,

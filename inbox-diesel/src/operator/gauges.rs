@@ -46,7 +46,7 @@ impl<C: super::OperatorConnection> super::Operator<C> {
             metrics::gauge!(
                 "inbox_dead_letters_pending",
                 "failure_group" => fg.fingerprint.clone(),
-                "reason" => fg.reason.clone()
+                "reason" => fg.reason.as_str()
             )
             .set(fg.count as f64);
         }

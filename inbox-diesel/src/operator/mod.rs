@@ -87,7 +87,6 @@ mod fingerprint;
 mod gauges;
 mod halts;
 pub(crate) mod ops;
-mod reasons;
 pub(crate) mod tables;
 mod types;
 mod writes;
@@ -118,7 +117,6 @@ pub(crate) use ops::{operator_ops, OperatorOps};
 pub trait OperatorConnection: StoreConnection + OperatorOps + CatalogOps {}
 
 impl<C: StoreConnection + OperatorOps + CatalogOps> OperatorConnection for C {}
-pub use reasons::replay_refusal;
 pub use types::{
     BulkReport, DeadLetterDetails, DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup,
     GroupStats, LetterCount, LetterStatus, OperatorStats, PurgeReport, RedriveFilter,
@@ -127,9 +125,11 @@ pub use types::{
 
 use ops::{EntryTuple, NewReplay};
 
-pub(super) fn entry(t: EntryTuple) -> DeadLetterEntry {
+/// A listed letter, or a deserialization error for a reason this version does not know.
+pub(super) fn entry(t: EntryTuple) -> diesel::QueryResult<DeadLetterEntry> {
+    let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.0), &t.7)?;
     let headers: BTreeMap<String, String> = serde_json::from_str(&t.5).unwrap_or_default();
-    let signature = fingerprint::signature(&t.7, &t.3, t.8.as_deref());
+    let signature = fingerprint::signature(reason.as_str(), &t.3, t.8.as_deref());
     let status = if t.12.is_some() {
         LetterStatus::Discarded
     } else if t.13.is_some() {
@@ -139,14 +139,14 @@ pub(super) fn entry(t: EntryTuple) -> DeadLetterEntry {
     } else {
         LetterStatus::Pending
     };
-    DeadLetterEntry {
+    Ok(DeadLetterEntry {
         id: t.0,
         consumer_group: t.1,
         message_key: t.2,
         message_type: t.3,
         tenant: t.4,
         attempts: t.6,
-        reason: t.7,
+        reason,
         last_error: t.8,
         dead_lettered_at: t.9,
         replayed_at: t.10,
@@ -158,7 +158,7 @@ pub(super) fn entry(t: EntryTuple) -> DeadLetterEntry {
         delivered_by_replay: headers
             .get(REPLAY_SEQUENCE_HEADER)
             .and_then(|s| s.parse().ok()),
-    }
+    })
 }
 
 /// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
@@ -258,15 +258,15 @@ impl<C: OperatorConnection> Operator<C> {
             None => C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
                 .into_iter()
                 .map(entry)
-                .collect(),
+                .collect::<diesel::QueryResult<_>>()?,
             // The fingerprint is computed, not stored: filter after reading.
             Some(fp) => C::op_entries(&mut conn, filter, None, 0)?
                 .into_iter()
                 .map(entry)
-                .filter(|e| e.failure_group == *fp)
+                .filter(|e| e.as_ref().map_or(true, |e| e.failure_group == *fp))
                 .skip(offset)
                 .take(limit)
-                .collect(),
+                .collect::<diesel::QueryResult<_>>()?,
         };
         entries
             .into_iter()
@@ -287,7 +287,7 @@ impl<C: OperatorConnection> Operator<C> {
                 )
             })?;
         let headers = serde_json::from_str(&tuple.5).unwrap_or_default();
-        let entry = confirm_replay::<C>(&mut conn, entry(tuple))?;
+        let entry = confirm_replay::<C>(&mut conn, entry(tuple)?)?;
         let (first, last) =
             C::op_failure_span(&mut conn, &entry.consumer_group, &entry.message_key)?;
         let claim_status = C::op_claim_state(&mut conn, &entry.consumer_group, &entry.message_key)?
@@ -299,7 +299,7 @@ impl<C: OperatorConnection> Operator<C> {
             // the rebuild counted its event.
             replay_refusal: match entry.resolved_at {
                 Some(_) => Some(RESOLVED_ADVICE),
-                None => replay_refusal(&entry.reason),
+                None => entry.reason.replay_refusal(),
             },
             payload,
             payload_cut,
@@ -315,7 +315,8 @@ impl<C: OperatorConnection> Operator<C> {
         let rows = C::op_entries(&mut conn, filter, None, 0)?;
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
         for t in rows {
-            let sig = fingerprint::signature(&t.7, &t.3, t.8.as_deref());
+            let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.0), &t.7)?;
+            let sig = fingerprint::signature(reason.as_str(), &t.3, t.8.as_deref());
             if filter
                 .failure_group
                 .as_ref()
@@ -327,8 +328,8 @@ impl<C: OperatorConnection> Operator<C> {
                 (
                     FailureGroup {
                         fingerprint: sig.fingerprint.clone(),
-                        replayable: replay_refusal(&t.7).is_none(),
-                        reason: t.7.clone(),
+                        replayable: reason.replay_refusal().is_none(),
+                        reason,
                         message_type: t.3.clone(),
                         kind: sig.kind.clone(),
                         signature: sig.line.clone(),
@@ -448,12 +449,17 @@ impl<C: OperatorConnection> Operator<C> {
             dead_letters: raw
                 .letters
                 .into_iter()
-                .map(|(consumer_group, reason, n)| LetterCount {
-                    consumer_group,
-                    reason,
-                    count: count(n),
+                .map(|(consumer_group, reason, n)| {
+                    Ok(LetterCount {
+                        reason: crate::rows::stored_reason(
+                            format_args!("dead letters of {consumer_group}"),
+                            &reason,
+                        )?,
+                        consumer_group,
+                        count: count(n),
+                    })
                 })
-                .collect(),
+                .collect::<diesel::QueryResult<_>>()?,
             outbox_backlog: count(raw.backlog),
             oldest_unpublished_age: raw
                 .oldest_unpublished

@@ -4,6 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
+use inbox_core::DeadLetterReason;
 
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
@@ -41,7 +42,7 @@ pub struct Letter {
     pub tenant: Option<String>,
     pub payload: Vec<u8>,
     pub headers: String,
-    pub reason: String,
+    pub reason: DeadLetterReason,
     pub discarded: bool,
     pub resolved: bool,
 }
@@ -227,8 +228,8 @@ macro_rules! operator_ops {
                 if let Some(g) = &filter.consumer_group {
                     q = q.filter(consumer_group.eq(g.clone()));
                 }
-                if let Some(r) = &filter.reason {
-                    q = q.filter(reason.eq(r.clone()));
+                if let Some(r) = filter.reason {
+                    q = q.filter(reason.eq(r.as_str()));
                 }
                 if let Some(t) = &filter.message_type {
                     q = q.filter(message_type.eq(t.clone()));
@@ -315,18 +316,24 @@ macro_rules! operator_ops {
                     ))
                     .first(conn)
                     .optional()?;
-                Ok(row.map(|r| Letter {
-                    id: r.0,
-                    group: r.1,
-                    key: r.2,
-                    message_type: r.3,
-                    tenant: r.4,
-                    payload: r.5,
-                    headers: r.6,
-                    reason: r.7,
-                    discarded: r.8.is_some(),
-                    resolved: r.9.is_some(),
-                }))
+                row.map(|r| {
+                    Ok(Letter {
+                        reason: crate::rows::stored_reason(
+                            format_args!("dead letter {}", r.0),
+                            &r.7,
+                        )?,
+                        id: r.0,
+                        group: r.1,
+                        key: r.2,
+                        message_type: r.3,
+                        tenant: r.4,
+                        payload: r.5,
+                        headers: r.6,
+                        discarded: r.8.is_some(),
+                        resolved: r.9.is_some(),
+                    })
+                })
+                .transpose()
             }
 
             fn op_replayed_before(

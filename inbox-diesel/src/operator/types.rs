@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use inbox_core::DeadLetterReason;
 
 use crate::halts::HaltedGroup;
 use crate::ClaimStatus;
@@ -51,20 +52,21 @@ impl LetterStatus {
 /// matches every letter that is not discarded.
 ///
 /// ```
+/// use inbox_core::DeadLetterReason;
 /// use inbox_diesel::operator::{DeadLetterFilter, LetterStatus};
 /// let filter = DeadLetterFilter::default()
 ///     .consumer_group("billing.daily-usage")
-///     .reason("max_attempts")
+///     .reason(DeadLetterReason::MaxAttempts)
 ///     .status(LetterStatus::Pending);
-/// assert_eq!(filter.reason.as_deref(), Some("max_attempts"));
+/// assert_eq!(filter.reason, Some(DeadLetterReason::MaxAttempts));
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeadLetterFilter {
     /// The consumer group.
     pub consumer_group: Option<String>,
-    /// The reason (`max_attempts`, `permanent`, ...).
-    pub reason: Option<String>,
+    /// The reason.
+    pub reason: Option<DeadLetterReason>,
     /// The message type.
     pub message_type: Option<String>,
     /// The message key.
@@ -88,8 +90,8 @@ impl DeadLetterFilter {
     }
 
     /// Only this reason.
-    pub fn reason(mut self, reason: impl Into<String>) -> Self {
-        self.reason = Some(reason.into());
+    pub fn reason(mut self, reason: DeadLetterReason) -> Self {
+        self.reason = Some(reason);
         self
     }
 
@@ -145,7 +147,7 @@ pub struct DeadLetterEntry {
     /// The tenant.
     pub tenant: Option<String>,
     /// Why it was dead-lettered.
-    pub reason: String,
+    pub reason: DeadLetterReason,
     /// Handled failures when it was dead-lettered.
     pub attempts: i32,
     /// The last failure.
@@ -190,7 +192,8 @@ pub struct DeadLetterDetails {
     pub last_failure_at: DateTime<Utc>,
     /// Its claim's status now, if it has a claim.
     pub claim_status: Option<ClaimStatus>,
-    /// Why it cannot be replayed, if it cannot (see [`replay_refusal`](super::replay_refusal)).
+    /// Why it cannot be replayed, if it cannot (see
+    /// [`DeadLetterReason::replay_refusal`]; a letter a rebuild resolved never is).
     pub replay_refusal: Option<&'static str>,
 }
 
@@ -202,7 +205,7 @@ pub struct FailureGroup {
     /// 16 hex digits over reason, message type, kind and masked line.
     pub fingerprint: String,
     /// The reason.
-    pub reason: String,
+    pub reason: DeadLetterReason,
     /// The message type.
     pub message_type: String,
     /// The error's kind: the outermost error's message (first line, before its first
@@ -258,10 +261,11 @@ pub enum ReplayOutcome {
         /// The outbox row's id.
         outbox_id: i64,
     },
-    /// Its reason is not replayable (see [`replay_refusal`](super::replay_refusal)).
+    /// Its reason is not replayable (see [`DeadLetterReason::replay_refusal`]), or a
+    /// rebuild resolved it.
     Refused {
         /// The letter's reason.
-        reason: String,
+        reason: DeadLetterReason,
         /// What to do instead.
         advice: &'static str,
     },
@@ -379,7 +383,7 @@ pub struct LetterCount {
     /// The consumer group.
     pub consumer_group: String,
     /// The reason.
-    pub reason: String,
+    pub reason: DeadLetterReason,
     /// How many, neither replayed nor discarded.
     pub count: u64,
 }

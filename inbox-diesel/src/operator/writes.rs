@@ -57,7 +57,7 @@ impl<C: OperatorConnection> Operator<C> {
                 };
                 // The reason never changes: read once, it decides nothing that a
                 // concurrent writer could change.
-                if let Some(advice) = replay_refusal(&letter.reason) {
+                if let Some(advice) = letter.reason.replay_refusal() {
                     // Nothing is written either way: the read only picks the answer.
                     if letter.discarded {
                         return Err(Undo::Answer(ReplayOutcome::Discarded));

@@ -701,7 +701,7 @@ impl<C: inbox_test_support::FullConnection + LcDb> Driver<C> {
                         status
                     };
                     (
-                        d.entry.reason.clone(),
+                        d.entry.reason.as_str().to_owned(),
                         d.entry.attempts,
                         status,
                         d.entry.replay_count,
@@ -815,7 +815,9 @@ pub(crate) fn replay_of(outcome: ReplayOutcome) -> Replay {
         ReplayOutcome::ClaimNotDead { status } => Replay::ClaimNotDead { status },
         ReplayOutcome::Discarded => Replay::Discarded,
         ReplayOutcome::NotFound => Replay::NotFound,
-        ReplayOutcome::Refused { reason, .. } => Replay::Refused { reason },
+        ReplayOutcome::Refused { reason, .. } => Replay::Refused {
+            reason: reason.as_str().to_owned(),
+        },
         other => Replay::Refused {
             reason: format!("{other:?}"),
         },
