@@ -8,7 +8,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use inbox_outbox::core_types::{HookError, ProjectionLock, ProjectionRow, Rebuild, SourceEvent};
+use inbox_outbox::core_types::rebuild::{HookError, ProjectionRow, Rebuild, SourceEvent};
+use inbox_outbox::core_types::ProjectionLock;
 use inbox_outbox::diesel::connection::SimpleConnection;
 use inbox_outbox::diesel::{prelude::*, sql_query, sql_types::*, PgConnection};
 use inbox_outbox::prelude::*;

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use inbox_core::{AuditReport, DriftRow, RebuildReport};
+use inbox_core::rebuild::{AuditReport, DriftRow, RebuildReport};
 use inbox_diesel::rebuild::RebuildConnection;
 use inbox_diesel::rebuild::Rebuilder;
 use inbox_diesel::Store;

@@ -19,9 +19,9 @@ use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Date};
 use diesel::{PgConnection, SqliteConnection};
+use inbox_core::rebuild::{days_ending, HookError, ProjectionRow, Rebuild, SourceEvent};
 use inbox_core::{
-    days_ending, Envelope, Handler, HandlerError, HookError, MessageContext, MessageKey,
-    ProjectionLock, ProjectionRow, Rebuild, RetryPolicy, SourceEvent,
+    Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock, RetryPolicy,
 };
 use serde::{Deserialize, Serialize};
 

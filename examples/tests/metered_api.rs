@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Binary, Text};
-use inbox_core::RequestFields;
+use inbox_core::idempotency::RequestFields;
 use metered_support::{run_to_exit, services, HttpResponse, Schema, Service, ADMIN_TOKEN};
 use sha2::{Digest, Sha256};
 

@@ -105,6 +105,27 @@ pub struct ProjectionLock {
 }
 
 impl ProjectionLock {
+    /// The advisory lock key of this lock in a store's `schema`: the lock's id mixed
+    /// with the schema's name (FNV-1a), so stores in different schemas of one database
+    /// never block each other (advisory locks are per database). Live batches and
+    /// rebuilds of one store compute the same key.
+    ///
+    /// ```
+    /// use inbox_core::ProjectionLock;
+    /// let lock = ProjectionLock::named("daily_usage");
+    /// assert_eq!(lock.key_in("billing"), lock.key_in("billing"));
+    /// assert_ne!(lock.key_in("billing"), lock.key_in("staging"));
+    /// ```
+    pub fn key_in(&self, schema: &str) -> i64 {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        let bytes = schema.bytes().chain([0u8]).chain(self.id().to_le_bytes());
+        for byte in bytes {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        i64::from_ne_bytes(hash.to_ne_bytes())
+    }
+
     /// A lock identified by a name (hashed to 64 bits with FNV-1a, stable across
     /// processes and versions), taken shared by live batches.
     pub fn named(name: &str) -> Self {

@@ -13,7 +13,7 @@
 //! sent, and the same request sent with another credential does not match.
 //!
 //! ```
-//! use inbox_core::{IdempotencyKey, RequestFields};
+//! use inbox_core::idempotency::{IdempotencyKey, RequestFields};
 //!
 //! let key = IdempotencyKey::new("order-17-attempt")?;
 //! let fields = RequestFields::new()
@@ -61,7 +61,7 @@ impl IdempotencyKey {
     /// Checks and wraps a key.
     ///
     /// ```
-    /// use inbox_core::IdempotencyKey;
+    /// use inbox_core::idempotency::IdempotencyKey;
     /// assert!(IdempotencyKey::new("a3f1-retry").is_ok());
     /// assert!(IdempotencyKey::new("").is_err());
     /// assert!(IdempotencyKey::new("x".repeat(256)).is_err());
@@ -159,7 +159,7 @@ impl fmt::Debug for Fingerprint {
 /// that carry a token between processes.
 ///
 /// ```
-/// use inbox_core::LeaseToken;
+/// use inbox_core::idempotency::LeaseToken;
 ///
 /// let token = LeaseToken::random();
 /// assert_ne!(token, LeaseToken::random());

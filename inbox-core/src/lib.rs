@@ -36,6 +36,7 @@
 //! # Ok::<(), inbox_core::Error>(())
 //! ```
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod clock;
 mod decision;
@@ -44,10 +45,14 @@ mod duration;
 mod envelope;
 mod error;
 mod handler;
-mod idempotency;
+#[cfg(feature = "idempotency")]
+#[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]
+pub mod idempotency;
 mod key;
 mod outbox;
-mod rebuild;
+#[cfg(feature = "rebuild")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
+pub mod rebuild;
 mod relay;
 mod replay;
 mod retry;
@@ -68,11 +73,6 @@ pub use handler::{
     DecodeError, DynHandler, Handler, HandlerError, HandlerErrorKind, HandlerFailure,
     MessageContext, ProjectionLock,
 };
-pub use idempotency::{
-    judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
-    Judgement, LeaseToken, RequestFields, Settlement, DEFAULT_IDEMPOTENCY_RETENTION,
-    MAX_IDEMPOTENCY_KEY_LEN,
-};
 /// `#[derive(Handler)]`: implements the [`Handler`](trait@Handler) trait for a
 /// handler struct from its `#[inbox(...)]` attribute.
 #[cfg(feature = "derive")]
@@ -90,11 +90,6 @@ pub use key::{ClaimKey, ConsumerGroup, InvalidName, MessageKey};
 pub use outbox::{
     EnqueueOutcome, Lease, OutboxFailure, OutboxFate, OutboxMessage, OutboxRow, OutboxStore,
     UnreadableRow, DEFAULT_OUTBOX_MAX_ATTEMPTS, MAX_OUTBOX_RETRY_DELAY,
-};
-pub use rebuild::{
-    days_ending, AuditReport, DriftRow, DynRebuild, ForeignPartition, HookError, PartitionDrift,
-    ProjectionRow, Rebuild, RebuildReport, RebuiltPartition, SourceEvent, WindowPartition,
-    DRIFT_SAMPLE,
 };
 pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, RoundReport};
 pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};

@@ -110,7 +110,7 @@ pub trait Rebuild<C>: Handler<C> {
 /// ```
 /// use chrono::{TimeZone, Utc};
 /// let now = Utc.with_ymd_and_hms(2026, 12, 1, 0, 30, 0).unwrap();
-/// let days: Vec<String> = inbox_core::days_ending(now, 2).iter().map(|d| d.to_string()).collect();
+/// let days: Vec<String> = inbox_core::rebuild::days_ending(now, 2).iter().map(|d| d.to_string()).collect();
 /// assert_eq!(days, ["2026-11-30", "2026-12-01"]);
 /// ```
 pub fn days_ending(now: DateTime<Utc>, size: u32) -> Vec<NaiveDate> {
@@ -178,11 +178,11 @@ impl PartitionDrift {
     ///
     /// ```
     /// # #[derive(Clone, Debug, PartialEq)] struct Total(&'static str, i64);
-    /// # impl inbox_core::ProjectionRow for Total {
+    /// # impl inbox_core::rebuild::ProjectionRow for Total {
     /// #     fn row_key(&self) -> String { self.0.to_owned() }
     /// #     fn measure(&self) -> f64 { self.1 as f64 }
     /// # }
-    /// use inbox_core::PartitionDrift;
+    /// use inbox_core::rebuild::PartitionDrift;
     /// let projected = [Total("a", 24), Total("b", 5), Total("c", 3)];
     /// let recomputed = [Total("a", 10), Total("b", 5)];
     /// let drift = PartitionDrift::compare("2026-12-01", &projected, &recomputed);
@@ -452,29 +452,6 @@ where
             drift,
             covered: source.into_iter().map(|(key, _)| key).collect(),
         })
-    }
-}
-
-impl ProjectionLock {
-    /// The advisory lock key of this lock in a store's `schema`: the lock's id mixed
-    /// with the schema's name (FNV-1a), so stores in different schemas of one database
-    /// never block each other (advisory locks are per database). Live batches and
-    /// rebuilds of one store compute the same key.
-    ///
-    /// ```
-    /// use inbox_core::ProjectionLock;
-    /// let lock = ProjectionLock::named("daily_usage");
-    /// assert_eq!(lock.key_in("billing"), lock.key_in("billing"));
-    /// assert_ne!(lock.key_in("billing"), lock.key_in("staging"));
-    /// ```
-    pub fn key_in(&self, schema: &str) -> i64 {
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        let bytes = schema.bytes().chain([0u8]).chain(self.id().to_le_bytes());
-        for byte in bytes {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        i64::from_ne_bytes(hash.to_ne_bytes())
     }
 }
 

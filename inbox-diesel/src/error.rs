@@ -62,6 +62,8 @@ pub enum Error {
     /// holds another fencing token), its record was deleted (and perhaps begun again
     /// by another request), or the record is no longer in flight. Roll the
     /// transaction back.
+    #[cfg(feature = "idempotency")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]
     #[error("idempotency key {key:?} of caller {caller:?}: lease token {token} was fenced off")]
     Fenced {
         /// The caller.
@@ -69,7 +71,7 @@ pub enum Error {
         /// The idempotency key.
         key: String,
         /// The token the write carried.
-        token: inbox_core::LeaseToken,
+        token: inbox_core::idempotency::LeaseToken,
     },
     /// A stored idempotency record breaks the table's rules.
     #[error("corrupt idempotency record {key:?} of caller {caller:?}: {reason}")]
@@ -135,7 +137,7 @@ pub enum Error {
         partition: String,
         /// The hook's error.
         #[source]
-        source: inbox_core::HookError,
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
     /// The projection lock was not granted within the lock timeout in any try.
     #[error("projection {projection}, partition {partition}: the projection lock was not granted within {timeout:?} in {tries} tries")]

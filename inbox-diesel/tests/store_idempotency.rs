@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeDelta, Utc};
 use diesel::{PgConnection, SqliteConnection};
-use inbox_core::{
-    Clock, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, LeaseToken,
-    ManualClock, RequestFields, Settlement,
+use inbox_core::idempotency::{
+    Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, LeaseToken, RequestFields,
+    Settlement,
 };
+use inbox_core::{Clock, ManualClock};
 use inbox_diesel::idempotency::{
     abandon_request, begin_request, commit_request, purge_requests, read_request,
     refund_delivered_request, settle_request, NewRequest,
@@ -230,7 +231,7 @@ fn purges_are_bounded_and_keep_unsettled_commits<F: Fixture>(fx: &F) {
         env.begin("a", &died, &fp),
         IdempotencyAnswer::Execute { .. }
     ));
-    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    let day = inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION;
     assert_eq!(
         inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 2).unwrap(),
         0
@@ -378,7 +379,7 @@ fn a_late_commit_never_lands_on_a_record_begun_after_a_purge<F: Fixture>(fx: &F)
     let IdempotencyAnswer::Execute { token: a } = env.begin("a", &k, &fp_a) else {
         panic!("A executes");
     };
-    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    let day = inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION;
     env.clock.advance(day + LEASE + Duration::from_secs(1));
     assert_eq!(
         inbox_diesel::idempotency::purge_expired_requests(&env.store, day, 10).unwrap(),
@@ -652,7 +653,7 @@ fn an_abandon_racing_a_takeover_never_deletes_the_new_lease<F: Interleave>(fx: &
 /// fenced; a new request under the key then begins a record the late one cannot touch.
 fn a_purge_racing_a_late_commit_never_loses_a_committed_request<F: Interleave>(fx: &F) {
     let env = env(fx);
-    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    let day = inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION;
     let fp = fingerprint("x", b"s");
     let k = key("race-purge-commit-first");
     let IdempotencyAnswer::Execute { token: a } = env.begin("a", &k, &fp) else {
@@ -775,7 +776,7 @@ fn postgres_an_idempotency_purge_that_finds_another_running_leaves_the_records_t
     let env = env(&fx);
     let fp = fingerprint("x", b"s");
     env.settled_requests(5, &fp);
-    let day = inbox_core::DEFAULT_IDEMPOTENCY_RETENTION;
+    let day = inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION;
     env.clock.advance(day + LEASE + Duration::from_secs(1));
     let mut other = fx.connect();
     let lock = format!("({PURGE_LOCK_CLASS}, 'idempotency_keys'::regclass::oid::int4)");

@@ -20,12 +20,12 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel::{PgConnection, SqliteConnection};
+use inbox_core::idempotency::{IdempotencyAnswer, IdempotencyKey, RequestFields};
+use inbox_core::rebuild::{HookError, ProjectionRow, Rebuild, SourceEvent};
 use inbox_core::{
-    ConsumerGroup, Decision, ErrorChain, Handler, HandlerError, HookError, ManualClock,
-    MessageContext, ProjectionLock, ProjectionRow, Rebuild, SourceEvent, LATEST_STORED_TIME,
-    MAX_DATABASE_TIMEOUT, MAX_RETRY_DELAY,
+    ConsumerGroup, Decision, ErrorChain, Handler, HandlerError, ManualClock, MessageContext,
+    ProjectionLock, LATEST_STORED_TIME, MAX_DATABASE_TIMEOUT, MAX_RETRY_DELAY,
 };
-use inbox_core::{IdempotencyAnswer, IdempotencyKey, RequestFields};
 use inbox_diesel::idempotency::{begin_request, NewRequest};
 use inbox_diesel::operator::DeadLetterFilter;
 use inbox_diesel::operator::Operator;
@@ -230,7 +230,7 @@ impl<C: TestConn + Send + 'static> Rebuild<C> for Empty {
     }
 
     fn window(&self, now: chrono::DateTime<chrono::Utc>, size: u32) -> Vec<NaiveDate> {
-        inbox_core::days_ending(now, size)
+        inbox_core::rebuild::days_ending(now, size)
     }
 
     fn read_source(&self, _: &mut C, _: &NaiveDate) -> Result<Vec<SourceEvent<()>>, HookError> {

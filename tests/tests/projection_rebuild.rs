@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use chrono::{Days, NaiveDate, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::BigInt;
+use inbox_core::rebuild::{HookError, Rebuild, SourceEvent};
 use inbox_core::{
-    ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, HookError, MessageContext,
-    ProjectionLock, Rebuild, RetryPolicy, SourceEvent,
+    ClaimKey, ConsumerGroup, Decision, Envelope, Handler, HandlerError, MessageContext,
+    ProjectionLock, RetryPolicy,
 };
 use inbox_diesel::operator::Operator;
 use inbox_diesel::rebuild::Rebuilder;
@@ -802,7 +803,7 @@ mod interleavings {
     fn rebuild_in_thread(
         store: &Store<PgConnection>,
         lock_timeout: Duration,
-    ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
+    ) -> JoinHandle<inbox_diesel::Result<inbox_core::rebuild::RebuildReport>> {
         let rebuilder = Rebuilder::new(store, PROJECTION)
             .unwrap()
             .lock_timeout(lock_timeout);
@@ -1240,7 +1241,7 @@ mod operator_writes {
     /// long enough here for the test to release the blocker.
     fn rebuild_in_thread(
         store: &Store<PgConnection>,
-    ) -> JoinHandle<inbox_diesel::Result<inbox_core::RebuildReport>> {
+    ) -> JoinHandle<inbox_diesel::Result<inbox_core::rebuild::RebuildReport>> {
         let rebuilder = Rebuilder::new(store, PROJECTION)
             .unwrap()
             .lock_timeout(Duration::from_secs(60));

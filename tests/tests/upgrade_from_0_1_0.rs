@@ -1222,13 +1222,16 @@ fn upgrade_gives_idempotency_records_random_tokens<F: Fixture>(fx: &F)
 where
     F::Conn: OldStore,
 {
-    use inbox_core::{Clock, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, Settlement};
+    use inbox_core::idempotency::{
+        IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, Settlement,
+    };
+    use inbox_core::Clock;
     build_0_1_0(fx);
     let mut conn = fx.connect();
     let ran = conn.migrate_before(F::Conn::RANDOM_TOKENS);
     assert!(!ran.is_empty() && ran.iter().all(|v| v.as_str() < F::Conn::RANDOM_TOKENS));
     let fp = |text: &str| {
-        inbox_core::RequestFields::new()
+        inbox_core::idempotency::RequestFields::new()
             .field("text", text)
             .unwrap()
             .fingerprint(b"api-key")
@@ -1271,7 +1274,7 @@ where
     let tokens: std::collections::HashSet<_> =
         records.iter().map(|(k, ..)| read(k).lease_token).collect();
     assert_eq!(tokens.len(), records.len(), "tokens repeat: {tokens:?}");
-    assert!(!tokens.contains(&inbox_core::LeaseToken::from_bytes([0; 16])));
+    assert!(!tokens.contains(&inbox_core::idempotency::LeaseToken::from_bytes([0; 16])));
     for (k, status, _, committed_at, response) in records {
         let r = read(k);
         assert_eq!(r.status.as_str(), status, "{k}");

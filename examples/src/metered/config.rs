@@ -293,7 +293,7 @@ impl Config {
                 .filter(|d| !d.is_zero()),
             idempotency_retention: v.millis(
                 "METERED_IDEMPOTENCY_RETENTION_MS",
-                inbox_core::DEFAULT_IDEMPOTENCY_RETENTION.as_millis() as u64,
+                inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION.as_millis() as u64,
                 1,
             )?,
             amqp_url: v.var("AMQP_URL"),

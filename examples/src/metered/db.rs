@@ -10,7 +10,8 @@ use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Binary, Nullable, Text, Timestamptz};
 use diesel::PgConnection;
-use inbox_core::{IdempotencyKey, LeaseToken, MessageKey, OutboxMessage, Settlement};
+use inbox_core::idempotency::{IdempotencyKey, LeaseToken, Settlement};
+use inbox_core::{MessageKey, OutboxMessage};
 
 /// The service's own tables, created if missing (in the store's schema, the first
 /// of the connection's search path).
@@ -198,7 +199,7 @@ pub struct Usage {
     /// The idempotency key, if the request had one.
     #[diesel(sql_type = Nullable<Text>)]
     pub idempotency_key: Option<String>,
-    /// Its lease token (16 bytes, see `inbox_core::LeaseToken`).
+    /// Its lease token (16 bytes, see `inbox_core::idempotency::LeaseToken`).
     #[diesel(sql_type = Nullable<Binary>)]
     pub lease_token: Option<Vec<u8>>,
     /// Refund ledger rows of this usage (0 or 1).

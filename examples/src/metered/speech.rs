@@ -10,7 +10,10 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use chrono::Utc;
-use inbox_core::{delta, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, RequestFields};
+use inbox_core::delta;
+use inbox_core::idempotency::{
+    IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, RequestFields,
+};
 use inbox_diesel::idempotency::NewRequest;
 use serde::Deserialize;
 use tokio::sync::mpsc;

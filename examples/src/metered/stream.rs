@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use inbox_core::IdempotencyKey;
+use inbox_core::idempotency::IdempotencyKey;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -35,7 +35,7 @@ pub(crate) struct StreamJob {
     pub(crate) tx: mpsc::Sender<Bytes>,
     pub(crate) usage_id: i64,
     pub(crate) account: i64,
-    pub(crate) idempotency: Option<(IdempotencyKey, inbox_core::LeaseToken)>,
+    pub(crate) idempotency: Option<(IdempotencyKey, inbox_core::idempotency::LeaseToken)>,
     pub(crate) chunks: Vec<Chunk>,
     pub(crate) fail_after: Option<usize>,
     pub(crate) amount: i64,

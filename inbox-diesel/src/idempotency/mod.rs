@@ -1,7 +1,7 @@
 //! Idempotency keys of requests on the store: begin, commit, settle, abandon, read
 //! and purge the records of `idempotency_keys`, and verify its unique index.
 //!
-//! The rules (see [`inbox_core::judge`]): a key whose effect committed is never
+//! The rules (see [`inbox_core::idempotency::judge`]): a key whose effect committed is never
 //! executed again; until the request is settled (delivered or refunded) replays are
 //! in flight, whatever the lease says. The lease (to the request's deadline) only
 //! frees a key whose request died *before* its effect committed, and every later
@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
-use inbox_core::{
+use inbox_core::idempotency::{
     judge, Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyRecord, IdempotencyStatus,
     Judgement, LeaseToken, Settlement,
 };
@@ -122,7 +122,7 @@ pub trait IdempotencyConnection: StoreConnection + IdempotencyOps {}
 impl<C: StoreConnection + IdempotencyOps> IdempotencyConnection for C {}
 
 /// Deletes idempotency records created longer ago than `retention` (24 h is
-/// [`inbox_core::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
+/// [`inbox_core::idempotency::DEFAULT_IDEMPOTENCY_RETENTION`]), at most `batch` per
 /// transaction, until a batch deletes fewer; returns how many. Settled records
 /// go, and uncommitted ones whose lease ended before the cutoff; a committed
 /// request that is not settled yet is kept until it is. A replay after its
@@ -234,7 +234,7 @@ pub struct NewRequest<'a> {
     pub caller: &'a str,
     /// The client's key.
     pub key: &'a IdempotencyKey,
-    /// The request's fingerprint (see [`inbox_core::RequestFields`]).
+    /// The request's fingerprint (see [`inbox_core::idempotency::RequestFields`]).
     pub fingerprint: &'a Fingerprint,
     /// The end of the lease: the request's deadline (stored within years 1 to 9999:
     /// a later one ends on 9999-12-31, for ever).

@@ -3,14 +3,14 @@
 //! the drift without writing.
 //!
 //! A projection registered with [`StoreBuilder::projection`](crate::StoreBuilder::projection)
-//! (a handler that implements [`inbox_core::Rebuild`]) is rebuilt by a [`Rebuilder`],
+//! (a handler that implements [`inbox_core::rebuild::Rebuild`]) is rebuilt by a [`Rebuilder`],
 //! one partition per transaction:
 //!
 //! 1. take the handler's [`ProjectionLock`](inbox_core::ProjectionLock) exclusively
 //!    (PostgreSQL: `pg_advisory_xact_lock` on the lock's key in the store's schema,
 //!    after `SET LOCAL lock_timeout`; SQLite: the `BEGIN IMMEDIATE` write transaction,
 //!    SQLite's single writer, is the lock);
-//! 2. read the partition's source rows **once** ([`Rebuild::read_source`](inbox_core::Rebuild::read_source), one
+//! 2. read the partition's source rows **once** ([`Rebuild::read_source`](inbox_core::rebuild::Rebuild::read_source), one
 //!    statement, after the lock is held) and derive from that one result both the new
 //!    rows and the covered events;
 //! 3. rewrite the partition's rows when they differ;
@@ -99,7 +99,7 @@ mod runner;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_core::{AuditReport, DynRebuild, HookError, RebuildReport, WindowPartition};
+use inbox_core::rebuild::{AuditReport, DynRebuild, HookError, RebuildReport, WindowPartition};
 
 pub use runner::{
     RebuildRunner, RunOutcome, DEFAULT_REBUILD_EVERY, DEFAULT_REBUILD_WINDOW, MAX_REBUILD_EVERY,
@@ -198,12 +198,12 @@ fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
 
 impl<C: StoreConnection> StoreBuilder<C> {
     /// Registers a projection: its handler (as [`StoreBuilder::handler`] does) and its
-    /// rebuild hooks ([`inbox_core::Rebuild`]), for [`Rebuilder::new`].
+    /// rebuild hooks ([`inbox_core::rebuild::Rebuild`]), for [`Rebuilder::new`].
     ///
     /// `build` fails with [`Error::ProjectionWithoutLock`] when the handler declares no
     /// projection lock, and with [`Error::DuplicateProjection`] when two projections
     /// share a name.
-    pub fn projection<H: inbox_core::Rebuild<C>>(mut self, handler: H) -> Self {
+    pub fn projection<H: inbox_core::rebuild::Rebuild<C>>(mut self, handler: H) -> Self {
         let handler = Arc::new(handler);
         self.handlers.push(handler.clone());
         self.rebuilds.push(handler);

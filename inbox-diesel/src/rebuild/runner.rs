@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_core::{delta, RebuildReport, WindowPartition};
+use inbox_core::delta;
+use inbox_core::rebuild::{RebuildReport, WindowPartition};
 
 use super::RebuildConnection;
 use super::Rebuilder;

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use diesel::r2d2::{CustomizeConnection, Pool};
 use diesel::QueryResult;
-use inbox_core::DynRebuild;
+#[cfg(feature = "rebuild")]
+use inbox_core::rebuild::DynRebuild;
 use inbox_core::{
     Clock, ConsumerGroup, DynHandler, Handler, RetryLadder, SystemClock, MAX_DATABASE_TIMEOUT,
 };
@@ -50,7 +51,8 @@ pub struct StoreBuilder<C: StoreConnection> {
     pool_size: u32,
     clock: Arc<dyn Clock>,
     pub(crate) handlers: Vec<Arc<dyn DynHandler<C>>>,
-    pub(crate) rebuilds: Vec<Arc<dyn inbox_core::DynRebuild<C>>>,
+    #[cfg(feature = "rebuild")]
+    pub(crate) rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
     crash_limit: u32,
     batch_deadline: Duration,
     statement_timeout: Duration,
@@ -84,6 +86,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
             pool_size: 4,
             clock: Arc::new(SystemClock),
             handlers: Vec::new(),
+            #[cfg(feature = "rebuild")]
             rebuilds: Vec::new(),
             crash_limit: 3,
             batch_deadline: DEFAULT_BATCH_DEADLINE,
@@ -243,6 +246,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
     fn assemble(self, check_schema: bool) -> Result<Store<C>> {
         self.check_settings()?;
         let handlers = routes(self.handlers)?;
+        #[cfg(feature = "rebuild")]
         let rebuilds = register(self.rebuilds)?;
         let mut first = first_connection::<C>(
             &self.url,
@@ -285,6 +289,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 url: self.url,
                 schema: self.schema,
                 listener: Mutex::default(),
+                #[cfg(feature = "rebuild")]
                 rebuilds,
                 lock_scope,
                 knobs: self.knobs,
@@ -399,6 +404,7 @@ impl<C: StoreConnection> CustomizeConnection<C, diesel::r2d2::Error> for Customi
 
 /// Checks the projections registered on a builder: each has a lock and a name of its
 /// own.
+#[cfg(feature = "rebuild")]
 fn register<C: StoreConnection>(
     rebuilds: Vec<Arc<dyn DynRebuild<C>>>,
 ) -> Result<HashMap<String, Arc<dyn DynRebuild<C>>>> {

@@ -47,10 +47,9 @@ pub(crate) struct Inner<C: StoreConnection> {
     /// What a relay waits for enqueues on (PostgreSQL: the LISTEN connection,
     /// opened on the first wait).
     pub(super) listener: Mutex<C::Listener>,
-    /// The projections with rebuild hooks, by name (registered only with the
-    /// feature `rebuild`).
-    #[cfg_attr(not(feature = "rebuild"), allow(dead_code))]
-    pub(super) rebuilds: HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>>,
+    /// The projections with rebuild hooks, by name (the feature `rebuild`).
+    #[cfg(feature = "rebuild")]
+    pub(super) rebuilds: HashMap<String, Arc<dyn inbox_core::rebuild::DynRebuild<C>>>,
     /// The schema projection lock keys are scoped to (see `rebuild`).
     pub(super) lock_scope: String,
     /// The batch path's switches (all on unless a benchmark turned one off).
@@ -84,8 +83,8 @@ impl<C: StoreConnection> Inner<C> {
     }
 
     /// The projections with rebuild hooks, by name.
-    #[cfg_attr(not(feature = "rebuild"), allow(dead_code))]
-    pub(crate) fn rebuilds(&self) -> &HashMap<String, Arc<dyn inbox_core::DynRebuild<C>>> {
+    #[cfg(feature = "rebuild")]
+    pub(crate) fn rebuilds(&self) -> &HashMap<String, Arc<dyn inbox_core::rebuild::DynRebuild<C>>> {
         &self.rebuilds
     }
 

@@ -12,10 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeDelta, Utc};
+use inbox_core::idempotency::{
+    Fingerprint, IdempotencyAnswer, IdempotencyKey, IdempotencyStatus, RequestFields, Settlement,
+};
 use inbox_core::{
-    ClaimInvariantViolated, ClaimKey, ConsumerGroup, Fingerprint, GroupHalts, IdempotencyAnswer,
-    IdempotencyKey, IdempotencyStatus, ManualClock, MessageKey, OutboxMessage, OutboxStore,
-    RequestFields, Settlement,
+    ClaimInvariantViolated, ClaimKey, ConsumerGroup, GroupHalts, ManualClock, MessageKey,
+    OutboxMessage, OutboxStore,
 };
 use inbox_diesel::idempotency::{
     abandon_request, begin_request, commit_request, read_request, refund_delivered_request,
@@ -42,7 +44,7 @@ pub(crate) const DEFAULT_CASES: u32 = 40;
 /// The idempotency lease token, as `begin_request` hands it out. Opaque: the test
 /// only stores tokens and compares them for equality (issue 21 makes it a random
 /// 128-bit type; change this alias, and nothing else, at that merge).
-pub(crate) type Token = inbox_core::LeaseToken;
+pub(crate) type Token = inbox_core::idempotency::LeaseToken;
 
 // ----------------------------------------------------------------------------------
 // The generator: small alphabets, so that shrinking finds short cases.

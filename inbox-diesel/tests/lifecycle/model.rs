@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use inbox_core::{days_ending, DeadLetterReason, Decision};
+use inbox_core::rebuild::days_ending;
+use inbox_core::{DeadLetterReason, Decision};
 use inbox_diesel::operator::DiscardOutcome;
 use inbox_diesel::ClaimStatus;
 
@@ -773,7 +774,7 @@ impl Model {
     }
 
     // ------------------------------------------------------------------------------
-    // Idempotency keys (README: *Idempotency keys*; inbox_core::judge).
+    // Idempotency keys (README: *Idempotency keys*; inbox_core::idempotency::judge).
 
     fn begin(&mut self, caller: u8, key: u8, fp: u8, lease: u64) -> Idem {
         let now = self.now;

@@ -571,11 +571,11 @@ fn pg_take_over_and_commit(fx: &PgFixture, commit_first: bool) {
         found_commit = committer.unwrap().join().unwrap();
     }
     let found_begin = match found_begin {
-        inbox_core::IdempotencyAnswer::Execute { token } => {
+        inbox_core::idempotency::IdempotencyAnswer::Execute { token } => {
             s.d.tokens.push(token);
             Out::Idem(Idem::Execute(s.d.tokens.len() - 1))
         }
-        inbox_core::IdempotencyAnswer::InFlight => Out::Idem(Idem::InFlight),
+        inbox_core::idempotency::IdempotencyAnswer::InFlight => Out::Idem(Idem::InFlight),
         other => panic!("begin answered {other:?}"),
     };
     judge_take_over(&mut s, &found_commit, &found_begin, commit_first);

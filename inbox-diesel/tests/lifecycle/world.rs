@@ -13,9 +13,10 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel::{PgConnection, SqliteConnection};
+use inbox_core::rebuild::{days_ending, HookError, ProjectionRow, Rebuild, SourceEvent};
 use inbox_core::{
-    days_ending, ConsumerGroup, Envelope, Handler, HandlerError, HookError, MessageContext,
-    MessageKey, ProjectionLock, ProjectionRow, Rebuild, RetryPolicy, SourceEvent,
+    ConsumerGroup, Envelope, Handler, HandlerError, MessageContext, MessageKey, ProjectionLock,
+    RetryPolicy,
 };
 use serde::{Deserialize, Serialize};
 
