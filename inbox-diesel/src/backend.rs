@@ -79,8 +79,11 @@ pub(crate) mod private {
         /// The store's schema as projection lock keys name it (SQLite: `main`).
         fn lock_scope(conn: &mut Self) -> QueryResult<String>;
 
-        /// Reads the claim table's indexes and columns from the live catalog.
-        fn catalog(conn: &mut Self) -> Result<Catalog>;
+        /// Reads one of the store's tables (a constant name: its columns, their
+        /// collations, its indexes) from the live catalog, in the store's schema. The
+        /// one catalog read: every schema check (claims, idempotency keys, rebuild
+        /// runs, the operator's tables) works on what it returns.
+        fn catalog(conn: &mut Self, table: &'static str) -> Result<Catalog>;
 
         /// Runs `f` in a write transaction (SQLite: `BEGIN IMMEDIATE`).
         fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>

@@ -35,9 +35,11 @@ pub struct ColumnInfo {
     /// PostgreSQL, the declared `COLLATE` other than BINARY on SQLite. An index may
     /// name its own collation, so this is checked apart from the indexes'.
     pub loose_collation: Option<String>,
+    /// The declared type, lower-case (`bytea`, `blob`, ...).
+    pub type_name: String,
 }
 
-/// What the live catalog says about the claim table.
+/// What the live catalog says about one of the store's tables.
 #[derive(Debug)]
 pub struct Catalog {
     /// The table's name as the store sees it (schema-qualified on PostgreSQL).
@@ -75,19 +77,24 @@ pub(crate) fn describe(index: &IndexInfo) -> String {
 }
 
 /// A table's key: the columns its unique index must enforce exactly, and whose
-/// schema objects they are (the claim table's, the idempotency table's).
+/// schema objects they are (the claim table's, the idempotency table's, the rebuild
+/// runs', the outbox's).
 #[derive(Clone, Copy)]
 pub(crate) struct Key {
     /// Whose table.
     pub part: SchemaPart,
     /// The key's columns.
     pub columns: &'static [&'static str],
+    /// Columns the database fills with values of its own that never repeat (the
+    /// outbox's `id`): a unique index on one of them refuses no row the key allows.
+    pub generated: &'static [&'static str],
 }
 
 /// The claim table's key.
 const CLAIMS: Key = Key {
     part: SchemaPart::Claims,
     columns: &ClaimKey::COLUMNS,
+    generated: &[],
 };
 
 impl Key {
@@ -120,6 +127,15 @@ impl Key {
             })
     }
 
+    /// Whether the index contains a column the database generates (see
+    /// [`Key::generated`]).
+    fn on_generated(self, index: &IndexInfo) -> bool {
+        index
+            .columns
+            .iter()
+            .any(|c| c.as_deref().is_some_and(|c| self.generated.contains(&c)))
+    }
+
     /// Whether the index is exactly the key: unique, not partial, no expression, the
     /// same column set (not a superset), keys equal only when their bytes are.
     fn is_exactly(self, index: &IndexInfo) -> bool {
@@ -130,6 +146,43 @@ impl Key {
 /// Refuses a claim table whose unique indexes do not enforce exactly the claim key.
 pub(crate) fn check(catalog: &Catalog) -> Result<()> {
     check_key(catalog, CLAIMS)
+}
+
+/// Refuses a table of `part` that is missing, or lacks one of `columns`: the error
+/// names the first column missing and the columns the table has.
+#[cfg_attr(not(any(feature = "operator", feature = "rebuild")), allow(dead_code))]
+pub(crate) fn require_columns(catalog: &Catalog, part: SchemaPart, columns: &[&str]) -> Result<()> {
+    let bare = catalog.table.rsplit('.').next().unwrap_or(&catalog.table);
+    let mismatch = |problem, expected, found| Error::SchemaMismatch {
+        part,
+        problem,
+        expected,
+        found,
+        table: catalog.table.clone(),
+    };
+    if !catalog.exists {
+        return Err(mismatch(
+            SchemaProblem::MissingTable,
+            format!(
+                "table {bare} with column {}",
+                columns.first().unwrap_or(&"")
+            ),
+            "no such table (were the migrations run?)".to_owned(),
+        ));
+    }
+    if let Some(missing) = columns
+        .iter()
+        .find(|c| !catalog.columns.iter().any(|have| have.name == **c))
+    {
+        let mut found: Vec<&str> = catalog.columns.iter().map(|c| c.name.as_str()).collect();
+        found.sort_unstable();
+        return Err(mismatch(
+            SchemaProblem::MissingColumn,
+            format!("column {missing}"),
+            format!("columns {}", found.join(", ")),
+        ));
+    }
+    Ok(())
 }
 
 /// The one rule for "a unique index enforces exactly this key", for every table that
@@ -251,7 +304,7 @@ fn check_indexes(catalog: &Catalog, key: Key) -> Result<()> {
     // insert's conflict and the lookup would disagree.
     if let Some(extra) = unique
         .iter()
-        .find(|i| !key.covered_by(i) || key.folded_by(i))
+        .find(|i| (!key.covered_by(i) && !key.on_generated(i)) || key.folded_by(i))
     {
         return Err(mismatch(
             SchemaProblem::ExtraUniqueIndex,
@@ -299,6 +352,7 @@ mod tests {
                 name: name.into(),
                 not_null,
                 loose_collation: None,
+                type_name: "text".into(),
             })
             .collect(),
         }
@@ -451,6 +505,70 @@ mod tests {
             vec![],
         ] {
             assert!(check(&catalog(bad)).is_err());
+        }
+    }
+
+    /// A unique index on a column the database generates refuses no row the key
+    /// allows; on any other column outside the key, it does.
+    #[test]
+    fn a_unique_index_on_a_generated_column_is_no_extra_key() {
+        let mut c = catalog(vec![
+            index("pk", &["id"], false),
+            index("key", &["consumer_group", "message_key"], false),
+        ]);
+        let key = Key {
+            generated: &["id"],
+            ..CLAIMS
+        };
+        check_key(&c, key).unwrap();
+        match check(&c) {
+            Err(Error::SchemaMismatch {
+                problem: SchemaProblem::ExtraUniqueIndex,
+                found,
+                ..
+            }) => assert_eq!(found, "unique (id) [pk]"),
+            other => panic!("{other:?}"),
+        }
+        // A generated column does not excuse an index that folds a key column.
+        c.indexes[0] = index("pk", &["id", "message_key"], false);
+        c.indexes[0].loose_collations = vec![None, Some("nocase".into())];
+        assert!(check_key(&c, key).is_err());
+    }
+
+    #[test]
+    fn required_columns_name_the_first_missing_and_what_is_there() {
+        let c = catalog(vec![]);
+        require_columns(&c, SchemaPart::Rebuild, &["consumer_group", "message_key"]).unwrap();
+        match require_columns(&c, SchemaPart::Rebuild, &["message_key", "covered_at"]) {
+            Err(Error::SchemaMismatch {
+                part: SchemaPart::Rebuild,
+                problem: SchemaProblem::MissingColumn,
+                expected,
+                found,
+                table,
+            }) => {
+                assert_eq!(expected, "column covered_at");
+                assert_eq!(found, "columns consumer_group, message_key, tenant");
+                assert_eq!(table, "s.inbox_claims");
+            }
+            other => panic!("{other:?}"),
+        }
+        let gone = Catalog {
+            exists: false,
+            columns: vec![],
+            ..catalog(vec![])
+        };
+        match require_columns(&gone, SchemaPart::Operator, &["run_id", "seq"]) {
+            Err(Error::SchemaMismatch {
+                problem: SchemaProblem::MissingTable,
+                expected,
+                found,
+                ..
+            }) => {
+                assert_eq!(expected, "table inbox_claims with column run_id");
+                assert!(found.starts_with("no such table"), "{found}");
+            }
+            other => panic!("{other:?}"),
         }
     }
 }

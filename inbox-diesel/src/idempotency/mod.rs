@@ -56,7 +56,6 @@ use inbox_core::idempotency::{
 };
 
 use crate::backend::StoreConnection;
-use crate::verify::Catalog;
 use crate::{AsStoreConnection, Error, PurgeTarget, Result, Store};
 
 pub(crate) use verify::check;
@@ -214,13 +213,6 @@ pub trait IdempotencyOps: StoreConnection {
 
     /// Deletes an uncommitted, in-flight record, fenced by the token.
     fn abandon(conn: &mut Self, caller: &str, key: &str, token: &[u8]) -> QueryResult<usize>;
-
-    /// The idempotency table's indexes and columns from the live catalog.
-    fn idempotency_catalog(conn: &mut Self) -> Result<Catalog>;
-
-    /// The declared type of the `lease_token` column, lower-case; `None` if there is
-    /// no such column.
-    fn lease_token_type(conn: &mut Self) -> Result<Option<String>>;
 
     /// The type `lease_token` must have (16 random bytes).
     const LEASE_TOKEN_TYPE: &'static str;
@@ -500,13 +492,14 @@ fn purge_on<C: IdempotencyConnection>(
 /// (caller, idempotency_key), or whose lease tokens are not 16 bytes (a table the
 /// migration `random_lease_tokens` has not reached).
 pub(crate) fn verify_on<C: IdempotencyConnection>(conn: &mut C) -> Result<()> {
-    let catalog = C::idempotency_catalog(conn)?;
+    let catalog = C::catalog(conn, "idempotency_keys")?;
     check(&catalog)?;
-    verify::check_token_type(
-        &catalog.table,
-        C::lease_token_type(conn)?,
-        C::LEASE_TOKEN_TYPE,
-    )
+    let token_type = catalog
+        .columns
+        .iter()
+        .find(|c| c.name == "lease_token")
+        .map(|c| c.type_name.clone());
+    verify::check_token_type(&catalog.table, token_type, C::LEASE_TOKEN_TYPE)
 }
 
 /// The statements of [`IdempotencyOps`], written once and expanded per backend with
@@ -535,12 +528,6 @@ macro_rules! idempotency_ops {
             created_at: chrono::DateTime<chrono::Utc>,
             #[diesel(sql_type = $ts)]
             updated_at: chrono::DateTime<chrono::Utc>,
-        }
-
-        #[derive(diesel::QueryableByName)]
-        struct ColumnType {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            type_name: String,
         }
 
         #[derive(diesel::QueryableByName)]
@@ -668,18 +655,6 @@ macro_rules! idempotency_ops {
                     .bind::<Text, _>(key)
                     .bind::<Binary, _>(token)
                     .execute(conn)
-            }
-
-            fn idempotency_catalog(conn: &mut Self) -> crate::Result<crate::verify::Catalog> {
-                catalog(conn)
-            }
-
-            fn lease_token_type(conn: &mut Self) -> crate::Result<Option<String>> {
-                use diesel::prelude::*;
-                let row: Option<ColumnType> = diesel::sql_query($sql::LEASE_TOKEN_TYPE)
-                    .get_result(conn)
-                    .optional()?;
-                Ok(row.map(|r| r.type_name.to_lowercase()))
             }
 
             const LEASE_TOKEN_TYPE: &'static str = $sql::TOKEN_TYPE;

@@ -15,6 +15,7 @@ pub(crate) fn check(catalog: &Catalog) -> Result<()> {
         Key {
             part: SchemaPart::Idempotency,
             columns: &KEY,
+            generated: &[],
         },
     )
 }
@@ -71,6 +72,7 @@ mod tests {
                     name: name.into(),
                     not_null: true,
                     loose_collation: None,
+                    type_name: "text".into(),
                 })
                 .collect(),
         }

@@ -105,7 +105,6 @@ use crate::{ClaimRecord, ClaimStatus, Error, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
-pub(crate) use catalog::{check as check_schema, CatalogOps, OperatorCatalog, UniqueIndex};
 pub(crate) use ops::{operator_ops, OperatorOps};
 
 /// A connection type the operator's statements run on: `PgConnection` or
@@ -114,9 +113,9 @@ pub(crate) use ops::{operator_ops, OperatorOps};
 /// Sealed, as `StoreConnection` is. Code generic over the backend that uses the
 /// operator's methods (dead letters, replay, redrive, stats, canaries) bounds its
 /// connection type by this trait; the inbox path never needs it.
-pub trait OperatorConnection: StoreConnection + OperatorOps + CatalogOps {}
+pub trait OperatorConnection: StoreConnection + OperatorOps {}
 
-impl<C: StoreConnection + OperatorOps + CatalogOps> OperatorConnection for C {}
+impl<C: StoreConnection + OperatorOps> OperatorConnection for C {}
 pub use types::{
     BulkReport, DeadLetterDetails, DeadLetterEntry, DeadLetterFilter, DiscardOutcome, FailureGroup,
     GroupStats, LetterCount, LetterStatus, OperatorStats, PurgeReport, RedriveFilter,
@@ -494,7 +493,7 @@ impl<C: OperatorConnection> Operator<C> {
 
 /// Runs the operator migration's checks (see `Store::verify_schema`).
 pub(crate) fn verify<C: OperatorConnection>(conn: &mut C) -> Result<()> {
-    check_schema(&C::op_catalog(conn)?)
+    catalog::check(conn)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! PostgreSQL's catalog: the claim table's indexes and columns, as `verify` checks
-//! them.
+//! PostgreSQL's catalog, the one read every schema check works on: a store table's
+//! columns, their collations and its indexes, as `verify` checks them.
 
 use diesel::prelude::*;
 use diesel::sql_types::{Array, Bool, Nullable, Text};
@@ -34,6 +34,8 @@ struct ColumnRow {
     not_null: bool,
     #[diesel(sql_type = Nullable<Text>)]
     loose_collation: Option<String>,
+    #[diesel(sql_type = Text)]
+    type_name: String,
 }
 
 #[derive(QueryableByName)]
@@ -42,11 +44,6 @@ struct TableRow {
     schema: Option<String>,
     #[diesel(sql_type = Bool)]
     exists: bool,
-}
-
-/// Reads the claim table of the store's schema from the live catalog.
-pub(crate) fn read(conn: &mut PgConnection) -> Result<Catalog> {
-    read_table(conn, "inbox_claims")
 }
 
 /// Reads one of the store's tables (a constant name) in the store's own schema, the
@@ -98,7 +95,8 @@ pub(crate) fn read_table(conn: &mut PgConnection, table_name: &'static str) -> R
     let columns: Vec<ColumnRow> = diesel::sql_query(format!(
         "SELECT a.attname::text AS name, a.attnotnull AS not_null, \
                 CASE WHEN NOT c.collisdeterministic THEN c.collname::text END \
-                    AS loose_collation \
+                    AS loose_collation, \
+                format_type(a.atttypid, a.atttypmod) AS type_name \
          FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation \
          WHERE a.attrelid = {regclass} AND a.attnum > 0 AND NOT a.attisdropped"
     ))
@@ -124,6 +122,7 @@ pub(crate) fn read_table(conn: &mut PgConnection, table_name: &'static str) -> R
                 name: c.name,
                 not_null: c.not_null,
                 loose_collation: c.loose_collation,
+                type_name: c.type_name.to_lowercase(),
             })
             .collect(),
     })

@@ -3,9 +3,6 @@
 
 use diesel::PgConnection;
 
-use crate::verify::Catalog;
-use crate::Result;
-
 mod sql {
     /// The insert takes a free key with a new random token ($6); the conflict
     /// branch takes over only an uncommitted, in-flight record whose lease has
@@ -51,15 +48,6 @@ mod sql {
           AND status = 'in_flight' AND committed_at IS NULL";
 
     pub(super) const TOKEN_TYPE: &str = "bytea";
-
-    pub(super) const LEASE_TOKEN_TYPE: &str = "\
-        SELECT format_type(a.atttypid, a.atttypmod) AS type_name FROM pg_attribute a \
-        WHERE a.attrelid = to_regclass(format('%I.%I', current_schema(), 'idempotency_keys')) \
-          AND a.attname = 'lease_token' AND NOT a.attisdropped";
 }
 
 crate::idempotency::idempotency_ops!(PgConnection, diesel::sql_types::Timestamptz, sql);
-
-fn catalog(conn: &mut PgConnection) -> Result<Catalog> {
-    super::catalog::read_table(conn, "idempotency_keys")
-}

@@ -215,8 +215,8 @@ impl Sealed for PgConnection {
         ran
     }
 
-    fn catalog(conn: &mut Self) -> Result<Catalog> {
-        catalog::read(conn)
+    fn catalog(conn: &mut Self, table: &'static str) -> Result<Catalog> {
+        catalog::read_table(conn, table)
     }
 
     fn write_transaction<T, E, F>(conn: &mut Self, f: F) -> std::result::Result<T, E>

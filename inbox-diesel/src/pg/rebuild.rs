@@ -4,12 +4,10 @@ use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Text, Timestamptz};
 use diesel::PgConnection;
 
-use crate::rebuild::ops::{
-    rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease,
-};
+use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease};
 
 rebuild_dsl!(PgConnection, pg);
 
@@ -17,20 +15,6 @@ rebuild_dsl!(PgConnection, pg);
 struct Got {
     #[diesel(sql_type = Bool)]
     got: bool,
-}
-
-#[derive(QueryableByName)]
-struct ColumnRow {
-    #[diesel(sql_type = Text)]
-    table_name: String,
-    #[diesel(sql_type = Text)]
-    column_name: String,
-}
-
-#[derive(QueryableByName)]
-struct UniqueRow {
-    #[diesel(sql_type = Array<Nullable<Text>>)]
-    columns: Vec<Option<String>>,
 }
 
 impl RebuildOps for PgConnection {
@@ -112,41 +96,6 @@ impl RebuildOps for PgConnection {
         };
         shared_take_over(conn, c, c.keys, &mut out)?;
         Ok(out)
-    }
-
-    fn rebuild_catalog(conn: &mut Self) -> QueryResult<RebuildCatalog> {
-        let columns: Vec<ColumnRow> = diesel::sql_query(
-            "SELECT c.relname::text AS table_name, a.attname::text AS column_name \
-             FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid \
-             WHERE c.relnamespace = to_regnamespace(quote_ident(current_schema())) \
-               AND c.relname IN ('inbox_claims', 'inbox_dead_letters', 'inbox_rebuild_runs') \
-               AND c.relkind IN ('r', 'p') AND a.attnum > 0 AND NOT a.attisdropped \
-             ORDER BY c.relname, a.attnum",
-        )
-        .load(conn)?;
-        let mut tables: Vec<(String, Vec<String>)> = Vec::new();
-        for row in columns {
-            match tables.last_mut() {
-                Some((t, cols)) if *t == row.table_name => cols.push(row.column_name),
-                _ => tables.push((row.table_name, vec![row.column_name])),
-            }
-        }
-        // Unique, no predicate, valid and immediate: what ON CONFLICT can arbitrate on.
-        let runs_unique: Vec<UniqueRow> = diesel::sql_query(
-            "SELECT ARRAY(SELECT a.attname::text \
-                          FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-                          LEFT JOIN pg_attribute a \
-                            ON a.attrelid = i.indrelid AND a.attnum = k.attnum AND k.attnum > 0 \
-                          WHERE k.ord <= i.indnkeyatts ORDER BY k.ord) AS columns \
-             FROM pg_index i \
-             WHERE i.indrelid = to_regclass(format('%I.%I', current_schema(), 'inbox_rebuild_runs')) \
-               AND i.indisunique AND i.indpred IS NULL AND i.indisvalid AND i.indimmediate",
-        )
-        .load(conn)?;
-        Ok(RebuildCatalog {
-            tables,
-            runs_unique: runs_unique.into_iter().map(|u| u.columns).collect(),
-        })
     }
 
     fn lease_run(conn: &mut Self, lease: &RunLease<'_>) -> QueryResult<String> {

@@ -106,9 +106,9 @@ pub use runner::{
 };
 
 use crate::backend::{classify, ErrorClass, StoreConnection};
-use crate::rebuild::ops::RebuildOps;
-use crate::rebuild::ops::{CoverClaims, RebuildCatalog};
-use crate::{Error, Result, Store, StoreBuilder};
+use crate::rebuild::ops::{CoverClaims, RebuildOps};
+use crate::verify::{check_key, require_columns, Key};
+use crate::{Error, Result, SchemaPart, Store, StoreBuilder};
 
 /// A connection type projection rebuilds run on: `PgConnection` or
 /// `SqliteConnection`. Sealed, as [`StoreConnection`] is; code generic over the
@@ -130,11 +130,18 @@ pub const DEFAULT_LOCK_TRIES: u32 = 50;
 /// The default [`Rebuilder::retry_pause`].
 pub const DEFAULT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
-/// Checks the rebuild's schema objects (part of `verify_schema`).
+/// Checks the rebuild's schema objects (part of `verify_schema`): the columns the
+/// cover and the resolution write, and the run table's lease, unique by exactly the
+/// projection (one runner per projection), by the rules of `verify` every table
+/// shares, on the backend's one catalog read.
 pub(crate) fn verify<C: RebuildConnection>(conn: &mut C) -> Result<()> {
-    check_catalog(&C::rebuild_catalog(conn)?)
+    for (table, columns) in REQUIRED {
+        require_columns(&C::catalog(conn, table)?, SchemaPart::Rebuild, columns)?;
+    }
+    check_key(&C::catalog(conn, "inbox_rebuild_runs")?, RUNS)
 }
 
+/// The tables a rebuild writes and the columns it needs.
 const REQUIRED: &[(&str, &[&str])] = &[
     ("inbox_claims", &["covered_at"]),
     ("inbox_dead_letters", &["resolved_at"]),
@@ -144,57 +151,12 @@ const REQUIRED: &[(&str, &[&str])] = &[
     ),
 ];
 
-fn check_catalog(catalog: &RebuildCatalog) -> Result<()> {
-    for (table, required) in REQUIRED {
-        let Some((_, columns)) = catalog.tables.iter().find(|(t, _)| t == table) else {
-            return Err(Error::SchemaMismatch {
-                part: crate::SchemaPart::Rebuild,
-                problem: crate::SchemaProblem::MissingTable,
-                expected: format!("table {table}"),
-                found: "no such table".to_owned(),
-                table: (*table).to_owned(),
-            });
-        };
-        if let Some(missing) = required.iter().find(|c| !columns.iter().any(|h| h == *c)) {
-            let mut found = columns.clone();
-            found.sort();
-            return Err(Error::SchemaMismatch {
-                part: crate::SchemaPart::Rebuild,
-                problem: crate::SchemaProblem::MissingColumn,
-                expected: format!("column {missing}"),
-                found: format!("columns {}", found.join(", ")),
-                table: (*table).to_owned(),
-            });
-        }
-    }
-    let exact =
-        |cols: &Vec<Option<String>>| cols.len() == 1 && cols[0].as_deref() == Some("projection");
-    if !catalog.runs_unique.iter().any(exact) {
-        let found: Vec<String> = catalog
-            .runs_unique
-            .iter()
-            .map(|cols| {
-                let names: Vec<&str> = cols
-                    .iter()
-                    .map(|c| c.as_deref().unwrap_or("<expression>"))
-                    .collect();
-                format!("unique ({})", names.join(", "))
-            })
-            .collect();
-        return Err(Error::SchemaMismatch {
-            part: crate::SchemaPart::Rebuild,
-            problem: crate::SchemaProblem::NoClaimIndex,
-            expected: "unique (projection)".to_owned(),
-            found: if found.is_empty() {
-                "no unique index".to_owned()
-            } else {
-                found.join("; ")
-            },
-            table: "inbox_rebuild_runs".to_owned(),
-        });
-    }
-    Ok(())
-}
+/// The run table's key: one lease per projection.
+const RUNS: Key = Key {
+    part: SchemaPart::Rebuild,
+    columns: &["projection"],
+    generated: &[],
+};
 
 impl<C: StoreConnection> StoreBuilder<C> {
     /// Registers a projection: its handler (as [`StoreBuilder::handler`] does) and its
@@ -533,77 +495,4 @@ impl<C: RebuildConnection> Rebuilder<C> {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn catalog() -> RebuildCatalog {
-        RebuildCatalog {
-            tables: vec![
-                (
-                    "inbox_claims".into(),
-                    vec!["message_key".into(), "covered_at".into()],
-                ),
-                (
-                    "inbox_dead_letters".into(),
-                    vec!["id".into(), "resolved_at".into()],
-                ),
-                (
-                    "inbox_rebuild_runs".into(),
-                    vec!["projection".into(), "runner".into(), "leased_until".into()],
-                ),
-            ],
-            runs_unique: vec![vec![Some("projection".into())]],
-        }
-    }
-
-    fn problem(c: &RebuildCatalog) -> (String, String, String) {
-        match check_catalog(c) {
-            Err(Error::SchemaMismatch {
-                part: crate::SchemaPart::Rebuild,
-                expected,
-                found,
-                table,
-                ..
-            }) => (expected, found, table),
-            other => panic!("expected a mismatch, found {other:?}"),
-        }
-    }
-
-    #[test]
-    fn the_migrated_catalog_passes() {
-        check_catalog(&catalog()).unwrap();
-    }
-
-    #[test]
-    fn a_missing_column_is_named() {
-        let mut c = catalog();
-        c.tables[0].1.retain(|n| n != "covered_at");
-        let (expected, found, table) = problem(&c);
-        assert_eq!(expected, "column covered_at");
-        assert_eq!(found, "columns message_key");
-        assert_eq!(table, "inbox_claims");
-    }
-
-    #[test]
-    fn a_missing_table_is_named() {
-        let mut c = catalog();
-        c.tables.remove(2);
-        assert_eq!(problem(&c).2, "inbox_rebuild_runs");
-    }
-
-    #[test]
-    fn the_lease_needs_a_unique_projection() {
-        let mut c = catalog();
-        c.runs_unique = vec![vec![Some("projection".into()), Some("runner".into())]];
-        let (expected, found, _) = problem(&c);
-        assert_eq!(expected, "unique (projection)");
-        assert_eq!(found, "unique (projection, runner)");
-        c.runs_unique = vec![vec![None]];
-        assert_eq!(problem(&c).1, "unique (<expression>)");
-        c.runs_unique.clear();
-        assert_eq!(problem(&c).1, "no unique index");
-    }
 }

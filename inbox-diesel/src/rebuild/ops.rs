@@ -36,15 +36,6 @@ pub struct RunLease<'a> {
     pub until: DateTime<Utc>,
 }
 
-/// The rebuild's schema objects, as the live catalog has them.
-pub struct RebuildCatalog {
-    /// (table, its columns) for each table that exists.
-    pub tables: Vec<(String, Vec<String>)>,
-    /// The columns of each unique index (no predicate, valid, immediate) of
-    /// `inbox_rebuild_runs`; `None` stands for an expression.
-    pub runs_unique: Vec<Vec<Option<String>>>,
-}
-
 /// The statements of a rebuild, per backend (`rebuild/pg.rs`, `rebuild/sqlite.rs`).
 pub trait RebuildOps: crate::backend::StoreConnection {
     /// Takes a projection lock exclusively for the rest of the transaction, waiting at
@@ -60,9 +51,6 @@ pub trait RebuildOps: crate::backend::StoreConnection {
 
     /// Records covered claims (see the module docs).
     fn cover(conn: &mut Self, claims: &CoverClaims<'_>) -> QueryResult<Covered>;
-
-    /// Reads the rebuild's schema objects.
-    fn rebuild_catalog(conn: &mut Self) -> QueryResult<RebuildCatalog>;
 
     /// Takes or renews the lease when it is free, expired or ours; returns who holds it
     /// afterwards.

@@ -1,5 +1,6 @@
-//! SQLite's catalog: the claim table's indexes and columns (from pragmas and the
-//! table's CREATE statement), as `verify` checks them.
+//! SQLite's catalog, the one read every schema check works on: a store table's
+//! columns, their collations and its indexes (from pragmas and the table's CREATE
+//! statement), as `verify` checks them.
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Nullable, Text};
@@ -38,17 +39,15 @@ struct ColumnRow {
     name: String,
     #[diesel(sql_type = BigInt)]
     not_null: i64,
-}
-
-/// Reads the claim table from the live catalog.
-pub(crate) fn read(conn: &mut SqliteConnection) -> Result<Catalog> {
-    read_table(conn, "inbox_claims")
+    #[diesel(sql_type = Text)]
+    type_name: String,
 }
 
 /// Reads one of the store's tables (a constant name) from the live catalog.
 pub(crate) fn read_table(conn: &mut SqliteConnection, table_name: &'static str) -> Result<Catalog> {
     let columns: Vec<ColumnRow> = diesel::sql_query(format!(
-        "SELECT name, \"notnull\" AS not_null FROM pragma_table_info('{table_name}')"
+        "SELECT name, \"notnull\" AS not_null, type AS type_name \
+         FROM pragma_table_info('{table_name}')"
     ))
     .load(conn)?;
     let table = format!("main.{table_name}");
@@ -120,6 +119,7 @@ pub(crate) fn read_table(conn: &mut SqliteConnection, table_name: &'static str) 
                     .cloned(),
                 name: c.name,
                 not_null: c.not_null != 0,
+                type_name: c.type_name.to_lowercase(),
             })
             .collect(),
     })

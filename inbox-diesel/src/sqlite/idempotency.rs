@@ -4,9 +4,6 @@
 
 use diesel::SqliteConnection;
 
-use crate::verify::Catalog;
-use crate::Result;
-
 mod sql {
     pub(super) const BEGIN: &str = "\
         INSERT INTO idempotency_keys (caller, idempotency_key, fingerprint, status, \
@@ -47,14 +44,6 @@ mod sql {
           AND status = 'in_flight' AND committed_at IS NULL";
 
     pub(super) const TOKEN_TYPE: &str = "blob";
-
-    pub(super) const LEASE_TOKEN_TYPE: &str = "\
-        SELECT type AS type_name FROM pragma_table_info('idempotency_keys') \
-        WHERE name = 'lease_token'";
 }
 
 crate::idempotency::idempotency_ops!(SqliteConnection, diesel::sql_types::TimestamptzSqlite, sql);
-
-fn catalog(conn: &mut SqliteConnection) -> Result<Catalog> {
-    super::catalog::read_table(conn, "idempotency_keys")
-}

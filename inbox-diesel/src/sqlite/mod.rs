@@ -104,8 +104,8 @@ impl Sealed for SqliteConnection {
         Ok(())
     }
 
-    fn catalog(conn: &mut Self) -> Result<Catalog> {
-        catalog::read(conn)
+    fn catalog(conn: &mut Self, table: &'static str) -> Result<Catalog> {
+        catalog::read_table(conn, table)
     }
 
     fn wait_for_enqueue(

@@ -7,34 +7,11 @@
 use std::time::Duration;
 
 use diesel::prelude::*;
-use diesel::sql_types::{Nullable, Text};
 use diesel::SqliteConnection;
 
-use crate::rebuild::ops::{
-    rebuild_dsl, CoverClaims, Covered, RebuildCatalog, RebuildOps, RunLease, NO_DIGEST,
-};
+use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST};
 
 rebuild_dsl!(SqliteConnection, sqlite);
-
-#[derive(QueryableByName)]
-struct ColumnRow {
-    #[diesel(sql_type = Text)]
-    table_name: String,
-    #[diesel(sql_type = Text)]
-    column_name: String,
-}
-
-#[derive(QueryableByName)]
-struct IndexRow {
-    #[diesel(sql_type = Text)]
-    name: String,
-}
-
-#[derive(QueryableByName)]
-struct IndexColumn {
-    #[diesel(sql_type = Nullable<Text>)]
-    name: Option<String>,
-}
 
 /// Keys per statement of the take-over (SQLite binds at most 32,766 parameters).
 const CHUNK: usize = 500;
@@ -82,41 +59,6 @@ impl RebuildOps for SqliteConnection {
             shared_take_over(conn, c, chunk, &mut out)?;
         }
         Ok(out)
-    }
-
-    fn rebuild_catalog(conn: &mut Self) -> QueryResult<RebuildCatalog> {
-        let columns: Vec<ColumnRow> = diesel::sql_query(
-            "SELECT m.name AS table_name, p.name AS column_name \
-             FROM sqlite_master m JOIN pragma_table_info(m.name) p \
-             WHERE m.type = 'table' \
-               AND m.name IN ('inbox_claims', 'inbox_dead_letters', 'inbox_rebuild_runs') \
-             ORDER BY m.name, p.cid",
-        )
-        .load(conn)?;
-        let mut tables: Vec<(String, Vec<String>)> = Vec::new();
-        for row in columns {
-            match tables.last_mut() {
-                Some((t, cols)) if *t == row.table_name => cols.push(row.column_name),
-                _ => tables.push((row.table_name, vec![row.column_name])),
-            }
-        }
-        let indexes: Vec<IndexRow> = diesel::sql_query(
-            "SELECT name FROM pragma_index_list('inbox_rebuild_runs') \
-             WHERE \"unique\" = 1 AND partial = 0",
-        )
-        .load(conn)?;
-        let mut runs_unique = Vec::new();
-        for index in indexes {
-            let cols: Vec<IndexColumn> =
-                diesel::sql_query("SELECT name FROM pragma_index_info(?) ORDER BY seqno")
-                    .bind::<Text, _>(&index.name)
-                    .load(conn)?;
-            runs_unique.push(cols.into_iter().map(|c| c.name).collect());
-        }
-        Ok(RebuildCatalog {
-            tables,
-            runs_unique,
-        })
     }
 
     fn lease_run(conn: &mut Self, lease: &RunLease<'_>) -> QueryResult<String> {

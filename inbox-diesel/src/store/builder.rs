@@ -381,7 +381,7 @@ fn first_connection<C: StoreConnection>(
         C::migrate(&mut first, schema, migrate, setup)?;
     }
     if check_schema {
-        verify::check(&C::catalog(&mut first)?)?;
+        verify::check(&C::catalog(&mut first, "inbox_claims")?)?;
         C::verify_capabilities(&mut first)?;
     }
     Ok(first)

@@ -141,7 +141,7 @@ impl<C: StoreConnection> Store<C> {
     /// `operator`, the operator migration's columns and tables.
     pub fn verify_schema(&self) -> Result<()> {
         let mut conn = self.connection()?;
-        verify::check(&C::catalog(&mut conn)?)?;
+        verify::check(&C::catalog(&mut conn, "inbox_claims")?)?;
         C::verify_capabilities(&mut conn)
     }
 
