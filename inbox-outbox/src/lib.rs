@@ -40,9 +40,12 @@
 //! let url = format!("sqlite://{}", dir.path().join("shop.db").display());
 //! let store = Store::<SqliteConnection>::builder(url).handler(Orders).build()?;
 //! let mut transport = InProcessTransport::new(store);
-//! transport.publish(Envelope::new(MessageKey::derive("shop", "order-1", "order.placed"),
-//!                                 "order.placed", br#"{"cents":1250}"#.to_vec()))?;
-//! assert_eq!(transport.run_until_idle()?.processed, 1);
+//! let order = Envelope::new(MessageKey::derive("shop", "order-1", "order.placed"),
+//!                           "order.placed", br#"{"cents":1250}"#.to_vec());
+//! transport.publish(order.clone())?;
+//! transport.publish(order)?; // delivered twice: handled once
+//! let stats = transport.run_until_idle()?;
+//! assert_eq!((stats.processed, stats.duplicates), (1, 1));
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
