@@ -544,3 +544,24 @@ fn two_sqlite_setups_at_a_barrier(round: usize) {
         }
     }
 }
+
+/// A store of one backend refuses a URL of the other before it connects: a SQLite
+/// store never takes `postgres://...` as a file name (and creates nothing), and the
+/// error never shows the URL's password.
+#[test]
+fn a_url_of_the_other_backend_is_refused_before_connecting() {
+    let dir = std::env::temp_dir().join(unique_name("other_backend"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cwd = std::env::current_dir().unwrap();
+    let url = "postgres://app:s3cret@127.0.0.1:1/billing";
+    let err = Store::<SqliteConnection>::builder(url).build().unwrap_err();
+    assert_eq!(rejected_setting(&err), Some("url"), "{err}");
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+    assert!(err.to_string().contains("app:***@"), "{err}");
+    assert!(!cwd.join("postgres:").exists());
+    let sqlite = format!("sqlite://{}", dir.join("x.db").display());
+    let err = Store::<PgConnection>::builder(&sqlite).build().unwrap_err();
+    assert_eq!(rejected_setting(&err), Some("url"), "{err}");
+    assert!(!dir.join("x.db").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

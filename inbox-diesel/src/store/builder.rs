@@ -299,6 +299,18 @@ impl<C: StoreConnection> StoreBuilder<C> {
 
     /// Refuses settings the store cannot run with, before connecting.
     fn check_settings(&self) -> Result<()> {
+        // A store of one backend never opens another's URL (SQLite would take
+        // `postgres://...` as a file name).
+        if Backend::from_url(&self.url)? != C::BACKEND {
+            return Err(Error::invalid(
+                "url",
+                match C::BACKEND {
+                    Backend::Postgres => "a postgres:// or postgresql:// URL (a PostgreSQL store)",
+                    Backend::Sqlite => "a sqlite:// URL or a file path (a SQLite store)",
+                },
+                format_args!("a URL of the other backend: {}", crate::redact(&self.url)),
+            ));
+        }
         if let Some(schema) = &self.schema {
             if C::BACKEND != Backend::Postgres {
                 return Err(Error::invalid(
