@@ -403,12 +403,20 @@ fn the_consumer_rebuilds_on_its_schedule_and_heals_a_row() {
 fn usage_ops_reports_and_refuses_clearly() {
     let Some(base) = database_url() else { return };
     let schema = Schema::new(&base);
-    // Before any table exists: a clear error, exit 1.
+    // Before any table exists: the projection commands never migrate (as the inbox's
+    // own commands), so the schema check refuses, exit 3.
     let out = usage_ops(&schema.url, &["audit", "daily_usage", "--days", "2"]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("were the migrations run?"), "{stderr}");
+    // The consumer migrates and creates the ledger; a hook's failure is exit 1.
+    drop(consumer(&schema, &[]));
+    schema.execute("ALTER TABLE usage_ledger RENAME TO usage_ledger_away");
+    let out = usage_ops(&schema.url, &["audit", "daily_usage", "--window", "2"]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("usage_ledger"), "{stderr}");
-    drop(consumer(&schema, &[]));
+    schema.execute("ALTER TABLE usage_ledger_away RENAME TO usage_ledger");
     let today = chrono::Utc::now().date_naive();
     schema.execute(&format!(
         "INSERT INTO usage_ledger (user_id, day, amount) VALUES (1, '{today}', 10), (2, '{today}', 5);
@@ -442,9 +450,10 @@ fn usage_ops_reports_and_refuses_clearly() {
     assert_eq!(field(&rebuilt, "rows_changed"), 3);
     assert_eq!(field(&rebuilt, "events_covered"), 2);
     assert_eq!(schema.mismatches(), 0);
-    // Bad input: an unknown projection (1), a window of 0 days or no number (2).
+    // Bad input: an unknown projection (4, not found), a window of 0 days or no
+    // number (2).
     let out = usage_ops(&schema.url, &["rebuild", "weekly_usage", "--days", "1"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(4));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("unknown projection weekly_usage: expected one of [daily_usage]"),
@@ -476,9 +485,10 @@ fn usage_ops_mounts_the_inbox_commands() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // The projection's store migrates (and finds no ledger yet).
+    // Nor do the projection commands.
     let out = usage_ops(&schema.url, &["audit", "daily_usage", "--days", "1"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(3));
+    drop(consumer(&schema, &[]));
     let list = json(&usage_ops(&schema.url, &["dead-letters", "list", "--json"]));
     assert_eq!(list["dead_letters"], serde_json::json!([]), "{list}");
     assert_eq!(
@@ -499,9 +509,12 @@ fn usage_ops_mounts_the_inbox_commands() {
         "{stderr}"
     );
     // Its own commands take the global --json in either place.
-    let audit = usage_ops(
-        &schema.url,
-        &["--json", "audit", "daily_usage", "--days", "1"],
-    );
-    assert_eq!(audit.status.code(), Some(1), "still no ledger");
+    for args in [
+        &["--json", "audit", "daily_usage", "--window", "1"][..],
+        &["audit", "daily_usage", "--window", "1", "--json"],
+    ] {
+        let audit = json(&usage_ops(&schema.url, args));
+        assert_eq!(field(&audit, "rows_checked"), 0, "{audit}");
+        assert_eq!(audit["projection"], "daily_usage", "{audit}");
+    }
 }

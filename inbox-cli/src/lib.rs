@@ -41,11 +41,15 @@
 //! across a database or broker call, so a host whose logger writes to stdout gets
 //! every answer. No URL's password is printed, in errors or in the arguments' `Debug`.
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod args;
 mod commands;
 mod failure;
 mod output;
+#[cfg(feature = "rebuild")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
+pub mod projections;
 mod run;
 
 pub use args::{

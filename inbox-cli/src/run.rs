@@ -83,7 +83,7 @@ const ACCEPTED_URLS: &str =
 /// string, a bare path, another scheme) is a usage error that never quotes the value:
 /// it may hold a password. A missing SQLite file is never created: the operator
 /// commands run no migrations, so a new file could only fail their schema check.
-fn database(url: &str) -> Result<(Backend, String), Failure> {
+pub(crate) fn database(url: &str) -> Result<(Backend, String), Failure> {
     let lower = url.to_ascii_lowercase();
     if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
         return Ok((Backend::Postgres, url.to_owned()));
@@ -142,7 +142,7 @@ fn open<C: OperatorConnection>(
 /// The exit code of a store that would not open: 3 for every schema mismatch,
 /// whatever the table (the claims', the operator's, a rebuild's, the idempotency
 /// keys').
-fn opening_failed(e: inbox_diesel::Error) -> Failure {
+pub(crate) fn opening_failed(e: inbox_diesel::Error) -> Failure {
     match e {
         inbox_diesel::Error::SchemaMismatch { .. } => Failure::new(exit::SCHEMA, e.to_string()),
         // `--schema` (the only setting an operator gives the builder) refused before
