@@ -465,6 +465,94 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
     drop(proxy);
 }
 
+/// A Redis ACL user of this test's own, deleted when the test ends (passed or not).
+struct AclUser {
+    admin: redis::Client,
+    name: String,
+}
+
+impl AclUser {
+    /// Creates `name` with `password`, allowed every command on the service's keys.
+    fn create(redis_url: &str, name: &str, password: &str) -> Self {
+        let admin = redis::Client::open(redis_url).unwrap();
+        let mut conn = admin.get_connection().unwrap();
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(name)
+            .arg("reset")
+            .arg("on")
+            .arg(format!(">{password}"))
+            .arg("~metered:*")
+            .arg("+@all")
+            .exec(&mut conn)
+            .unwrap();
+        Self {
+            admin,
+            name: name.to_owned(),
+        }
+    }
+
+    /// Whether a client is connected as this user now.
+    fn connected(&self) -> bool {
+        let mut conn = self.admin.get_connection().unwrap();
+        let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut conn).unwrap();
+        clients
+            .split_whitespace()
+            .any(|field| field == format!("user={}", self.name))
+    }
+}
+
+impl Drop for AclUser {
+    fn drop(&mut self) {
+        // Also disconnects the clients authenticated as the user.
+        if let Ok(mut conn) = self.admin.get_connection() {
+            let _ = redis::cmd("ACL")
+                .arg("DELUSER")
+                .arg(&self.name)
+                .exec(&mut conn);
+        }
+    }
+}
+
+/// `REDIS_URL` with an ACL user name (percent-encoded in part) and a password holding
+/// `:`, `%`, `@` and `/` (the last three percent-encoded): the service authenticates
+/// as that user, Redis answers every command (no fallback, cache hits). The
+/// hand-written client dropped the user name and cut the password at its last `:`.
+#[test]
+fn an_acl_user_and_a_password_with_colons_and_escapes_reach_redis_whole() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let password = "c0:l0n%25@at/sl:";
+    let user = AclUser::create(
+        &redis,
+        &inbox_test_support::unique_name("metered-acl"),
+        password,
+    );
+    let addr = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
+    // `-` as `%2D` in the user name; `%`, `@` and `/` encoded in the password.
+    let url = format!(
+        "redis://{}:c0:l0n%2525%40at%2Fsl:@{addr}",
+        user.name.replacen('-', "%2D", 1)
+    );
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &url, &[("METERED_REDIS_PROBE_MS", "0")]);
+    let (_, key) = svc.account(100, 100);
+    for i in 0..3 {
+        let r = svc.speech(&key, Some(&format!("acl-{i}")), TEXT);
+        assert!(is_done(&r), "{}", r.text());
+    }
+    let stats = svc.stats();
+    assert_eq!(stats["redis_fallbacks"], 0, "{stats}");
+    assert!(stats["key_cache_hits"].as_u64().unwrap() >= 2, "{stats}");
+    assert!(user.connected(), "no client connected as {}", user.name);
+    assert_eq!(svc.get("/v1/health", &[]).json()["redis"], "ok");
+}
+
 /// SIGKILL while a stream runs (after the debit, before any settlement): a new
 /// instance settles it after the deadline, exactly once, even with two instances.
 fn crash_between_debit_and_refund(amqp: Option<&str>) {
