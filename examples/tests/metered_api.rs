@@ -393,10 +393,11 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         return;
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let target = redis
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .to_owned();
+    let target = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
     let proxy = rt.block_on(inbox_test_support::amqp::Proxy::start(target));
     proxy.stall(true);
     let closed = {
