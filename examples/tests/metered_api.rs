@@ -466,6 +466,53 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
     drop(proxy);
 }
 
+/// A Redis connection that falls silent without closing (a partition: no reply, no
+/// error) is one the `redis` crate's manager keeps; the health probe declares it dead
+/// when its `PING` gets no answer, and the requests after it reach Redis again on a
+/// new connection (no fallback any more) instead of failing open for good.
+#[test]
+fn a_silent_redis_connection_is_replaced_after_the_probe_fails() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let target = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
+    let proxy = rt.block_on(inbox_test_support::amqp::Proxy::start(target));
+    let schema = Schema::new(&pg);
+    let url = format!("redis://{}", proxy.addr);
+    let svc = Service::start(&schema, &url, &[("METERED_REDIS_PROBE_MS", "200")]);
+    let (_, key) = svc.account(100_000, 100_000);
+    let fallbacks = |svc: &Service| svc.stats()["redis_fallbacks"].as_u64().unwrap();
+    assert!(is_done(&svc.speech(&key, None, TEXT)));
+    assert_eq!(fallbacks(&svc), 0);
+    // The open connection goes silent; new connections through the proxy still work.
+    proxy.freeze();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut recovered = false;
+    while std::time::Instant::now() < deadline {
+        let before = fallbacks(&svc);
+        let r = svc.speech(&key, None, TEXT);
+        assert!(is_done(&r), "{}", r.text());
+        if fallbacks(&svc) == before {
+            recovered = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        recovered,
+        "still failing open 30 s after the connection fell silent: {}",
+        svc.stats()
+    );
+    assert_eq!(svc.get("/v1/health", &[]).json()["redis"], "ok");
+    drop(svc);
+    drop(proxy);
+}
+
 /// A Redis ACL user of this test's own, deleted when the test ends (passed or not).
 struct AclUser {
     admin: redis::Client,

@@ -4,7 +4,9 @@
 //! counts a fallback.
 //!
 //! The client is the `redis` crate's [`ConnectionManager`]: one multiplexed connection,
-//! reopened by the manager when it breaks (an I/O error), with these budgets:
+//! reopened by the manager when it breaks (a dropped connection, a refused or timed-out
+//! connection attempt), with no retry loop of its own: the next command after a failed
+//! attempt starts the next attempt, and concurrent commands share it. The budgets:
 //!
 //! - a reply: [`REQUEST_BUDGET`] (250 ms, the manager's response timeout), and a
 //!   command on the request path waits no longer than that in all, a connection being
@@ -16,10 +18,11 @@
 //! - the health probe: `PING` within [`PROBE_BUDGET`], a connection being opened
 //!   included.
 //!
-//! A server that accepts the connection and never answers gives the manager no I/O
-//! error to reconnect on, so the probe is the one place that declares a connection
-//! dead: when its `PING` fails, the manager is dropped (closing its connection) and
-//! the next command opens a new one.
+//! A connection whose replies stop coming (response timeouts, no broken socket) is
+//! not one the manager reopens, so the probe is the one place that declares a live
+//! connection dead: when its `PING` fails, the manager is dropped (its connection
+//! closes once the commands in flight on it give up) and the next command opens a
+//! new one.
 //!
 //! `REDIS_URL` is `redis://[[user]:password@]host[:port][/db]`, parsed by the crate:
 //! the ACL user name is sent with the password (`AUTH user password`), a password may
