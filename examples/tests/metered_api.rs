@@ -393,10 +393,11 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         return;
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let target = redis
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .to_owned();
+    let target = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
     let proxy = rt.block_on(inbox_test_support::amqp::Proxy::start(target));
     proxy.stall(true);
     let closed = {
@@ -463,6 +464,141 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
         assert_eq!(health.json()["redis"], expected, "{name}");
     }
     drop(proxy);
+}
+
+/// A Redis connection that falls silent without closing (a partition: no reply, no
+/// error) is one the `redis` crate's manager keeps; the health probe declares it dead
+/// when its `PING` gets no answer, and the requests after it reach Redis again on a
+/// new connection (no fallback any more) instead of failing open for good.
+#[test]
+fn a_silent_redis_connection_is_replaced_after_the_probe_fails() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let target = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
+    let proxy = rt.block_on(inbox_test_support::amqp::Proxy::start(target));
+    let schema = Schema::new(&pg);
+    let url = format!("redis://{}", proxy.addr);
+    let svc = Service::start(&schema, &url, &[("METERED_REDIS_PROBE_MS", "200")]);
+    let (_, key) = svc.account(100_000, 100_000);
+    let fallbacks = |svc: &Service| svc.stats()["redis_fallbacks"].as_u64().unwrap();
+    assert!(is_done(&svc.speech(&key, None, TEXT)));
+    assert_eq!(fallbacks(&svc), 0);
+    // The open connection goes silent; new connections through the proxy still work.
+    proxy.freeze();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut recovered = false;
+    while std::time::Instant::now() < deadline {
+        let before = fallbacks(&svc);
+        let r = svc.speech(&key, None, TEXT);
+        assert!(is_done(&r), "{}", r.text());
+        if fallbacks(&svc) == before {
+            recovered = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        recovered,
+        "still failing open 30 s after the connection fell silent: {}",
+        svc.stats()
+    );
+    assert_eq!(svc.get("/v1/health", &[]).json()["redis"], "ok");
+    drop(svc);
+    drop(proxy);
+}
+
+/// A Redis ACL user of this test's own, deleted when the test ends (passed or not).
+struct AclUser {
+    admin: redis::Client,
+    name: String,
+}
+
+impl AclUser {
+    /// Creates `name` with `password`, allowed every command on the service's keys.
+    fn create(redis_url: &str, name: &str, password: &str) -> Self {
+        let admin = redis::Client::open(redis_url).unwrap();
+        let mut conn = admin.get_connection().unwrap();
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(name)
+            .arg("reset")
+            .arg("on")
+            .arg(format!(">{password}"))
+            .arg("~metered:*")
+            .arg("+@all")
+            .exec(&mut conn)
+            .unwrap();
+        Self {
+            admin,
+            name: name.to_owned(),
+        }
+    }
+
+    /// Whether a client is connected as this user now.
+    fn connected(&self) -> bool {
+        let mut conn = self.admin.get_connection().unwrap();
+        let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut conn).unwrap();
+        clients
+            .split_whitespace()
+            .any(|field| field == format!("user={}", self.name))
+    }
+}
+
+impl Drop for AclUser {
+    fn drop(&mut self) {
+        // Also disconnects the clients authenticated as the user.
+        if let Ok(mut conn) = self.admin.get_connection() {
+            let _ = redis::cmd("ACL")
+                .arg("DELUSER")
+                .arg(&self.name)
+                .exec(&mut conn);
+        }
+    }
+}
+
+/// `REDIS_URL` with an ACL user name (percent-encoded in part) and a password holding
+/// `:`, `%`, `@` and `/` (the last three percent-encoded): the service authenticates
+/// as that user, Redis answers every command (no fallback, cache hits). The
+/// hand-written client dropped the user name and cut the password at its last `:`.
+#[test]
+fn an_acl_user_and_a_password_with_colons_and_escapes_reach_redis_whole() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let password = "c0:l0n%25@at/sl:";
+    let user = AclUser::create(
+        &redis,
+        &inbox_test_support::unique_name("metered-acl"),
+        password,
+    );
+    let addr = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection_info()
+        .addr()
+        .to_string();
+    // `-` as `%2D` in the user name; `%`, `@` and `/` encoded in the password.
+    let url = format!(
+        "redis://{}:c0:l0n%2525%40at%2Fsl:@{addr}",
+        user.name.replacen('-', "%2D", 1)
+    );
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &url, &[("METERED_REDIS_PROBE_MS", "0")]);
+    let (_, key) = svc.account(100, 100);
+    for i in 0..3 {
+        let r = svc.speech(&key, Some(&format!("acl-{i}")), TEXT);
+        assert!(is_done(&r), "{}", r.text());
+    }
+    let stats = svc.stats();
+    assert_eq!(stats["redis_fallbacks"], 0, "{stats}");
+    assert!(stats["key_cache_hits"].as_u64().unwrap() >= 2, "{stats}");
+    assert!(user.connected(), "no client connected as {}", user.name);
+    assert_eq!(svc.get("/v1/health", &[]).json()["redis"], "ok");
 }
 
 /// SIGKILL while a stream runs (after the debit, before any settlement): a new

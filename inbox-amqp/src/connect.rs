@@ -137,8 +137,47 @@ pub(crate) async fn close_channel(channel: &Channel, text: &str) {
     }
 }
 
-/// Waits out the backoff (or the shutdown), then doubles it up to `max`.
+/// A pause drawn uniformly from `[0, ceiling]`: "full jitter".
+///
+/// Full rather than decorrelated jitter: the ceiling stays the plain exponential
+/// backoff the settings describe (`backoff_min` doubling up to `backoff_max`, back to
+/// the minimum after a session that held), so a pause is bounded by what the
+/// settings say, and clients that lost their broker at the same instant spread over
+/// the whole window instead of clustering near its top. Decorrelated jitter draws
+/// from the previous pause instead and can wander anywhere below the cap.
+///
+/// The generator is `fastrand`'s per-thread one (seeded from the clock and the thread
+/// id): not cryptographic, which a pause does not need, and no lock shared across
+/// threads.
+pub(crate) fn full_jitter(ceiling: Duration) -> Duration {
+    let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+    Duration::from_nanos(fastrand::u64(0..=nanos))
+}
+
+/// The next pause of a backoff whose current ceiling is `ceiling`: a full-jitter draw
+/// under it; the ceiling then doubles up to `max`. The `n`-th pause from `min` is
+/// thus random in `[0, min(max, min * 2^n)]`.
+pub(crate) fn next_pause(ceiling: &mut Duration, max: Duration) -> Duration {
+    let pause = full_jitter(*ceiling);
+    *ceiling = exponential_backoff(*ceiling, 1, max);
+    pause
+}
+
+/// Waits out the next jittered pause of the backoff (or the shutdown): after a lost
+/// connection or a store that does not answer, where every consumer and relay of a
+/// restarted broker or database would otherwise come back in lockstep.
 pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) {
+    let wait = next_pause(backoff, max);
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        () = shutdown.cancelled() => {}
+    }
+}
+
+/// Waits out the backoff itself (or the shutdown), then doubles it up to `max`: for a
+/// pause that no restart synchronises (a full retry tier draining), where the whole
+/// wait is what keeps the loop from hammering the broker.
+pub(crate) async fn wait_out(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) {
     tokio::select! {
         () = tokio::time::sleep(*backoff) => {}
         () = shutdown.cancelled() => {}
@@ -182,6 +221,49 @@ pub(crate) fn check_backoff(min: Duration, max: Duration) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two clients (two threads, as two processes, each with a generator of its own)
+    /// that start backing off at the same instant: the `n`-th pause of each stays in
+    /// `[0, min(max, min * 2^n)]`, and their sequences differ, so they do not
+    /// reconnect in lockstep.
+    #[test]
+    fn two_clients_pause_differently_within_the_full_jitter_bounds() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+        let client = move || {
+            std::thread::spawn(move || {
+                let mut ceiling = min;
+                (0..12)
+                    .map(|_| next_pause(&mut ceiling, max))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (a, b) = (client(), client());
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        for pauses in [&a, &b] {
+            for (n, pause) in pauses.iter().enumerate() {
+                let bound = exponential_backoff(min, u32::try_from(n).unwrap(), max);
+                assert!(*pause <= bound, "pause {n}: {pause:?} above {bound:?}");
+            }
+        }
+        assert_ne!(a, b, "two clients paused alike");
+    }
+
+    /// Full jitter covers the whole window, not only its top.
+    #[test]
+    fn full_jitter_spreads_over_the_whole_window() {
+        let ceiling = Duration::from_secs(1);
+        let draws: Vec<_> = (0..10_000).map(|_| full_jitter(ceiling)).collect();
+        assert!(draws.iter().all(|d| *d <= ceiling));
+        assert!(
+            draws.iter().any(|d| *d < ceiling / 20),
+            "none in the lowest 5%"
+        );
+        assert!(
+            draws.iter().any(|d| *d > ceiling * 19 / 20),
+            "none in the top 5%"
+        );
+        assert_eq!(full_jitter(Duration::ZERO), Duration::ZERO);
+    }
 
     /// Display of every level of the chain, and Debug of the top.
     fn everything_printed(err: &Error) -> Vec<String> {

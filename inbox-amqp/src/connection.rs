@@ -15,10 +15,12 @@ use crate::Result;
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConnectionSettings {
-    /// First wait before reconnecting (default 100 ms); a consumer also waits it
-    /// after a store failure.
+    /// The first ceiling of the wait before reconnecting (default 100 ms); a consumer
+    /// also waits after a store failure. Each wait is random in `[0, ceiling]` (full
+    /// jitter), the ceiling doubling after each failure, so clients that lost one
+    /// broker together do not reconnect together.
     pub backoff_min: Duration,
-    /// Longest such wait (default 5 s).
+    /// The highest ceiling (default 5 s).
     pub backoff_max: Duration,
     /// The name of the connections, shown by `rabbitmqctl list_connections`. A
     /// consumer group's workers' connection is `<name> (<group>)`, its dead-letter

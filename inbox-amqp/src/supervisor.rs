@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::connect::SessionEnd;
-use crate::connect::{close_connection, open, pause};
+use crate::connect::{close_connection, full_jitter, open, pause};
 use crate::connection::ConnectionSettings;
 use crate::tls::Tls;
 use crate::{Error, Result};
@@ -77,10 +77,12 @@ impl<'a> Supervisor<'a> {
     /// channel); its result goes to `session`. The first connection and declaration
     /// must succeed, so a misconfigured program fails at startup; a
     /// [`Error::TopologyConflict`] is fatal at any time; later losses reconnect
-    /// after a backoff that doubles up to `backoff_max` and is back to
-    /// `backoff_min` only after a session that held for `backoff_max` (a connection
-    /// that dies at once must not reconnect in a hot loop). A connection lost to a
-    /// frame the client cannot parse ([`SessionEnd::Unreadable`]) reconnects after
+    /// after a pause drawn with full jitter under a ceiling that doubles up to
+    /// `backoff_max` and is back to `backoff_min` only after a session that held for
+    /// `backoff_max` (a connection that dies at once must not reconnect in a hot
+    /// loop, and clients that lost one broker together must not come back
+    /// together). A connection lost to a frame the client cannot parse
+    /// ([`SessionEnd::Unreadable`]) reconnects after a random pause of at most
     /// `backoff_min`: the broker is healthy and the poison's deliveries are bounded by
     /// its queue's delivery limit. A [`SessionEnd::Relaxed`] session reconnects at
     /// once. `reconnected` is called on every connection after the first.
@@ -148,7 +150,7 @@ impl<'a> Supervisor<'a> {
                     backoff = self.backoff_min;
                     tracing::warn!(reason = %Escaped(&reason), ?backoff, "connection lost to a frame the client cannot read; reconnecting cautiously");
                     tokio::select! {
-                        () = tokio::time::sleep(self.backoff_min) => {}
+                        () = tokio::time::sleep(full_jitter(self.backoff_min)) => {}
                         () = shutdown.cancelled() => {}
                     }
                 }

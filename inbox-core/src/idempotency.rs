@@ -34,6 +34,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 use crate::Error;
 
@@ -124,12 +125,9 @@ impl Fingerprint {
 }
 
 impl PartialEq for Fingerprint {
+    /// `subtle`'s constant-time equality: no early exit at the first differing byte.
     fn eq(&self, other: &Self) -> bool {
-        self.0
-            .iter()
-            .zip(other.0.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+        bool::from(self.0[..].ct_eq(&other.0[..]))
     }
 }
 
@@ -574,6 +572,17 @@ mod tests {
             .field("a", "1")
             .and_then(|f| f.field("a", "2"))
             .is_err());
+    }
+
+    #[test]
+    fn fingerprints_that_differ_in_any_one_byte_are_not_equal() {
+        let fp = fields("hello").fingerprint(b"secret");
+        for i in 0..Fingerprint::LEN {
+            let mut bytes = *fp.as_bytes();
+            bytes[i] ^= 0x80;
+            assert_ne!(Fingerprint::from_slice(&bytes), Some(fp), "byte {i}");
+        }
+        assert_eq!(Fingerprint::from_slice(fp.as_bytes()), Some(fp));
     }
 
     #[test]

@@ -1,6 +1,12 @@
 //! RabbitMQ fixtures: the broker URL, per-test names, publishing with confirms, and a
 //! TCP proxy of the test's own to cut a client's connection without touching the
 //! shared broker.
+//!
+//! AMQP URLs are read with lapin's own URI type ([`uri`], amq-protocol-uri's
+//! `AMQPUri`), so a helper sees the user, password (percent-decoded), host, port
+//! (the scheme's default when none is given) and vhost that lapin connects with. One
+//! consequence, lapin's own: amq-protocol-uri 10.6 reads a bracketed IPv6 host as
+//! `localhost`, and so does every helper here.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -467,28 +473,33 @@ impl Proxy {
             .store(blocked, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// `url` with its host and port replaced by the proxy's.
+    /// `url` with its host and port replaced by the proxy's (user, password, vhost
+    /// and the query parameters lapin knows are kept); panics on a URL lapin cannot
+    /// read.
     pub fn url_for(&self, url: &str) -> String {
-        let (scheme, rest) = url.split_once("://").expect("scheme");
-        let (auth_host, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let auth = auth_host
-            .rsplit_once('@')
-            .map(|(a, _)| format!("{a}@"))
-            .unwrap_or_default();
-        format!("{scheme}://{auth}{}/{path}", self.addr)
+        let mut uri = uri(url).unwrap_or_else(|why| panic!("{why}"));
+        uri.authority.host = self.addr.ip().to_string();
+        uri.authority.port = self.addr.port();
+        uri.to_string()
     }
 }
 
-/// host:port of an AMQP URL.
+/// `url` (`amqp://` or `amqps://`) as lapin reads it; `Err` says why it does not parse.
+pub fn uri(url: &str) -> Result<lapin::uri::AMQPUri, String> {
+    url.parse::<lapin::uri::AMQPUri>()
+        .map_err(|why| format!("not an AMQP URL ({why})"))
+}
+
+/// host:port of an AMQP URL, the port the scheme's default when it names none;
+/// panics on a URL lapin cannot read.
 pub fn host_port(url: &str) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let host = rest.split('/').next().unwrap_or(rest);
-    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
-    if host.contains(':') {
-        host.to_owned()
-    } else {
-        format!("{host}:5672")
-    }
+    let uri = uri(url).unwrap_or_else(|why| panic!("{why}"));
+    authority_of(&uri)
+}
+
+/// host:port of a parsed URL.
+pub(crate) fn authority_of(uri: &lapin::uri::AMQPUri) -> String {
+    format!("{}:{}", uri.authority.host, uri.authority.port)
 }
 
 /// A bare AMQP 0-9-1 publisher that writes its frames byte by byte, for what a client
@@ -645,22 +656,13 @@ pub mod raw {
         }
     }
 
-    /// (user, password, host:port, vhost) of an `amqp://` URL.
-    fn parts(url: &str) -> (String, String, String, String) {
-        let rest = url.split_once("://").map_or(url, |(_, r)| r);
-        let (auth_host, vhost) = rest.split_once('/').unwrap_or((rest, ""));
-        let auth = auth_host.rsplit_once('@').map_or("guest:guest", |(a, _)| a);
-        let (user, pass) = auth.split_once(':').unwrap_or((auth, ""));
-        let vhost = match vhost.replace("%2f", "/").replace("%2F", "/") {
-            v if v.is_empty() => "/".to_owned(),
-            v => v,
-        };
-        (
-            user.to_owned(),
-            pass.to_owned(),
-            super::host_port(url),
-            vhost,
-        )
+    /// (user, password, host:port, vhost) of an `amqp://` URL, decoded as lapin
+    /// decodes them (`guest`, `guest` and `/` when it names none).
+    pub(crate) fn parts(url: &str) -> Result<(String, String, String, String), String> {
+        let uri = super::uri(url)?;
+        let addr = super::authority_of(&uri);
+        let user = uri.authority.userinfo;
+        Ok((user.username, user.password, addr, uri.vhost))
     }
 
     /// Publishes one message with these raw properties to `exchange` and waits for
@@ -693,7 +695,7 @@ pub mod raw {
         body: &[u8],
         within: Duration,
     ) -> Result<(), String> {
-        let (user, pass, addr, vhost) = parts(url);
+        let (user, pass, addr, vhost) = parts(url)?;
         let stream = TcpStream::connect(&addr)
             .await
             .map_err(|e| format!("connect {addr}: {e}"))?;
@@ -768,6 +770,31 @@ pub mod raw {
 #[cfg(test)]
 mod watchdog_tests {
     use super::*;
+
+    /// The raw publisher logs in with what lapin would send: the user name, password
+    /// and vhost percent-decoded, a `:` inside the password kept.
+    #[test]
+    fn raw_publishers_read_the_url_as_lapin_does() {
+        assert_eq!(
+            raw::parts("amqp://us%65r:p%40ss:w@broker.example:5673/my%2Dvhost").unwrap(),
+            (
+                "user".to_owned(),
+                "p@ss:w".to_owned(),
+                "broker.example:5673".to_owned(),
+                "my-vhost".to_owned()
+            )
+        );
+        assert_eq!(
+            raw::parts("amqp://127.0.0.1").unwrap(),
+            (
+                "guest".to_owned(),
+                "guest".to_owned(),
+                "127.0.0.1:5672".to_owned(),
+                "/".to_owned()
+            )
+        );
+        assert!(raw::parts("broker.example:5672").is_err());
+    }
 
     /// A listener that accepts and never says a word: a wedged node as a client sees it.
     #[test]

@@ -117,7 +117,7 @@ pub fn url_of(service: Service) -> Option<String> {
                 service,
                 &format!(
                     "nothing answers at {} and {} is not set",
-                    redacted(service.default_url()),
+                    inbox_core::redact_url(service.default_url()),
                     service.variables().join(" / ")
                 ),
                 &format!(
@@ -223,9 +223,18 @@ pub fn answers(url: &str) -> bool {
         .any(|addr| TcpStream::connect_timeout(addr, PROBE_TIMEOUT).is_ok())
 }
 
-/// `host:port` of a URL (its scheme's default port when it names none).
+/// `host:port` of a URL (its scheme's default port when it names none). AMQP URLs
+/// are read by lapin's URI type, as lapin reads them ([`crate::amqp::uri`]).
+/// PostgreSQL and Redis URLs keep this small split: this crate links no client
+/// whose URL type it could ask (diesel hands the URL to libpq as it is), and only
+/// the host and port are needed, to probe them.
 pub(crate) fn authority(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://")?;
+    if matches!(scheme, "amqp" | "amqps") {
+        return crate::amqp::uri(url)
+            .ok()
+            .map(|uri| crate::amqp::authority_of(&uri));
+    }
     let host_port = rest.split(['/', '?']).next()?;
     let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);
     // A port given: after the host, or after a bracketed IPv6 address.
@@ -238,26 +247,10 @@ pub(crate) fn authority(url: &str) -> Option<String> {
     }
     let port = match scheme {
         "postgres" | "postgresql" => 5432,
-        "amqp" => 5672,
-        "amqps" => 5671,
         "redis" | "rediss" => 6379,
         _ => return None,
     };
     Some(format!("{host_port}:{port}"))
-}
-
-/// The URL with its password hidden, for messages.
-fn redacted(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((user, host)) => {
-                let user = user.split_once(':').map_or(user, |(u, _)| u);
-                format!("{scheme}://{user}@{host}")
-            }
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
 }
 
 #[cfg(test)]
@@ -269,9 +262,15 @@ mod tests {
         let amqp = |url| authority(url).unwrap();
         assert_eq!(amqp("amqp://guest:pw@127.0.0.1/%2f"), "127.0.0.1:5672");
         assert_eq!(amqp("amqp://127.0.0.1:5673/%2f"), "127.0.0.1:5673");
-        assert_eq!(amqp("amqp://[::1]/%2f"), "[::1]:5672");
-        assert_eq!(amqp("amqp://[::1]:5673"), "[::1]:5673");
         assert_eq!(amqp("amqps://broker.example"), "broker.example:5671");
+        // A password holding an encoded `@` and `/`, and a `:`.
+        assert_eq!(
+            amqp("amqp://app:p%40ss%2Fw:rd@broker.example:5673/%2f"),
+            "broker.example:5673"
+        );
+        // lapin's URI type (amq-protocol-uri 10.6) reads a bracketed IPv6 host as
+        // `localhost`, which is where lapin connects: the helpers agree with it.
+        assert_eq!(amqp("amqp://[::1]:5673"), "localhost:5673");
     }
 
     #[test]
@@ -317,8 +316,8 @@ mod tests {
     #[test]
     fn passwords_are_hidden_in_messages() {
         assert_eq!(
-            redacted(DEFAULT_AMQP_URL),
-            "amqp://guest@127.0.0.1:5672/%2f"
+            inbox_core::redact_url(DEFAULT_AMQP_URL),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
         );
     }
 }

@@ -97,14 +97,13 @@ impl TlsProxy {
 
     /// `url` (a plain `amqp://` URL of the broker) as `amqps://` to the proxy, by the
     /// name `localhost` its certificate is for.
+    /// Panics on a URL lapin cannot read.
     pub fn url_for(&self, url: &str) -> String {
-        let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-        let (auth_host, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let auth = auth_host
-            .rsplit_once('@')
-            .map(|(a, _)| format!("{a}@"))
-            .unwrap_or_default();
-        format!("amqps://{auth}localhost:{}/{path}", self.addr.port())
+        let mut uri = crate::amqp::uri(url).unwrap_or_else(|why| panic!("{why}"));
+        uri.scheme = lapin::uri::AMQPScheme::AMQPS;
+        uri.authority.host = "localhost".to_owned();
+        uri.authority.port = self.addr.port();
+        uri.to_string()
     }
 
     /// What it saw once `settled` holds of it (the proxy learns a handshake's end

@@ -272,7 +272,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         if unconfirmed {
             // A full tier refuses copies until it drains: an original requeued at once
             // would come straight back, in a loop as fast as the broker answers.
-            pause(r.stop, r.backoff, self.settings.connection.backoff_max).await;
+            wait_out(r.stop, r.backoff, self.settings.connection.backoff_max).await;
         } else {
             *r.backoff = self.settings.connection.backoff_min;
         }

@@ -72,10 +72,8 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                             biased;
                             () = tokens.stop.cancelled() => break None,
                             () = tokens.halt.halted.cancelled() => break None,
-                            () = tokio::time::sleep(backoff) => {}
+                            () = tokio::time::sleep(next_pause(&mut backoff, self.settings.connection.backoff_max)) => {}
                         }
-                        backoff =
-                            exponential_backoff(backoff, 1, self.settings.connection.backoff_max);
                     }
                 }
             };

@@ -19,12 +19,11 @@ use tracing::Instrument;
 
 use inbox_core::display::Escaped;
 use inbox_core::{
-    check_decision_count, exponential_backoff, ClaimInvariantViolated, ConsumerGroup,
-    DeadLetterOutcome, DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally,
-    TransportAction,
+    check_decision_count, ClaimInvariantViolated, ConsumerGroup, DeadLetterOutcome,
+    DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally, TransportAction,
 };
 
-use crate::connect::{close_channel, goodbye, pause, SessionEnd};
+use crate::connect::{close_channel, goodbye, next_pause, pause, wait_out, SessionEnd};
 use crate::delivery::{self, Malformed};
 use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::publish::{publish_with_confirm, Confirmed};
