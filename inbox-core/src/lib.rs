@@ -46,6 +46,7 @@ mod error;
 mod handler;
 mod idempotency;
 mod key;
+pub mod metrics;
 mod outbox;
 mod rebuild;
 mod relay;
