@@ -797,7 +797,11 @@ fn a_vanished_failure_group_gauge_goes_back_to_zero<F: Fixture>(fx: &F) {
     // A clone shares what was published.
     let clone = operator.clone();
     metrics::with_local_recorder(&capture, || clone.publish_operator_gauges().unwrap());
-    assert_eq!(value(&series), Some(0.0), "the vanished group's gauge is reset");
+    assert_eq!(
+        value(&series),
+        Some(0.0),
+        "the vanished group's gauge is reset"
+    );
 }
 
 fn violation(group_name: &str, key: &str, detail: &str) -> ClaimInvariantViolated {
