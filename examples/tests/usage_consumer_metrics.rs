@@ -1,6 +1,9 @@
-//! The running example consumer's `/metrics` (`INBOX_METRICS_ADDR`): after a known
-//! workload (processed, duplicates, dead letters by reason) the documented series
-//! carry exactly the workload's counts, each metric with its `# HELP` and `# TYPE`.
+//! The metrics a user scrapes. The running example consumer's `/metrics`
+//! (`INBOX_METRICS_ADDR`): after a known workload (processed, duplicates, dead letters
+//! by reason) the documented series carry exactly the workload's counts, each metric
+//! with its `# HELP` and `# TYPE`. And docs/metrics.md lists every metric of
+//! `inbox_core::metrics::CATALOG` once, with its type, unit and labels as recorded,
+//! and no metric the catalog does not have.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -12,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
+use inbox_core::metrics::{Label, CATALOG};
 
 const GROUP: &str = "billing.daily-usage";
 
@@ -281,7 +285,7 @@ fn a_scrape_after_a_known_workload_shows_the_documented_series_exactly() {
         );
     }
     // Each metric of the catalog that was recorded carries its help and type.
-    for m in inbox_core::metrics::CATALOG {
+    for m in CATALOG {
         if got
             .keys()
             .any(|k| k.starts_with(&format!("{}{{", m.name)) || k == m.name)
@@ -300,4 +304,56 @@ fn a_scrape_after_a_known_workload_shows_the_documented_series_exactly() {
     }
     drop(child);
     drop_schema(&base, &schema);
+}
+
+fn unit(u: metrics::Unit) -> &'static str {
+    match u {
+        metrics::Unit::Count => "count",
+        metrics::Unit::Seconds => "seconds",
+        metrics::Unit::Bytes => "bytes",
+        other => other.as_str(),
+    }
+}
+
+#[test]
+fn the_reference_page_matches_the_catalog() {
+    let page = include_str!("../../docs/metrics.md");
+    // Rows of the metric tables: | `name` | type | unit | labels | meaning |
+    let rows: Vec<Vec<&str>> = page
+        .lines()
+        .filter(|l| l.starts_with("| `inbox_"))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    for m in CATALOG {
+        let name = format!("`{}`", m.name);
+        let found: Vec<_> = rows.iter().filter(|r| r[0] == name).collect();
+        assert_eq!(
+            found.len(),
+            1,
+            "{} must have one row in docs/metrics.md",
+            m.name
+        );
+        let row = found[0];
+        assert_eq!(row[1], m.kind.as_str(), "{}: type", m.name);
+        assert_eq!(row[2], unit(m.unit), "{}: unit", m.name);
+        let labels: Vec<String> = m
+            .labels
+            .iter()
+            .map(|l: &Label| format!("`{}`", l.as_str()))
+            .collect();
+        let labels = if labels.is_empty() {
+            "-".to_owned()
+        } else {
+            labels.join(", ")
+        };
+        assert_eq!(row[3], labels, "{}: labels", m.name);
+        assert_eq!(row[4], m.help, "{}: meaning", m.name);
+    }
+    for row in &rows {
+        let name = row[0].trim_matches('`');
+        assert!(
+            CATALOG.iter().any(|m| m.name == name),
+            "docs/metrics.md lists {name}, which no crate records"
+        );
+    }
 }

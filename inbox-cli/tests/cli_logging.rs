@@ -1,9 +1,12 @@
 //! The `inbox` binary's logs: `RUST_LOG` filters them, `INBOX_LOG_FORMAT=json` writes
-//! one JSON object per line on stderr; mounted, `inbox_cli::run` installs no subscriber.
+//! one JSON object per line on stderr; mounted, `inbox_cli::run` installs no subscriber
+//! (no test of this binary installs one in its own process).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
 use std::process::{Command, Output};
+
+use clap::Parser;
 
 use inbox_test_support::{group, Fixture, SqliteFixture};
 
@@ -87,4 +90,39 @@ fn rust_log_filters_and_the_default_format_is_text() {
     let fx = halted_database();
     let quiet = stderr(&resume(&fx, &[]));
     assert!(!quiet.contains("consumer group resumed"), "{quiet}");
+}
+
+/// A host binary's command line.
+#[derive(Parser)]
+struct Ops {
+    #[command(flatten)]
+    inbox: inbox_cli::GlobalArgs,
+    #[command(subcommand)]
+    command: inbox_cli::Command,
+}
+
+/// Mounted in a host binary, `inbox_cli::run` never installs a log subscriber: the
+/// logs are the host's.
+#[test]
+fn run_installs_no_subscriber() {
+    let fx = halted_database();
+    let url = format!("sqlite://{}", fx.path);
+    // A command whose library code logs (the resume, at info).
+    let ops = Ops::try_parse_from([
+        "ops",
+        "--database-url",
+        &url,
+        "groups",
+        "resume",
+        "billing.audit",
+    ])
+    .unwrap();
+    assert_eq!(
+        inbox_cli::run(&ops.inbox, &ops.command),
+        std::process::ExitCode::SUCCESS
+    );
+    assert!(
+        !tracing::dispatcher::has_been_set(),
+        "inbox_cli::run installed a global subscriber"
+    );
 }
