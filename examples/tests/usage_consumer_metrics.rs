@@ -357,3 +357,54 @@ fn the_reference_page_matches_the_catalog() {
         );
     }
 }
+
+/// Every metric the library crates record is named by a constant of the catalog
+/// (`inbox_core::metrics`), never by a string literal, so none escapes its description
+/// or the `inbox_` namespace.
+#[test]
+fn the_library_crates_record_metrics_by_the_catalog_s_names() {
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for krate in [
+        "inbox-core",
+        "inbox-diesel",
+        "inbox-amqp",
+        "inbox-cli",
+        "inbox-outbox",
+    ] {
+        rust_files(&root.join(krate).join("src"), &mut files);
+    }
+    let mut sites = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+            for (at, _) in text.match_indices(macro_name) {
+                let before = &text[..at];
+                if before.ends_with("describe_") {
+                    continue;
+                }
+                let name = text[at + macro_name.len()..].trim_start();
+                assert!(
+                    !name.starts_with('"'),
+                    "{}: {macro_name} names its metric by a literal, not by inbox_core::metrics",
+                    file.display()
+                );
+                sites += 1;
+            }
+        }
+    }
+    assert!(
+        sites >= 30,
+        "found only {sites} recording sites: is the scan still looking?"
+    );
+}
