@@ -21,6 +21,7 @@ use ::metrics::Unit;
 
 /// What a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Kind {
     /// Only goes up (until the process restarts).
     Counter,
@@ -43,6 +44,7 @@ impl Kind {
 
 /// A label the inbox metrics carry, and the bound on its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Label {
     /// `group`: a consumer group of the process's handlers (`[a-z0-9._-]`, at most 100
     /// bytes): as many values as the deployment has groups.
@@ -85,6 +87,7 @@ pub const MAX_FAILURE_GROUP_SERIES: usize = 50;
 
 /// One metric of the catalog.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Metric {
     /// Its name, as exported.
     pub name: &'static str,
