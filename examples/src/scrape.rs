@@ -6,19 +6,51 @@
 //! `credit_ledger`) serve it on a listener of their own when [`METRICS_ADDR_ENV`]
 //! (`INBOX_METRICS_ADDR`, e.g. `127.0.0.1:9464`; port 0 picks a free one) is set,
 //! and print `<program>: metrics on http://<address>/metrics` on stdout once it
-//! listens; unset, they install no recorder and the metrics cost nothing. The metered
+//! listens; unset, they install no recorder and the metrics cost nothing.
+//! `usage_consumer` also publishes the operator gauges there (outbox backlog, pending
+//! dead letters per failure group, ...; [`publish_operator_gauges`]) every
+//! `INBOX_OPERATOR_GAUGES_EVERY` (default 30 s). The metered
 //! API serves `/metrics` on its admin router. Histograms (the `_seconds` ones) are
 //! exported with the buckets of [`SECONDS_BUCKETS`]. See `docs/metrics.md`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
+use inbox_diesel::operator::Operator;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// The variable naming the address the example programs serve `/metrics` on.
 pub const METRICS_ADDR_ENV: &str = "INBOX_METRICS_ADDR";
+
+/// The variable setting how often `usage_consumer` publishes the operator gauges
+/// (`30s` by default; units `ms`, `s`, `m`, `h`) while it serves `/metrics`.
+pub const OPERATOR_GAUGES_EVERY_ENV: &str = "INBOX_OPERATOR_GAUGES_EVERY";
+
+/// How often the operator gauges are published when [`OPERATOR_GAUGES_EVERY_ENV`] is
+/// not set.
+pub const OPERATOR_GAUGES_EVERY: Duration = Duration::from_secs(30);
+
+/// Publishes `operator`'s gauges ([`Operator::publish_operator_gauges`]) at once and
+/// then every `every` until `stop` is set: a blocking loop, for a thread of its own.
+/// A failed publication is logged and tried again at the next turn.
+pub fn publish_operator_gauges<C: inbox_diesel::operator::OperatorConnection>(
+    operator: &Operator<C>,
+    every: Duration,
+    stop: &AtomicBool,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        if let Err(err) = operator.publish_operator_gauges() {
+            tracing::warn!(error = %err, "publishing the operator gauges failed");
+        }
+        let until = std::time::Instant::now() + every;
+        while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50).min(every));
+        }
+    }
+}
 
 /// The buckets of every `_seconds` histogram, in seconds.
 pub const SECONDS_BUCKETS: &[f64] = &[

@@ -173,6 +173,7 @@ fn a_scrape_after_a_known_workload_shows_the_documented_series_exactly() {
             .env("AMQP_URL", &amqp)
             .env("INBOX_PREFIX", &prefix)
             .env("INBOX_METRICS_ADDR", "127.0.0.1:0")
+            .env("INBOX_OPERATOR_GAUGES_EVERY", "100ms")
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -271,6 +272,30 @@ fn a_scrape_after_a_known_workload_shows_the_documented_series_exactly() {
     ];
     for (k, v) in &expected {
         assert_eq!(got.get(k), Some(v), "{k} in:\n{text}");
+    }
+    // The operator gauges, published every 100 ms: the pending dead letters per reason
+    // (summed over their failure groups), no outbox backlog.
+    let pending = |got: &BTreeMap<String, f64>, reason: &str| -> f64 {
+        let label = format!("reason=\"{reason}\"");
+        got.iter()
+            .filter(|(k, _)| k.starts_with("inbox_dead_letters_pending{") && k.contains(&label))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = scrape(&addr);
+        let got = samples(&text);
+        let figures = (
+            pending(&got, "decode_error"),
+            pending(&got, "key_collision"),
+            got.get("inbox_outbox_backlog").copied(),
+        );
+        if figures == (2.0, 1.0, Some(0.0)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{figures:?} in:\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
     }
     // No other dead-letter reason, no retry, no phantom conflict was counted.
     let dead: Vec<_> = got
