@@ -11,7 +11,9 @@
 //!
 //! Environment: `DATABASE_URL` (`postgres://...` or an SQLite path; `simulate` without
 //! it uses SQLite in a temporary directory), `AMQP_URL`, `INBOX_PREFIX`,
-//! `CREDIT_SCHEMA` (PostgreSQL schema of every table, default `credit`), `RUST_LOG`.
+//! `CREDIT_SCHEMA` (PostgreSQL schema of every table, default `credit`), `RUST_LOG`,
+//! `INBOX_LOG_FORMAT` (`json` for JSON lines), `INBOX_METRICS_ADDR` (`consume`: serve
+//! `/metrics` in the Prometheus text format on this `host:port`).
 //!
 //! Exit codes: 0 done (and every invariant holds), 1 an invariant is violated (`check`,
 //! `simulate`), 2 bad usage or an error (nothing reached, a startup failure).
@@ -314,6 +316,7 @@ fn consume<C: StoreConnection + CreditDb>(
 ) -> Result<ExitCode, BoxError> {
     let amqp = amqp_url();
     let stats = runtime()?.block_on(async move {
+        inbox_examples::scrape::serve_from_env("credit_ledger").await?;
         let shutdown = cancel_on_signals(CancellationToken::new());
         println!(
             "credit_ledger: consuming{}; stop with ctrl-c or SIGTERM",

@@ -69,6 +69,9 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let config = Config::from_env()?;
+    // First: the counters below register with the recorder installed at their creation.
+    let metrics = inbox_examples::scrape::install_recorder().map_err(|e| e.to_string())?;
+    inbox_examples::metered::meter::describe();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let settlements = Arc::new(SettlementStats::default());
     let settler = Settler::new(Arc::clone(&clock), Arc::clone(&settlements));
@@ -185,7 +188,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         idle_timeout: config.idle_timeout,
     };
     let auth_failures = AuthFailures::new(config.auth_failure_limit);
-    let connections = Arc::new(ConnectionStats::default());
+    let connections = Arc::new(ConnectionStats::new("public"));
     let app = Arc::new(App {
         config,
         store,
@@ -195,6 +198,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         exchange,
         auth_failures,
         connections: Arc::clone(&connections),
+        metrics,
     });
     // The only place that may declare the Redis connection dead.
     if let Some(every) = app.config.redis_probe {
@@ -252,7 +256,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             admin_listener,
             admin_router(Arc::clone(&app)),
             admin_limits,
-            Arc::new(ConnectionStats::default()),
+            Arc::new(ConnectionStats::new("admin")),
             shutdown.clone(),
         ),
     );

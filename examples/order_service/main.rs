@@ -226,6 +226,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .await?
         }
         Command::Run => {
+            inbox_examples::scrape::serve_from_env("order_service").await?;
             let shutdown = cancel_on_signals(CancellationToken::new());
             let store = Arc::new(store);
             let consumer = Consumer::new(amqp.clone(), store.clone(), topology()?);
@@ -258,6 +259,7 @@ fn main() -> ExitCode {
         );
     }
     let cli = Cli::parse();
+    inbox_examples::init_logging();
     let done = match &cli.command {
         Command::Ops(command) => return inbox_outbox::cli::run(&cli.inbox, command),
         _ => tokio::runtime::Runtime::new()

@@ -5,6 +5,7 @@ pub mod credit;
 pub mod metered;
 pub mod ops;
 pub mod quickstart;
+pub mod scrape;
 pub mod usage;
 
 /// The workspace README and the guides in `docs/`, whose Rust blocks `cargo test --doc`
@@ -37,30 +38,23 @@ mod guides {
     mod storage {}
     #[doc = include_str!("../../docs/performance.md")]
     mod performance {}
+    #[doc = include_str!("../../docs/metrics.md")]
+    mod metrics {}
 }
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at
 /// `info`, everything else (lapin, diesel, ...) at `warn`.
 pub const DEFAULT_LOG_FILTER: &str =
     "warn,inbox_core=info,inbox_diesel=info,inbox_amqp=info,inbox_examples=info,\
-     quickstart=info,usage_consumer=info,usage_producer=info,credit_ledger=info,usage_ops=info";
+     quickstart=info,usage_consumer=info,usage_producer=info,credit_ledger=info,usage_ops=info,\
+     order_service=info,operator_demo=info,metered_api=info";
 
 /// Logs `tracing` events to stderr, as a user's service would: filtered by `RUST_LOG`
 /// (`RUST_LOG=debug`, `RUST_LOG=inbox_amqp=debug,warn`, ...), else by
-/// [`DEFAULT_LOG_FILTER`]. A `RUST_LOG` that does not parse is reported and the default
-/// used. Call it once, first thing in `main`.
+/// [`DEFAULT_LOG_FILTER`]; one JSON object per line with `INBOX_LOG_FORMAT=json` (see
+/// [`inbox_cli::logging`], the `inbox` binary's subscriber). A `RUST_LOG` that does not
+/// parse is reported and the default used. Call it once, first thing in `main`; a
+/// subscriber already installed (a test harness, say) is left in place.
 pub fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(directives) => EnvFilter::try_new(&directives).unwrap_or_else(|err| {
-            eprintln!("ignoring RUST_LOG={directives:?} ({err}); using {DEFAULT_LOG_FILTER}");
-            EnvFilter::new(DEFAULT_LOG_FILTER)
-        }),
-        Err(_) => EnvFilter::new(DEFAULT_LOG_FILTER),
-    };
-    // Another subscriber already installed (a test harness, say) is left in place.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    inbox_cli::logging::install(DEFAULT_LOG_FILTER);
 }

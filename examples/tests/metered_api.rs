@@ -874,6 +874,62 @@ fn a_default_build_ignores_the_fail_after_marker() {
     assert_eq!((balance, sum, refunds), (500 - 36, 500 - 36, 0));
 }
 
+/// `GET /metrics` on the admin listener, with the admin token: the Prometheus text
+/// format, the service's own counts equal to `/admin/stats`, described; refused
+/// without the token, absent from the public listener.
+#[test]
+fn metrics_are_served_on_the_admin_listener_and_match_the_stats() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let svc = Service::start(&schema, &redis, &[]);
+    let (_, key) = svc.account(10_000, 10_000);
+    assert!(is_done(&svc.speech(&key, Some("m-1"), TEXT)));
+    assert_eq!(svc.speech(&key, Some("m-1"), TEXT).status, 200, "a replay");
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let r = metered_support::request(
+        &svc.admin_addr,
+        "GET",
+        "/metrics",
+        &[("Authorization", &bearer)],
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        r.header("content-type")
+            .is_some_and(|t| t.starts_with("text/plain; version=0.0.4")),
+        "{:?}",
+        r.headers
+    );
+    let text = r.text();
+    let stats = svc.stats();
+    let sample = |series: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("{series} in:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(stats["streams_delivered"], 1, "{stats}");
+    assert_eq!(stats["replays"], 1, "{stats}");
+    assert_eq!(sample("metered_api_streams_delivered_total"), 1);
+    assert_eq!(sample("metered_api_replays_total"), 1);
+    assert_eq!(
+        sample("metered_api_connections_accepted_total{listener=\"public\"}"),
+        stats["connections_accepted"].as_u64().unwrap()
+    );
+    assert!(
+        text.contains("# HELP metered_api_replays_total Replays served from a saved response.\n"),
+        "{text}"
+    );
+    // Refused without the token; not on the public listener.
+    let none = metered_support::request(&svc.admin_addr, "GET", "/metrics", &[], None);
+    assert_eq!(none.status, 401, "{}", none.text());
+    let public = metered_support::request(&svc.addr, "GET", "/metrics", &[], None);
+    assert_eq!(public.status, 404, "{}", public.text());
+}
+
 /// `/admin` is not on the public listener, and the admin listener refuses a request
 /// without the admin token or with a wrong one before any route runs.
 #[test]

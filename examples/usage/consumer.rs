@@ -9,14 +9,17 @@
 //!
 //! Environment: `DATABASE_URL` (required, `postgres://...`), `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`; `amqps://...` with the feature `rustls` of
-//! `inbox-examples`), `AMQP_CA_CERT` (optional PEM file of CA certificates trusted for
+//! `inbox-examples`), `INBOX_METRICS_ADDR` (optional `host:port`: serve `/metrics` in
+//! the Prometheus text format there, see [`inbox_examples::scrape`]),
+//! `INBOX_OPERATOR_GAUGES_EVERY` (how often the operator gauges are published there;
+//! default `30s`), `AMQP_CA_CERT` (optional PEM file of CA certificates trusted for
 //! `amqps://` besides the system's roots), `INBOX_PREFIX` (optional prefix of the
 //! exchange and queue names), `INBOX_RETRY_LADDER` (the retry tiers, comma-separated
 //! durations such as `50ms,200ms`; default the framework's ladder),
 //! `INBOX_MAX_ATTEMPTS` (failures before a message is dead-lettered; default the
 //! framework's retry policy's), `RUST_LOG` (log filter; default
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
-//! `warn`), `RUST_MIN_STACK` (default [`inbox_amqp::frame_parse_stack`]: the stack
+//! `warn`), `INBOX_LOG_FORMAT` (`text` or `json`), `RUST_MIN_STACK` (default [`inbox_amqp::frame_parse_stack`]: the stack
 //! lapin's frame parser needs for the deepest header table a frame holds).
 //!
 //! Scheduled rebuild (optional): `--rebuild-every 1h` (or `INBOX_REBUILD_EVERY=1h`;
@@ -96,6 +99,14 @@ fn consumer_settings() -> ConsumerSettings {
 }
 
 async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    let metrics_addr = inbox_examples::scrape::serve_from_env("usage_consumer")
+        .await
+        .map_err(|e| e.to_string())?;
+    let gauges_every = match std::env::var(inbox_examples::scrape::OPERATOR_GAUGES_EVERY_ENV) {
+        Ok(text) => inbox_core::parse_duration(&text)
+            .map_err(|e| format!("INBOX_OPERATOR_GAUGES_EVERY: {e}"))?,
+        Err(_) => inbox_examples::scrape::OPERATOR_GAUGES_EVERY,
+    };
     let database_url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL must name the PostgreSQL database (postgres://...)")?;
     let amqp_url = std::env::var("AMQP_URL")
@@ -153,6 +164,15 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
 
+    // With `/metrics` served, the operator gauges too, on a thread of their own.
+    let gauges = metrics_addr.map(|_| {
+        let operator = inbox_diesel::operator::Operator::new(&store);
+        let stop = Arc::clone(&stop_rebuilds);
+        tokio::task::spawn_blocking(move || {
+            inbox_examples::scrape::publish_operator_gauges(&operator, gauges_every, &stop)
+        })
+    });
+
     let topology = Topology::new("billing")?.prefix(prefix)?.ladder(ladder);
     let consumer =
         Consumer::new(amqp_url, Arc::new(store), topology).with_settings(consumer_settings());
@@ -164,6 +184,9 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     stop_rebuilds.store(true, Ordering::Relaxed);
     if let Some(rebuilds) = rebuilds {
         rebuilds.await?;
+    }
+    if let Some(gauges) = gauges {
+        gauges.await?;
     }
     consumed?;
     let s = stats.snapshot();

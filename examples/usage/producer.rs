@@ -12,7 +12,9 @@
 //! certificates the relay trusts besides the system's roots.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default
-//! [`inbox_examples::DEFAULT_LOG_FILTER`]).
+//! [`inbox_examples::DEFAULT_LOG_FILTER`]), as JSON lines with `INBOX_LOG_FORMAT=json`.
+//! With `INBOX_METRICS_ADDR` (`host:port`), the relay's metrics are served at
+//! `/metrics` there (see [`inbox_examples::scrape`]).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -41,6 +43,9 @@ async fn main() -> ExitCode {
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    inbox_examples::scrape::serve_from_env("usage_producer")
+        .await
+        .map_err(|e| e.to_string())?;
     let database_url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL must name the PostgreSQL database (postgres://...)")?;
     let amqp_url = std::env::var("AMQP_URL")

@@ -322,7 +322,8 @@ impl<O: OutboxStore> Relay<O> {
                 move |conn, channel| async move { relay.session(conn, channel, shutdown).await },
                 || {
                     relay.stats.reconnects.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("outbox_relay_reconnects_total").increment(1);
+                    metrics::counter!(inbox_core::metrics::OUTBOX_RELAY_RECONNECTS_TOTAL)
+                        .increment(1);
                 },
             )
             .instrument(span)
@@ -363,7 +364,7 @@ impl<O: OutboxStore> Relay<O> {
             rounds += 1;
             if rounds % 64 == 1 {
                 if let Ok(Ok(age)) = self.blocking(|o| o.oldest_unpublished_age()).await {
-                    metrics::gauge!("outbox_oldest_unpublished_seconds")
+                    metrics::gauge!(inbox_core::metrics::OUTBOX_OLDEST_UNPUBLISHED_SECONDS)
                         .set(age.map_or(0.0, |a| a.as_secs_f64()));
                 }
             }
@@ -461,12 +462,12 @@ impl<O: OutboxStore> Relay<O> {
         stats.rejected.fetch_add(rejected, Ordering::Relaxed);
         stats.retried.fetch_add(retried, Ordering::Relaxed);
         stats.dead.fetch_add(dead, Ordering::Relaxed);
-        metrics::counter!("outbox_published_total").increment(marked as u64);
-        metrics::counter!("outbox_returned_total").increment(returned);
-        metrics::counter!("outbox_nacked_total").increment(nacked);
-        metrics::counter!("outbox_rejected_total").increment(rejected);
-        metrics::counter!("outbox_retried_total").increment(retried);
-        metrics::counter!("outbox_dead_total").increment(dead);
+        metrics::counter!(inbox_core::metrics::OUTBOX_PUBLISHED_TOTAL).increment(marked as u64);
+        metrics::counter!(inbox_core::metrics::OUTBOX_RETURNED_TOTAL).increment(returned);
+        metrics::counter!(inbox_core::metrics::OUTBOX_NACKED_TOTAL).increment(nacked);
+        metrics::counter!(inbox_core::metrics::OUTBOX_REJECTED_TOTAL).increment(rejected);
+        metrics::counter!(inbox_core::metrics::OUTBOX_RETRIED_TOTAL).increment(retried);
+        metrics::counter!(inbox_core::metrics::OUTBOX_DEAD_TOTAL).increment(dead);
     }
 }
 

@@ -40,12 +40,17 @@
 //! those characters as `\u` escapes. [`run`] holds no process-wide lock (not stdout's)
 //! across a database or broker call, so a host whose logger writes to stdout gets
 //! every answer. No URL's password is printed, in errors or in the arguments' `Debug`.
+//!
+//! [`run`] never installs a log subscriber: in your binary the logs are your
+//! subscriber's. The standalone `inbox` binary installs [`logging::install`]'s
+//! (`RUST_LOG`, and `INBOX_LOG_FORMAT=json` for one JSON object per line).
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod args;
 mod commands;
 mod failure;
+pub mod logging;
 mod output;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]

@@ -14,6 +14,9 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
+    // The library's warnings (and, with `RUST_LOG`, more) on stderr; JSON lines with
+    // `INBOX_LOG_FORMAT=json`.
+    inbox_cli::logging::install(inbox_cli::logging::DEFAULT_FILTER);
     inbox_diesel::init_tls();
     let cli = Cli::parse();
     inbox_cli::run(&cli.global, &cli.command)

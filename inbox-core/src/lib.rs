@@ -8,7 +8,9 @@
 //! over, and an [`InProcessTransport`]. `inbox-diesel` provides the store. The rules
 //! every transport follows live here once: what a decision means for an ack
 //! ([`Decision::action`]), the decision count ([`check_decision_count`]), the relay
-//! round ([`RelayRound`]) and the backoff ([`exponential_backoff`]).
+//! round ([`RelayRound`]) and the backoff ([`exponential_backoff`]). Every metric the
+//! crates record through the `metrics` facade is named, typed and described once in
+//! [`metrics`] ([`metrics::describe`] gives them their units and help).
 //!
 //! The crates share two conventions. Errors: each crate's `Error` is
 //! `#[non_exhaustive]` and matched by variant (a rejected setting is
@@ -49,6 +51,7 @@ mod handler;
 #[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]
 pub mod idempotency;
 mod key;
+pub mod metrics;
 mod outbox;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]

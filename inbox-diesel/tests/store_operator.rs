@@ -782,6 +782,38 @@ fn gauges_show_backlog_unprocessed_age_failure_groups_and_replays<F: Fixture>(fx
     );
 }
 
+/// A failure group whose last pending letter is discarded goes to 0 on the next
+/// publication of the same handle, instead of keeping its last count for good.
+fn a_vanished_failure_group_gauge_goes_back_to_zero<F: Fixture>(fx: &F) {
+    let s = scene(fx);
+    let _t = dead_letter_three(&s);
+    let operator = Operator::new(&s.store);
+    let fingerprint = operator
+        .failure_groups(&DeadLetterFilter::default())
+        .unwrap()[0]
+        .fingerprint
+        .clone();
+    let series =
+        format!("inbox_dead_letters_pending{{failure_group={fingerprint},reason=max_attempts}}");
+    let recorded = Arc::new(Recorded::default());
+    let capture = Capture(Arc::clone(&recorded));
+    let value = |k: &str| recorded.0.lock().unwrap().get(k).copied();
+    metrics::with_local_recorder(&capture, || operator.publish_operator_gauges().unwrap());
+    assert_eq!(value(&series), Some(3.0));
+    let discarded = operator
+        .discard_dead_letters(&DeadLetterFilter::default(), None)
+        .unwrap();
+    assert_eq!(discarded.affected, 3);
+    // A clone shares what was published.
+    let clone = operator.clone();
+    metrics::with_local_recorder(&capture, || clone.publish_operator_gauges().unwrap());
+    assert_eq!(
+        value(&series),
+        Some(0.0),
+        "the vanished group's gauge is reset"
+    );
+}
+
 fn violation(group_name: &str, key: &str, detail: &str) -> ClaimInvariantViolated {
     ClaimInvariantViolated {
         group: group(group_name),
@@ -924,6 +956,7 @@ on_both_backends!(
     a_stored_reason_this_version_does_not_know_fails_loudly,
     a_halt_is_recorded_listed_and_resumed_once,
     gauges_show_backlog_unprocessed_age_failure_groups_and_replays,
+    a_vanished_failure_group_gauge_goes_back_to_zero,
     a_letter_of_another_payload_never_takes_the_claim,
     replays_reach_the_failing_group_alone_and_apply_once,
     one_letter_replayed_twice_and_twice_at_once_is_enqueued_once,

@@ -3,7 +3,6 @@
 //! caller. `http` routes to the handlers of `speech` and `stream`, which use this.
 
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -18,25 +17,40 @@ use super::auth_limit::AuthFailures;
 use super::config::Config;
 use super::db;
 use super::log::escaped;
+use super::meter::{self, Count};
 use super::redis::{Advisory, CacheLookup};
 use super::serve::ConnectionStats;
 use super::settle::SettlementStats;
 
-/// Counters of the request path, for `GET /admin/stats`.
-#[derive(Debug, Default)]
+/// Counters of the request path, for `GET /admin/stats` and `GET /metrics`.
+#[derive(Debug)]
 pub struct ServiceStats {
     /// Streams that ended with their final line, delivered.
-    pub delivered: AtomicU64,
+    pub delivered: Count,
     /// Streams cut (upstream failure, deadline, client gone) and refunded.
-    pub refunded: AtomicU64,
+    pub refunded: Count,
     /// Refunds that failed on the request path (the settlement refunds them later).
-    pub refund_failures: AtomicU64,
+    pub refund_failures: Count,
     /// Replays served from a saved response.
-    pub replays: AtomicU64,
+    pub replays: Count,
     /// Authentications refused because the client's address failed too often.
-    pub auth_rate_limited: AtomicU64,
+    pub auth_rate_limited: Count,
     /// Admin requests refused for a missing or wrong admin token.
-    pub admin_unauthorized: AtomicU64,
+    pub admin_unauthorized: Count,
+}
+
+impl Default for ServiceStats {
+    /// Registers the counters with the recorder installed now (install it first).
+    fn default() -> Self {
+        Self {
+            delivered: Count::new(meter::STREAMS_DELIVERED_TOTAL, &[]),
+            refunded: Count::new(meter::STREAMS_REFUNDED_TOTAL, &[]),
+            refund_failures: Count::new(meter::REFUND_FAILURES_TOTAL, &[]),
+            replays: Count::new(meter::REPLAYS_TOTAL, &[]),
+            auth_rate_limited: Count::new(meter::AUTH_RATE_LIMITED_TOTAL, &[]),
+            admin_unauthorized: Count::new(meter::ADMIN_UNAUTHORIZED_TOTAL, &[]),
+        }
+    }
 }
 
 /// Everything a request needs.
@@ -57,6 +71,8 @@ pub struct App {
     pub auth_failures: AuthFailures,
     /// The public listener's connections.
     pub connections: Arc<ConnectionStats>,
+    /// Renders `GET /metrics` (the process's Prometheus recorder).
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 /// An error answer: `{"error": {"code": "...", "message": "..."}}`.
@@ -174,7 +190,7 @@ pub(crate) async fn authenticate(
         .ok_or_else(ApiError::unauthorized)?
         .to_owned();
     if !app.auth_failures.allows(peer) {
-        app.stats.auth_rate_limited.fetch_add(1, Ordering::Relaxed);
+        app.stats.auth_rate_limited.add(1);
         let mut err = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "auth_rate_limited",

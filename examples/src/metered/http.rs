@@ -17,6 +17,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::db;
+use super::meter::Count;
 
 use super::app::App;
 use super::app::{authenticate, blocking, digest, hex, parse_json, ApiError, ApiResult};
@@ -46,6 +47,7 @@ pub fn admin_router(app: Arc<App>) -> Router {
         .route("/admin/usage/{id}", get(show_usage))
         .route("/admin/usage/{id}/refund", post(refund_usage))
         .route("/admin/stats", get(stats))
+        .merge(crate::scrape::metrics_router(app.metrics.clone()))
         .fallback(|| async { not_found() })
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&app),
@@ -69,7 +71,7 @@ async fn require_admin_token(
     match presented {
         Some(token) if app.config.admin_token.matches(token) => next.run(request).await,
         _ => {
-            app.stats.admin_unauthorized.fetch_add(1, Ordering::Relaxed);
+            app.stats.admin_unauthorized.add(1);
             ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
@@ -208,6 +210,7 @@ async fn refund_usage(State(app): State<Arc<App>>, Path(id): Path<String>) -> Ap
 async fn stats(State(app): State<Arc<App>>) -> Response {
     let a = &app.advisory.stats;
     let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let count = |c: &Count| c.get();
     axum::Json(json!({
         "redis_fallbacks": a.fallbacks(),
         "rate_limit_fallbacks": load(&a.rate_limit_fallbacks),
@@ -215,17 +218,17 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "key_cache_fallbacks": load(&a.key_cache_fallbacks),
         "key_cache_hits": load(&a.key_cache_hits),
         "key_cache_misses": load(&a.key_cache_misses),
-        "streams_delivered": load(&app.stats.delivered),
-        "streams_refunded": load(&app.stats.refunded),
-        "refund_failures": load(&app.stats.refund_failures),
-        "replays": load(&app.stats.replays),
-        "auth_rate_limited": load(&app.stats.auth_rate_limited),
-        "admin_unauthorized": load(&app.stats.admin_unauthorized),
-        "connections_accepted": load(&app.connections.accepted),
+        "streams_delivered": count(&app.stats.delivered),
+        "streams_refunded": count(&app.stats.refunded),
+        "refund_failures": count(&app.stats.refund_failures),
+        "replays": count(&app.stats.replays),
+        "auth_rate_limited": count(&app.stats.auth_rate_limited),
+        "admin_unauthorized": count(&app.stats.admin_unauthorized),
+        "connections_accepted": count(&app.connections.accepted),
         "connections_open": load(&app.connections.open),
         "connections_peak": load(&app.connections.peak),
-        "settlements_refunded": load(&app.settlements.refunded),
-        "settlements_already_settled": load(&app.settlements.already_settled),
+        "settlements_refunded": count(&app.settlements.refunded),
+        "settlements_already_settled": count(&app.settlements.already_settled),
     }))
     .into_response()
 }

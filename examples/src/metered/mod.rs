@@ -8,6 +8,7 @@ pub mod config;
 pub mod db;
 pub mod http;
 pub mod log;
+pub mod meter;
 pub mod redis;
 pub mod serve;
 pub mod settle;

@@ -37,6 +37,7 @@ use tokio::sync::Semaphore;
 use tokio::time::{Instant, Sleep};
 
 use super::log::Escaped;
+use super::meter::{self, Count};
 
 /// How one listener treats its connections.
 #[derive(Clone, Copy, Debug)]
@@ -49,15 +50,43 @@ pub struct Limits {
     pub idle_timeout: Duration,
 }
 
-/// A listener's connection counters, for `GET /admin/stats`.
-#[derive(Debug, Default)]
+/// A listener's connection counters, for `GET /admin/stats` and `GET /metrics`
+/// (`metered_api_connections_accepted_total{listener}`,
+/// `metered_api_connections_open{listener}`).
+#[derive(Debug)]
 pub struct ConnectionStats {
     /// Connections accepted so far.
-    pub accepted: AtomicU64,
+    pub accepted: Count,
     /// Connections open now.
     pub open: AtomicU64,
     /// The most connections that were open at once.
     pub peak: AtomicU64,
+    open_gauge: metrics::Gauge,
+}
+
+impl ConnectionStats {
+    /// The counters of the listener named `listener` (`public`, `admin`), registered
+    /// with the recorder installed now (install it first).
+    pub fn new(listener: &'static str) -> Self {
+        Self {
+            accepted: Count::new(meter::CONNECTIONS_ACCEPTED_TOTAL, &[("listener", listener)]),
+            open: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            open_gauge: metrics::gauge!(meter::CONNECTIONS_OPEN, "listener" => listener),
+        }
+    }
+
+    fn opened(&self) {
+        self.accepted.add(1);
+        let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak.fetch_max(open, Ordering::Relaxed);
+        self.open_gauge.increment(1.0);
+    }
+
+    fn closed(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        self.open_gauge.decrement(1.0);
+    }
 }
 
 /// Serves `router` on `listener` until `shutdown`, then waits for the open
@@ -98,13 +127,11 @@ pub async fn serve(
             }
         };
         let _ = stream.set_nodelay(true);
-        stats.accepted.fetch_add(1, Ordering::Relaxed);
-        let open = stats.open.fetch_add(1, Ordering::Relaxed) + 1;
-        stats.peak.fetch_max(open, Ordering::Relaxed);
+        stats.opened();
         let (router, stats, shutdown) = (router.clone(), Arc::clone(&stats), shutdown.clone());
         tokio::spawn(async move {
             connection(stream, peer, router, limits, shutdown).await;
-            stats.open.fetch_sub(1, Ordering::Relaxed);
+            stats.closed();
             drop(permit);
         });
     }

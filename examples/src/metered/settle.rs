@@ -5,7 +5,7 @@
 //! refund: a finished request (delivered or refunded) makes it a no-op. Runs in every
 //! instance, so a restarted instance, or any other, settles what a dead one left.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,14 +18,29 @@ use inbox_diesel::Store;
 
 use super::db::{self, SettlementDue, SETTLEMENT_GROUP, SETTLEMENT_TYPE};
 use super::log::escaped;
+use super::meter::{self, Count};
 
-/// Counters of the settlement consumer, for `GET /admin/stats`.
-#[derive(Debug, Default)]
+/// Counters of the settlement consumer, for `GET /admin/stats` and `GET /metrics`
+/// (`metered_api_settlements_total{outcome}`).
+#[derive(Debug)]
 pub struct SettlementStats {
     /// Settlement messages that refunded a usage left `debited`.
-    pub refunded: AtomicU64,
+    pub refunded: Count,
     /// Settlement messages for a usage already settled (the usual case).
-    pub already_settled: AtomicU64,
+    pub already_settled: Count,
+}
+
+impl Default for SettlementStats {
+    /// Registers the counters with the recorder installed now (install it first).
+    fn default() -> Self {
+        Self {
+            refunded: Count::new(meter::SETTLEMENTS_TOTAL, &[("outcome", "refunded")]),
+            already_settled: Count::new(
+                meter::SETTLEMENTS_TOTAL,
+                &[("outcome", "already_settled")],
+            ),
+        }
+    }
 }
 
 /// The consumer's handler.
@@ -70,14 +85,14 @@ impl Handler<PgConnection> for Settler {
         _ctx: &MessageContext<'_>,
     ) -> Result<(), HandlerError> {
         if db::refund(conn, msg.usage_id, self.clock.now())? {
-            self.stats.refunded.fetch_add(1, Ordering::Relaxed);
+            self.stats.refunded.add(1);
             tracing::warn!(
                 usage_id = msg.usage_id,
                 "settlement refunded a usage its request never settled (the process died \
                  between debit and settlement)"
             );
         } else {
-            self.stats.already_settled.fetch_add(1, Ordering::Relaxed);
+            self.stats.already_settled.add(1);
         }
         Ok(())
     }

@@ -2,7 +2,6 @@
 //! hand the stream to its job; or serve a saved response.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -353,7 +352,7 @@ async fn replay(
     if usage.amount != amount || usage.model != model {
         return Err(mismatch());
     }
-    app.stats.replays.fetch_add(1, Ordering::Relaxed);
+    app.stats.replays.add(1);
     let mut lines: Vec<Bytes> = response
         .split_inclusive(|b| *b == b'\n')
         .map(Bytes::copy_from_slice)

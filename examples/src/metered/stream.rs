@@ -1,7 +1,6 @@
 //! One debited request's stream: the simulated upstream's chunks, then the
 //! settlement (delivered before the final line, or refunded before the error line).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -118,7 +117,7 @@ impl StreamJob {
         .await;
         let tail = match marked {
             Ok(true) => {
-                self.app.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                self.app.stats.delivered.add(1);
                 last
             }
             Ok(false) => error_line(
@@ -160,14 +159,11 @@ impl StreamJob {
         .await;
         let tail = match refunded {
             Ok(_) => {
-                self.app.stats.refunded.fetch_add(1, Ordering::Relaxed);
+                self.app.stats.refunded.add(1);
                 error_line(code, message, usage_id, true)
             }
             Err(_) => {
-                self.app
-                    .stats
-                    .refund_failures
-                    .fetch_add(1, Ordering::Relaxed);
+                self.app.stats.refund_failures.add(1);
                 tracing::error!(
                     usage_id,
                     "refund of a cut stream failed; its settlement message refunds it after \

@@ -47,7 +47,8 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         let _ = run.cause.set(cause.clone());
         if self.stats.halt(group, cause.to_string()) {
             tracing::error!(group = %group, cause = %Escaped(&cause.to_string()), "consumer group {why}");
-            metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(1.0);
+            metrics::gauge!(inbox_core::metrics::GROUP_HALTED, "group" => group.to_string())
+                .set(1.0);
         }
         run.halted.cancel();
     }
@@ -129,7 +130,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             *current = Arc::default();
         }
         self.stats.resume(group);
-        metrics::gauge!("inbox_group_halted", "group" => group.to_string()).set(0.0);
+        metrics::gauge!(inbox_core::metrics::GROUP_HALTED, "group" => group.to_string()).set(0.0);
         tracing::info!(group = %group, "consumer group resumed: its halt is no longer recorded");
         run.resumed.cancel();
         self.resumes.send_modify(|n| *n += 1);

@@ -333,7 +333,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
     /// Counts a connection re-established after a loss.
     fn reconnected(&self) {
         self.stats.add(Counter::Reconnects, 1);
-        metrics::counter!("inbox_amqp_reconnects_total").increment(1);
+        metrics::counter!(inbox_core::metrics::AMQP_RECONNECTS_TOTAL).increment(1);
     }
 
     /// A consumer of no group still connects and declares (the exchange), so a

@@ -71,7 +71,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                             halt: Arc::clone(&run),
                         };
                         if role == Role::Workers {
-                            metrics::gauge!("inbox_group_halted", "group" => group.to_string())
+                            metrics::gauge!(inbox_core::metrics::GROUP_HALTED, "group" => group.to_string())
                                 .set(0.0);
                         }
                         for worker in 0..workers {

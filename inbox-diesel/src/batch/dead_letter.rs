@@ -222,7 +222,7 @@ impl<C: StoreConnection> Inner<C> {
         })?;
         if outcome == DeadLetterOutcome::Recorded {
             tracing::error!(group = %group, key = %Escaped(env.message_key.as_str()), %reason, detail = %Escaped(&detail), "delivery dead-lettered");
-            metrics::counter!("inbox_dead_lettered_total", "group" => group.to_string(), "reason" => reason.as_str())
+            metrics::counter!(inbox_core::metrics::DEAD_LETTERED_TOTAL, "group" => group.to_string(), "reason" => reason.as_str())
                 .increment(1);
         }
         Ok(outcome)

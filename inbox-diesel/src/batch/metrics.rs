@@ -34,11 +34,11 @@ pub(super) fn record_metrics<'a>(
     }
     let group = group.to_string();
     for (name, n) in [
-        ("inbox_processed_total", processed),
-        ("inbox_duplicates_total", duplicates),
-        ("inbox_retried_total", retried),
-        ("inbox_key_collisions_total", collisions),
-        ("inbox_phantom_conflicts_total", violations),
+        (inbox_core::metrics::PROCESSED_TOTAL, processed),
+        (inbox_core::metrics::DUPLICATES_TOTAL, duplicates),
+        (inbox_core::metrics::RETRIED_TOTAL, retried),
+        (inbox_core::metrics::KEY_COLLISIONS_TOTAL, collisions),
+        (inbox_core::metrics::PHANTOM_CONFLICTS_TOTAL, violations),
     ] {
         if n > 0 {
             metrics::counter!(name, "group" => group.clone()).increment(n);
@@ -46,7 +46,7 @@ pub(super) fn record_metrics<'a>(
     }
     for (reason, n) in dead {
         metrics::counter!(
-            "inbox_dead_lettered_total", "group" => group.clone(), "reason" => reason.as_str()
+            inbox_core::metrics::DEAD_LETTERED_TOTAL, "group" => group.clone(), "reason" => reason.as_str()
         )
         .increment(n);
     }

@@ -62,7 +62,7 @@ impl<C: StoreConnection> Inner<C> {
                 }
             };
             tries += 1;
-            metrics::counter!("inbox_batch_conflicts_total", "group" => group.to_string())
+            metrics::counter!(inbox_core::metrics::BATCH_CONFLICTS_TOTAL, "group" => group.to_string())
                 .increment(1);
             tracing::warn!(group = %group, tries, error = %err, "batch transaction conflicted");
             if tries <= self.settings().transaction_retries {
@@ -167,7 +167,7 @@ impl<C: StoreConnection> Inner<C> {
                 found: left,
             }));
         }
-        metrics::histogram!("inbox_batch_commit_seconds", "group" => group.to_string())
+        metrics::histogram!(inbox_core::metrics::BATCH_COMMIT_SECONDS, "group" => group.to_string())
             .record(started.elapsed().as_secs_f64());
         Ok(decisions)
     }

@@ -196,12 +196,16 @@ pub(super) fn as_limit(n: usize) -> i64 {
 /// ```
 pub struct Operator<C: StoreConnection> {
     store: Store<C>,
+    /// The labelled gauges [`publish_operator_gauges`](Self::publish_operator_gauges)
+    /// set last, shared by the clones.
+    published: gauges::Published,
 }
 
 impl<C: StoreConnection> Clone for Operator<C> {
     fn clone(&self) -> Self {
         Self {
             store: self.store.clone(),
+            published: std::sync::Arc::clone(&self.published),
         }
     }
 }
@@ -217,6 +221,7 @@ impl<C: OperatorConnection> Operator<C> {
     pub fn new(store: &Store<C>) -> Self {
         Self {
             store: store.clone(),
+            published: gauges::Published::default(),
         }
     }
 

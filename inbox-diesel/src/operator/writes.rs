@@ -113,7 +113,8 @@ impl<C: OperatorConnection> Operator<C> {
             });
             match attempt {
                 Ok(outcome) => {
-                    metrics::counter!("inbox_replays_total", "kind" => "replay").increment(1);
+                    metrics::counter!(inbox_core::metrics::REPLAYS_TOTAL, "kind" => "replay")
+                        .increment(1);
                     tracing::info!(id, ?outcome, "dead letter replayed");
                     return Ok(outcome);
                 }
@@ -271,7 +272,8 @@ impl<C: OperatorConnection> Operator<C> {
                 });
                 match attempt {
                     Ok(true) => {
-                        metrics::counter!("inbox_replays_total", "kind" => "redrive").increment(1);
+                        metrics::counter!(inbox_core::metrics::REPLAYS_TOTAL, "kind" => "redrive")
+                            .increment(1);
                         report.affected += 1;
                     }
                     Ok(false) => report.skipped += 1,

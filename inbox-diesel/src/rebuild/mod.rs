@@ -341,11 +341,11 @@ impl<C: RebuildConnection> Rebuilder<C> {
         }
         report.duration_ms = millis(started.elapsed());
         let projection = self.projection().to_owned();
-        metrics::counter!("inbox_audit_runs_total", "projection" => projection.clone())
+        metrics::counter!(inbox_core::metrics::AUDIT_RUNS_TOTAL, "projection" => projection.clone())
             .increment(1);
-        metrics::counter!("inbox_audit_rows_differing_total", "projection" => projection.clone())
+        metrics::counter!(inbox_core::metrics::AUDIT_ROWS_DIFFERING_TOTAL, "projection" => projection.clone())
             .increment(report.rows_differing);
-        metrics::gauge!("inbox_projection_drift_rows", "projection" => projection)
+        metrics::gauge!(inbox_core::metrics::PROJECTION_DRIFT_ROWS, "projection" => projection)
             .set(report.rows_differing as f64);
         tracing::info!(
             projection = self.projection(),
@@ -434,7 +434,7 @@ impl<C: RebuildConnection> Rebuilder<C> {
                 Ok::<_, TryError>((rebuilt.drift, events, covered))
             });
             if let Some((waited, wait)) = lock_wait {
-                metrics::histogram!("inbox_rebuild_lock_wait_seconds", "projection" => projection.clone())
+                metrics::histogram!(inbox_core::metrics::REBUILD_LOCK_WAIT_SECONDS, "projection" => projection.clone())
                     .record(wait.as_secs_f64());
                 report.longest_lock_wait_ms = report.longest_lock_wait_ms.max(millis(wait));
                 if waited {
@@ -450,12 +450,13 @@ impl<C: RebuildConnection> Rebuilder<C> {
                     report.dead_covered += covered.dead;
                     report.dead_letters_resolved += covered.letters_resolved;
                     let labels = [("projection", projection.clone())];
-                    metrics::counter!("inbox_rebuild_partitions_total", &labels).increment(1);
-                    metrics::counter!("inbox_rebuild_rows_changed_total", &labels)
+                    metrics::counter!(inbox_core::metrics::REBUILD_PARTITIONS_TOTAL, &labels)
+                        .increment(1);
+                    metrics::counter!(inbox_core::metrics::REBUILD_ROWS_CHANGED_TOTAL, &labels)
                         .increment(drift.rows_differing);
-                    metrics::counter!("inbox_rebuild_events_covered_total", &labels)
+                    metrics::counter!(inbox_core::metrics::REBUILD_EVENTS_COVERED_TOTAL, &labels)
                         .increment(events);
-                    metrics::histogram!("inbox_rebuild_partition_seconds", &labels)
+                    metrics::histogram!(inbox_core::metrics::REBUILD_PARTITION_SECONDS, &labels)
                         .record(started.elapsed().as_secs_f64());
                     tracing::debug!(
                         projection = %projection,
@@ -469,7 +470,7 @@ impl<C: RebuildConnection> Rebuilder<C> {
                 Err(err) if err.is_contention() => {
                     timeouts += 1;
                     report.lock_timeouts += 1;
-                    metrics::counter!("inbox_rebuild_lock_timeouts_total", "projection" => projection.clone())
+                    metrics::counter!(inbox_core::metrics::REBUILD_LOCK_TIMEOUTS_TOTAL, "projection" => projection.clone())
                         .increment(1);
                     if timeouts >= self.lock_tries {
                         return Err(Error::LockTimeout {

@@ -151,7 +151,7 @@ impl<C: RebuildConnection> RebuildRunner<C> {
         let projection = self.rebuilder.projection().to_owned();
         let outcome = match &result {
             Ok(RunOutcome::Ran(report)) => {
-                metrics::gauge!("inbox_projection_drift_rows", "projection" => projection.clone())
+                metrics::gauge!(inbox_core::metrics::PROJECTION_DRIFT_ROWS, "projection" => projection.clone())
                     .set(report.rows_differing as f64);
                 "ran"
             }
@@ -164,9 +164,9 @@ impl<C: RebuildConnection> RebuildRunner<C> {
                 "failed"
             }
         };
-        metrics::counter!("inbox_rebuild_runs_total", "projection" => projection.clone(), "outcome" => outcome)
+        metrics::counter!(inbox_core::metrics::REBUILD_RUNS_TOTAL, "projection" => projection.clone(), "outcome" => outcome)
             .increment(1);
-        metrics::histogram!("inbox_rebuild_run_seconds", "projection" => projection)
+        metrics::histogram!(inbox_core::metrics::REBUILD_RUN_SECONDS, "projection" => projection)
             .record(started.elapsed().as_secs_f64());
         for f in &self.after {
             f(result.as_ref());
