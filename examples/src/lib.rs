@@ -37,6 +37,8 @@ mod guides {
     mod storage {}
     #[doc = include_str!("../../docs/performance.md")]
     mod performance {}
+    #[doc = include_str!("../../docs/tracing.md")]
+    mod tracing_guide {}
 }
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at

@@ -191,6 +191,7 @@ fn the_enqueuing_trace_is_the_parent_of_the_delivery_span() {
             .ladder(ladder)
             .queue_expires(Duration::from_secs(120))
             .with_routes(inbox_core::InboxStore::routes(&*store));
+        let _delete = DeleteOnDrop::new(amqp_url.clone(), topology.clone());
         let conn = amqp::connect(&amqp_url).await;
         topology.declare(&conn).await.unwrap();
         let trace = enqueue_traced(&store, &topology.exchange(), "good-2");
@@ -213,7 +214,6 @@ fn the_enqueuing_trace_is_the_parent_of_the_delivery_span() {
         shutdown.cancel();
         consuming.await.unwrap().unwrap();
         relaying.await.unwrap().unwrap();
-        topology.delete(&conn).await.unwrap();
         let _ = conn.close(200, "done".into()).await;
         assert!(arrived, "no delivery span in trace {trace}");
         assert_eq!(store.connection().unwrap().effects_of("good-2").unwrap(), 1);
