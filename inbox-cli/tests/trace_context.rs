@@ -241,9 +241,9 @@ fn one<'s>(spans: &'s [SpanData], trace: TraceId, name: &str) -> &'s SpanData {
     found[0]
 }
 
-/// What the handler saw of one delivery: the `tracestate` header, the baggage entry
-/// `tenant` of its span's context.
-type Seen = Arc<Mutex<Vec<(Option<String>, Option<String>)>>>;
+/// What the handler saw of each delivery: its key, the `tracestate` header, the
+/// baggage entry `tenant` of its span's context.
+type Seen = Arc<Mutex<Vec<(String, Option<String>, Option<String>)>>>;
 
 #[test]
 fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
@@ -253,7 +253,7 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
     };
     let seen: Seen = Arc::default();
     let saw = Arc::clone(&seen);
-    let handler = Recorder::new(GROUP).behaviour(move |_, ctx| {
+    let handler = Recorder::new(GROUP).behaviour(move |key, ctx| {
         // The handler's own span: a child of the delivery span it runs in.
         let span = tracing::info_span!("usage.apply");
         let _entered = span.enter();
@@ -263,7 +263,9 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
             .get("tenant")
             .map(|v| v.to_string());
         let tracestate = ctx.envelope().headers.get(TRACESTATE_HEADER).cloned();
-        saw.lock().unwrap().push((tracestate, baggage));
+        saw.lock()
+            .unwrap()
+            .push((key.to_owned(), tracestate, baggage));
         Outcome::Apply
     });
     let store = Arc::new(pg.builder().handler(handler).build().unwrap());
@@ -320,6 +322,18 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
             .unwrap();
     });
     drop(request);
+    // A message enqueued with no trace context at all.
+    let untraced = unique_name("untraced");
+    {
+        let msg = OutboxMessage::new(
+            MessageKey::new(untraced.as_str()).unwrap(),
+            exchange.as_str(),
+            "usage.recorded",
+            usage(&untraced, 1).payload,
+        );
+        let conn: &mut diesel::PgConnection = &mut store.connection().unwrap();
+        enqueue(conn, &msg, store.clock().now()).unwrap();
+    }
 
     runtime.block_on(async {
         let conn = amqp::connect(&amqp_url).await;
@@ -336,7 +350,12 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
                 .run(shutdown.clone()),
         );
         let arrived = eventually(Duration::from_secs(30), || {
-            delivery_trace(&telemetry.spans(), &trace.to_string())
+            let spans = telemetry.spans();
+            delivery_trace(&spans, &trace.to_string())
+                && spans.iter().any(|s| {
+                    attribute(s, "messaging.message.id").as_deref() == Some(untraced.as_str())
+                        && s.span_kind == SpanKind::Consumer
+                })
         })
         .await;
         shutdown.cancel();
@@ -346,6 +365,10 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
         assert!(arrived, "no delivery span in trace {trace}");
     });
     assert_eq!(store.connection().unwrap().effects_of(&key).unwrap(), 1);
+    assert_eq!(
+        store.connection().unwrap().effects_of(&untraced).unwrap(),
+        1
+    );
 
     // producer transaction -> relay publish -> (broker) -> delivery -> handler.
     let spans = telemetry.spans();
@@ -404,14 +427,47 @@ fn one_trace_from_the_producer_through_the_relay_and_rabbitmq_to_the_handler() {
         "{:?}",
         delivery.attributes
     );
+    // A row without trace context starts a trace of its own at its publish span (a
+    // root, not a child of the relay's long-lived span), which its delivery continues.
+    let of_untraced = |kind: SpanKind| -> &SpanData {
+        let found: Vec<&SpanData> = spans
+            .iter()
+            .filter(|s| {
+                s.span_kind == kind
+                    && attribute(s, "messaging.message.id").as_deref() == Some(untraced.as_str())
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{found:#?}");
+        found[0]
+    };
+    let (lone_publish, lone_delivery) = (
+        of_untraced(SpanKind::Producer),
+        of_untraced(SpanKind::Consumer),
+    );
+    assert_eq!(
+        lone_publish.parent_span_id,
+        SpanId::INVALID,
+        "{lone_publish:#?}"
+    );
+    assert_ne!(lone_publish.span_context.trace_id(), trace);
+    assert_eq!(
+        lone_delivery.parent_span_id,
+        lone_publish.span_context.span_id()
+    );
     // The upstream `tracestate` crossed the outbox row and the broker, and so did the
     // baggage: in the delivery's headers, in its span context, in the handler's.
     assert_eq!(
         delivery.span_context.trace_state().header(),
         "vendor=opaque"
     );
+    let seen = seen.lock().unwrap();
+    let ours: Vec<_> = seen.iter().filter(|(k, _, _)| *k == key).collect();
     assert_eq!(
-        *seen.lock().unwrap(),
-        [(Some("vendor=opaque".to_owned()), Some("acme".to_owned()))]
+        ours,
+        [&(
+            key.clone(),
+            Some("vendor=opaque".to_owned()),
+            Some("acme".to_owned())
+        )]
     );
 }

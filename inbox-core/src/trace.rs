@@ -290,6 +290,8 @@ mod otel {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
 
     use super::{Traceparent, TRACEPARENT_HEADER};
+    #[cfg(test)]
+    use crate::Envelope;
     use crate::OutboxMessage;
 
     /// Message headers as a propagator's carrier.
@@ -320,10 +322,21 @@ mod otel {
         headers: &BTreeMap<String, String>,
         traceparent: Option<Traceparent>,
     ) -> Context {
-        let cx = propagator.extract(&Headers(headers));
-        if cx.span().span_context().is_valid() {
+        // From an empty context: `extract` would start from the current one, and a
+        // delivery opened inside another span would take that span as its parent.
+        let cx = propagator.extract_with_context(&Context::new(), &Headers(headers));
+        let found = {
+            let span = cx.span();
+            let sc = span.span_context();
+            // A propagator's find is remote; the no-op propagator answers with the
+            // current context whatever it is given.
+            sc.is_valid() && sc.is_remote()
+        };
+        if found {
             return cx;
         }
+        // Whatever else it holds is not the message's: start afresh.
+        let cx = Context::new();
         match traceparent {
             Some(tp) => cx.with_remote_span_context(SpanContext::new(
                 TraceId::from_bytes(tp.trace_id.to_be_bytes()),
@@ -480,6 +493,53 @@ mod otel {
             let span = cx.span();
             let sc = span.span_context();
             (sc.trace_id(), sc.span_id())
+        }
+
+        /// The delivery span of an envelope with `headers`, opened inside a
+        /// long-lived span (a worker's) under a subscriber at `debug`: its parent
+        /// span id and the worker's.
+        fn delivery_parent(headers: &[(&str, &str)]) -> (SpanId, SpanId) {
+            use opentelemetry::trace::TracerProvider as _;
+            use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+            use tracing_subscriber::layer::SubscriberExt;
+
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+            tracing::subscriber::with_default(subscriber, || {
+                let worker = tracing::info_span!("worker");
+                let _entered = worker.enter();
+                let mut envelope =
+                    Envelope::new(crate::MessageKey::new("k").unwrap(), "t", Vec::new());
+                for (k, v) in headers {
+                    envelope.headers.insert((*k).to_owned(), (*v).to_owned());
+                }
+                let group = crate::ConsumerGroup::new("g").unwrap();
+                let span = super::super::delivery_span(&group, &envelope);
+                span.in_scope(|| {});
+            });
+            let _ = provider.force_flush();
+            let spans = exporter.get_finished_spans().unwrap();
+            let worker = spans.iter().find(|s| s.name == "worker").unwrap();
+            let delivery = spans.iter().find(|s| s.name == "process").unwrap();
+            (delivery.parent_span_id, worker.span_context.span_id())
+        }
+
+        #[test]
+        fn a_delivery_without_context_starts_a_trace_of_its_own() {
+            let (parent, worker) = delivery_parent(&[]);
+            assert_ne!(worker, SpanId::INVALID);
+            assert_eq!(parent, SpanId::INVALID, "not the worker's child");
+        }
+
+        #[test]
+        fn a_delivery_with_a_traceparent_is_its_child() {
+            let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+            let (parent, _) = delivery_parent(&[(TRACEPARENT_HEADER, tp)]);
+            assert_eq!(parent, SpanId::from(0x00f0_67aa_0ba9_02b7));
         }
 
         #[test]
