@@ -27,6 +27,16 @@
 //! queue. The report also gives each scenario's statements (round trips) per
 //! delivery, counted by a diesel instrumentation over the consume window.
 //!
+//! Two more scenarios measure what the per-delivery spans cost: `rt_single_spans` and
+//! `rt_fold_spans` are `rt_single` and `rt_fold` with spans on. The process holds one
+//! global subscriber: a reloadable `EnvFilter` (`off` for every other scenario, `info`
+//! for these two, as a program's `RUST_LOG=info`) and a `tracing-opentelemetry` layer
+//! whose tracer provider sends every span through the SDK's batch processor to an
+//! exporter that drops them, with the W3C propagator installed (inbox-core's
+//! `opentelemetry` feature). The workload's messages carry no trace context, so each
+//! delivery span starts a trace of its own. Reported as ratios to the same scenario
+//! with spans off within each round, and in the CPU per delivery.
+//!
 //! Built with `--features bench-knobs`, the rounds also run the cost table's
 //! scenarios: the runtime at batch size 1 with one guarantee switched off each
 //! (`knob_digest`, `knob_checks`, `knob_takeover`, `knob_lookup`, `knob_narrow`,
@@ -36,7 +46,8 @@
 //! Environment: `DATABASE_URL`, `AMQP_URL` as for the tests; `BENCH_EVENTS`
 //! (deliveries, default 20,000), `BENCH_WORKERS` (4), `BENCH_BATCH` (100; prefetch is
 //! twice that), `BENCH_ROUNDS` (3), `BENCH_SETTLE_MS` (1000), `BENCH_ONLY` (a comma
-//! list of `ceiling,hand_single,hand_batched,hand_fold,rt_single,rt_batched,rt_fold,rss`
+//! list of `ceiling,hand_single,hand_batched,hand_fold,rt_single,rt_batched,rt_fold,`
+//! `rt_single_spans,rt_fold_spans,rss`
 //! and, with the feature, the `knob_*` scenarios), and
 //! `BENCH_PERF_CTL=<fifo>` to profile only the consume windows with
 //! `perf record -D -1 --control fifo:<fifo>`. Every run uses fresh schemas and queue
@@ -662,7 +673,7 @@ fn runtime_consumer(
     variant: &str,
 ) -> (Arc<Store<PgConnection>>, Consumer<Store<PgConnection>>) {
     // The folding projection for the folding scenario and the memory measure.
-    let fold = matches!(variant, "rt_fold" | "rss");
+    let fold = matches!(variant, "rt_fold" | "rt_fold_spans" | "rss");
     let mut builder = Store::<PgConnection>::builder(db_url.to_owned())
         .schema(schema)
         .pool_size(workers as u32 + 1);
@@ -883,7 +894,10 @@ async fn main() {
         "rt_single",
         "rt_batched",
         "rt_fold",
+        "rt_single_spans",
+        "rt_fold_spans",
     ];
+    let spans = spans::install();
     if cfg!(feature = "bench-knobs") {
         names.extend(knobs::SCENARIOS.iter().map(|(name, _)| *name));
     }
@@ -903,6 +917,13 @@ async fn main() {
                 "hand_batched" => bench.handwritten(&id, name, batch, Hand::PerEvent).await,
                 "hand_fold" => bench.handwritten(&id, name, batch, Hand::Fold).await,
                 "rt_batched" | "rt_fold" => bench.runtime(&id, name, batch).await,
+                "rt_single_spans" | "rt_fold_spans" => {
+                    spans.set(true);
+                    let batch = if name == "rt_fold_spans" { batch } else { 1 };
+                    let rate = bench.runtime(&id, name, batch).await;
+                    spans.set(false);
+                    rate
+                }
                 // rt_single, and the cost table's knob_* (batch size 1 too).
                 _ => bench.runtime(&id, name, 1).await,
             };
@@ -942,6 +963,11 @@ async fn main() {
         ("rt_single", "runtime: batch size 1"),
         ("rt_batched", "runtime: batches, one handler call per event"),
         ("rt_fold", "runtime: batches, folding projection"),
+        ("rt_single_spans", "runtime: batch size 1, spans on (info)"),
+        (
+            "rt_fold_spans",
+            "runtime: batches, folding projection, spans on (info)",
+        ),
     ] {
         println!("{label:<58} {:>12.0}", rate(name));
     }
@@ -976,6 +1002,18 @@ async fn main() {
             "hand-written folding / broker ceiling",
             "hand_fold",
             "ceiling",
+            0.0,
+        ),
+        (
+            "runtime batch 1: spans on / spans off",
+            "rt_single_spans",
+            "rt_single",
+            0.0,
+        ),
+        (
+            "runtime folding: spans on / spans off",
+            "rt_fold_spans",
+            "rt_fold",
             0.0,
         ),
     ] {
@@ -1153,6 +1191,62 @@ mod knobs {
                 format!("{mid:.2} ({low:.2}..{high:.2})"),
                 (1.0 - 1.0 / mid) * 100.0
             );
+        }
+    }
+}
+
+/// The per-delivery spans switched on and off between scenarios.
+mod spans {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::error::OTelSdkResult;
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::{reload, EnvFilter, Registry};
+
+    /// An exporter that drops what it is given: the spans are built, batched and
+    /// handed over as to a real one, and nothing is sent.
+    #[derive(Debug)]
+    struct Discard;
+
+    impl SpanExporter for Discard {
+        async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+            drop(batch);
+            Ok(())
+        }
+    }
+
+    /// The filter of the process's one subscriber.
+    pub(crate) struct Switch {
+        filter: reload::Handle<EnvFilter, Registry>,
+        // Kept alive: dropping the provider shuts its batch processor down.
+        _provider: SdkTracerProvider,
+    }
+
+    /// Installs the global subscriber, spans off.
+    pub(crate) fn install() -> Switch {
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(Discard)
+            .build();
+        let (filter, handle) = reload::Layer::new(EnvFilter::new("off"));
+        let subscriber = tracing_subscriber::registry()
+            .with(filter)
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("bench_consume")));
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+        Switch {
+            filter: handle,
+            _provider: provider,
+        }
+    }
+
+    impl Switch {
+        /// Spans at `info` (on) or none (off).
+        pub(crate) fn set(&self, on: bool) {
+            let filter = EnvFilter::new(if on { "info" } else { "off" });
+            self.filter
+                .reload(filter)
+                .expect("the subscriber is installed");
         }
     }
 }

@@ -40,6 +40,8 @@ mod guides {
     mod performance {}
     #[doc = include_str!("../../docs/metrics.md")]
     mod metrics {}
+    #[doc = include_str!("../../docs/tracing.md")]
+    mod tracing_guide {}
 }
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at

@@ -117,10 +117,21 @@ pub(crate) async fn confirm_channel(conn: &Connection) -> lapin::Result<Channel>
     Ok(channel)
 }
 
-fn properties(row: &OutboxRow) -> BasicProperties {
+fn properties(row: &OutboxRow, span: &tracing::Span) -> BasicProperties {
     let msg = &row.message;
+    // The publish span's context replaces the one the row carries: the consumer's
+    // delivery span is the publication's child.
+    let traced;
+    let stored = if span.is_disabled() {
+        &msg.headers
+    } else {
+        let mut headers = msg.headers.clone();
+        inbox_core::trace::inject_trace(span, &mut headers);
+        traced = headers;
+        &traced
+    };
     let mut headers = FieldTable::default();
-    for (k, v) in &msg.headers {
+    for (k, v) in stored {
         headers.insert(
             k.as_str().into(),
             AMQPValue::LongString(LongString::from(v.as_str())),
@@ -191,14 +202,70 @@ fn settled(row: &OutboxRow, confirmed: Confirmed) -> Settled {
     }
 }
 
-async fn basic_publish(channel: &Channel, row: &OutboxRow) -> lapin::Result<Pending> {
+/// The span of one row's publication (`outbox.publish`, at `info`, from the publish
+/// until the broker's confirm): OpenTelemetry name `publish <exchange>`, kind
+/// producer, the messaging attributes of semantic conventions
+/// [`SEMCONV_VERSION`](inbox_core::trace::SEMCONV_VERSION), `outbox.row` the row's id
+/// and `error.type` when the publication failed. Its parent is the trace the row
+/// carries (the enqueuing span's); a row without one starts a trace of its own.
+fn publish_span(row: &OutboxRow) -> tracing::Span {
+    let msg = &row.message;
+    let span = tracing::info_span!(
+        "outbox.publish",
+        otel.name = %PublishName(&msg.exchange),
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.destination.name = msg.exchange.as_str(),
+        messaging.rabbitmq.destination.routing_key = msg.routing_key.as_str(),
+        messaging.operation.type = "publish",
+        messaging.operation.name = "publish",
+        messaging.message.id = msg.message_key.as_str(),
+        outbox.row = row.id,
+        error.type = tracing::field::Empty,
+        traceparent = tracing::field::Empty,
+    );
+    if !span.is_disabled() {
+        inbox_core::trace::adopt_parent_from(&span, &msg.headers);
+    }
+    span
+}
+
+/// `publish <exchange>`; `publish` alone for the default exchange.
+struct PublishName<'a>(&'a str);
+
+impl std::fmt::Display for PublishName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            "" => f.write_str("publish"),
+            exchange => write!(f, "publish {exchange}"),
+        }
+    }
+}
+
+/// Records on a publish span why its publication failed.
+fn failed_span(span: &tracing::Span, settled: &Settled) {
+    if let Settled::Failed(failure) = settled {
+        let kind = match failure.kind {
+            FailureKind::Returned => "unroutable",
+            FailureKind::Nacked => "nacked",
+            FailureKind::Rejected => "rejected",
+        };
+        span.record("error.type", kind);
+    }
+}
+
+async fn basic_publish(
+    channel: &Channel,
+    row: &OutboxRow,
+    span: &tracing::Span,
+) -> lapin::Result<Pending> {
     let msg = &row.message;
     publish_with_confirm(
         channel,
         &msg.exchange,
         &msg.routing_key,
         &msg.payload,
-        properties(row),
+        properties(row, span),
     )
     .await
 }
@@ -288,8 +355,9 @@ async fn publish_pipelined<'r>(
     let mut pending = Vec::with_capacity(rows.len());
     let mut unsent = Vec::new();
     for (i, row) in rows.iter().enumerate() {
-        match basic_publish(channel, row).await {
-            Ok(confirm) => pending.push((*row, confirm)),
+        let span = publish_span(row);
+        match basic_publish(channel, row, &span).await {
+            Ok(confirm) => pending.push((*row, confirm, span)),
             Err(_) => {
                 // The channel is closing or closed; the confirms below say why.
                 unsent = rows[i..].to_vec();
@@ -298,13 +366,17 @@ async fn publish_pipelined<'r>(
         }
     }
     let mut unsettled = Vec::new();
-    for (row, confirm) in pending {
+    for (row, confirm, span) in pending {
         match tokio::time::timeout_at(deadline, confirm.answer()).await {
             Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
-            Ok(Ok(confirmed)) => match settled(row, confirmed) {
-                Settled::Published => round.published.push(row.id),
-                Settled::Failed(failure) => round.failed.push(failure),
-            },
+            Ok(Ok(confirmed)) => {
+                let settled = settled(row, confirmed);
+                failed_span(&span, &settled);
+                match settled {
+                    Settled::Published => round.published.push(row.id),
+                    Settled::Failed(failure) => round.failed.push(failure),
+                }
+            }
             Ok(Err(_)) => unsettled.push(row),
         }
     }
@@ -329,22 +401,25 @@ async fn publish_alone(
             Ok(Ok(fresh)) => *channel = fresh,
         }
     }
-    let published = match basic_publish(channel, row).await {
+    let span = publish_span(row);
+    let published = match basic_publish(channel, row, &span).await {
         Ok(confirm) => match tokio::time::timeout_at(deadline, confirm.answer()).await {
             Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
             Ok(confirmed) => confirmed,
         },
         Err(err) => Err(err),
     };
-    match published {
-        Ok(confirmed) => Ok(settled(row, confirmed)),
+    let settled = match published {
+        Ok(confirmed) => settled(row, confirmed),
         Err(err) if is_the_rows_fault(&err) && conn.status().connected() => {
-            Ok(Settled::Failed(Failure::of(
+            Settled::Failed(Failure::of(
                 row,
                 format!("the broker refused it and closed the channel: {err}"),
                 FailureKind::Rejected,
-            )))
+            ))
         }
-        Err(err) => Err(format!("publishing failed: {err}")),
-    }
+        Err(err) => return Err(format!("publishing failed: {err}")),
+    };
+    failed_span(&span, &settled);
+    Ok(settled)
 }

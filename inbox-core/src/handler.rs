@@ -167,6 +167,7 @@ pub struct MessageContext<'a> {
     group: &'a ConsumerGroup,
     attempt: u32,
     now: DateTime<Utc>,
+    span: Option<&'a tracing::Span>,
 }
 
 impl<'a> MessageContext<'a> {
@@ -182,7 +183,21 @@ impl<'a> MessageContext<'a> {
             group,
             attempt,
             now,
+            span: None,
         }
+    }
+
+    /// The delivery's span ([`crate::trace::delivery_span`]): the handler of a
+    /// batch runs inside it, so the spans a handler opens are its children. Stores
+    /// call this.
+    pub fn with_span(mut self, span: &'a tracing::Span) -> Self {
+        self.span = Some(span);
+        self
+    }
+
+    /// The delivery's span, when the store gave one.
+    pub fn span(&self) -> Option<&'a tracing::Span> {
+        self.span
     }
 
     /// The message key.
@@ -431,6 +446,8 @@ where
             return folded.map_err(|e| (None, HandlerFailure::Handler(e)));
         }
         for (i, (msg, ctx)) in batch.into_iter().enumerate() {
+            // The handler's own spans are children of its delivery's.
+            let _entered = ctx.span().map(tracing::Span::enter);
             self.handle(conn, msg, &ctx)
                 .map_err(|e| (Some(i), HandlerFailure::Handler(e)))?;
         }

@@ -60,7 +60,7 @@ mod relay;
 mod replay;
 mod retry;
 mod store;
-mod trace;
+pub mod trace;
 mod transport;
 mod url;
 
@@ -98,6 +98,6 @@ pub use relay::{relay_in_process, OutboxPublisher, Publication, RelayRound, Roun
 pub use replay::{replay_target, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 pub use retry::{exponential_backoff, RetryLadder, RetryPolicy, MAX_RETRY_DELAY};
 pub use store::{DeadLetterOutcome, GroupHalts, InboxStore};
-pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER};
+pub use trace::{adopt_trace_parent, Traceparent, TRACEPARENT_HEADER, TRACESTATE_HEADER};
 pub use transport::{InProcessTransport, TransportStats};
 pub use url::{redact_message, redact_url, RedactedError};

@@ -1,6 +1,8 @@
 //! A batch of deliveries: the store's decisions, the retries scheduled on the broker,
 //! and the acks, requeues and holds that settle it.
 
+use inbox_core::trace::DeliveryOrigin;
+
 use super::*;
 
 /// A worker's backoffs: after a refused retry copy, and after a store failure.
@@ -182,8 +184,14 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         }
         let store = Arc::clone(&self.store);
         let g = group.clone();
-        // The store's spans (its batch, each delivery) open inside this batch's span.
+        // The store's spans (its batch, each delivery) open inside this batch's span;
+        // the delivery spans name the exchange and the queue.
         let parent = span.clone();
+        let origin = DeliveryOrigin::new(
+            "rabbitmq",
+            self.topology.exchange(),
+            self.topology.queue(group),
+        );
         let task = tokio::task::spawn_blocking(move || {
             let _entered = parent.enter();
             let malformed_done: Vec<(usize, bool)> = malformed
@@ -200,7 +208,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             let decided = if envelopes.is_empty() {
                 Ok(Vec::new())
             } else {
-                store.process_batch(&g, &envelopes)
+                origin.scope(|| store.process_batch(&g, &envelopes))
             };
             Stored {
                 malformed_done,

@@ -13,7 +13,7 @@ pub(super) struct Delivery<'a, C> {
     pub(super) digest: [u8; 32],
     pub(super) handler: Option<&'a Arc<dyn DynHandler<C>>>,
     /// `inbox.delivery`: group and key from the start, the attempt once the message
-    /// is claimed, the outcome once decided; its handler runs inside it when alone.
+    /// is claimed, the outcome once decided; its handler runs inside it.
     pub(super) span: tracing::Span,
 }
 

@@ -62,7 +62,7 @@ impl<C: StoreConnection> Inner<C> {
             }
             let attempt = attempt_number(*attempts);
             d.span.record("attempt", attempt);
-            let ctx = MessageContext::new(d.env, group, attempt, now);
+            let ctx = MessageContext::new(d.env, group, attempt, now).with_span(&d.span);
             let _entered = d.span.enter();
             let called = self.call_in_savepoint(conn, run, &**handler, &ctx);
             let decision = self.isolated_decision(

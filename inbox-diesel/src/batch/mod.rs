@@ -35,7 +35,6 @@ mod tx;
 
 use std::collections::HashMap;
 
-use inbox_core::display::Escaped;
 use inbox_core::{ConsumerGroup, Decision, Envelope, MessageKey};
 
 use crate::backend::StoreConnection;
@@ -99,21 +98,11 @@ impl<C: StoreConnection> Inner<C> {
         let span = tracing::debug_span!("inbox.batch", group = %group, size = batch.len());
         let _entered = span.enter();
 
+        // Each delivery's span: the producer's trace is its parent, the handler runs
+        // inside it.
         let spans: Vec<tracing::Span> = batch
             .iter()
-            .map(|env| {
-                let span = tracing::debug_span!(
-                    "inbox.delivery",
-                    group = %group,
-                    key = %Escaped(env.message_key.as_str()),
-                    attempt = tracing::field::Empty,
-                    outcome = tracing::field::Empty,
-                    traceparent = tracing::field::Empty,
-                );
-                // The producer's trace is the delivery's parent (before it is entered).
-                inbox_core::adopt_trace_parent(&span, env);
-                span
-            })
+            .map(|env| inbox_core::trace::delivery_span(group, env))
             .collect();
         let (mut pending, unstorable) = self.deliveries(group, batch, &spans);
 

@@ -105,7 +105,7 @@ impl<C: StoreConnection> Inner<C> {
                 decisions.push((d.idx, self.fail(conn, group, d, *attempts, None, now)?));
                 continue;
             };
-            let ctx = MessageContext::new(d.env, group, attempt, now);
+            let ctx = MessageContext::new(d.env, group, attempt, now).with_span(&d.span);
             match per_handler
                 .iter_mut()
                 .find(|(h, _)| Arc::ptr_eq(h, handler))

@@ -143,7 +143,7 @@ mod tests {
         FailureGroup {
             fingerprint: fingerprint.to_owned(),
             replayable: true,
-            reason: reason.to_owned(),
+            reason: inbox_core::DeadLetterReason::parse(reason).expect("a reason"),
             message_type: "usage.recorded".to_owned(),
             kind: "permanent".to_owned(),
             signature: String::new(),
