@@ -486,20 +486,14 @@ impl Proxy {
 
 /// `url` (`amqp://` or `amqps://`) as lapin reads it; `Err` says why it does not parse.
 pub fn uri(url: &str) -> Result<lapin::uri::AMQPUri, String> {
-    url.parse::<lapin::uri::AMQPUri>()
-        .map_err(|why| format!("not an AMQP URL ({why})"))
+    crate::services::amqp_uri(url)
 }
 
 /// host:port of an AMQP URL, the port the scheme's default when it names none;
 /// panics on a URL lapin cannot read.
 pub fn host_port(url: &str) -> String {
     let uri = uri(url).unwrap_or_else(|why| panic!("{why}"));
-    authority_of(&uri)
-}
-
-/// host:port of a parsed URL.
-pub(crate) fn authority_of(uri: &lapin::uri::AMQPUri) -> String {
-    format!("{}:{}", uri.authority.host, uri.authority.port)
+    crate::services::amqp_authority(&uri)
 }
 
 /// A bare AMQP 0-9-1 publisher that writes its frames byte by byte, for what a client
@@ -660,7 +654,7 @@ pub mod raw {
     /// decodes them (`guest`, `guest` and `/` when it names none).
     pub(crate) fn parts(url: &str) -> Result<(String, String, String, String), String> {
         let uri = super::uri(url)?;
-        let addr = super::authority_of(&uri);
+        let addr = crate::services::amqp_authority(&uri);
         let user = uri.authority.userinfo;
         Ok((user.username, user.password, addr, uri.vhost))
     }

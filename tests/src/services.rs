@@ -224,16 +224,14 @@ pub fn answers(url: &str) -> bool {
 }
 
 /// `host:port` of a URL (its scheme's default port when it names none). AMQP URLs
-/// are read by lapin's URI type, as lapin reads them ([`crate::amqp::uri`]).
+/// are read by lapin's URI type, as lapin reads them ([`amqp_uri`]).
 /// PostgreSQL and Redis URLs keep this small split: this crate links no client
 /// whose URL type it could ask (diesel hands the URL to libpq as it is), and only
 /// the host and port are needed, to probe them.
 pub(crate) fn authority(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://")?;
     if matches!(scheme, "amqp" | "amqps") {
-        return crate::amqp::uri(url)
-            .ok()
-            .map(|uri| crate::amqp::authority_of(&uri));
+        return amqp_uri(url).ok().map(|uri| amqp_authority(&uri));
     }
     let host_port = rest.split(['/', '?']).next()?;
     let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);
@@ -251,6 +249,18 @@ pub(crate) fn authority(url: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("{host_port}:{port}"))
+}
+
+/// An AMQP URL as lapin reads it (decoded user, password and vhost; the scheme's
+/// default port); [`crate::amqp::uri`] is this, for the tests.
+pub(crate) fn amqp_uri(url: &str) -> Result<lapin::uri::AMQPUri, String> {
+    url.parse::<lapin::uri::AMQPUri>()
+        .map_err(|why| format!("not an AMQP URL ({why})"))
+}
+
+/// host:port of a parsed AMQP URL.
+pub(crate) fn amqp_authority(uri: &lapin::uri::AMQPUri) -> String {
+    format!("{}:{}", uri.authority.host, uri.authority.port)
 }
 
 #[cfg(test)]
