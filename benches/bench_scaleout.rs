@@ -822,7 +822,7 @@ fn main() -> ExitCode {
         .build()
         .expect("runtime");
     if let Ok(spec) = std::env::var(CHILD_ENV) {
-        inbox_examples::init_logging();
+        let _logging = inbox_examples::init_logging();
         return match runtime.block_on(child(&spec)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {

@@ -134,7 +134,7 @@ macro_rules! on_backend {
 }
 
 fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     inbox_diesel::init_tls();
     let cli = Cli::parse();
     match run(cli.command) {

@@ -57,7 +57,7 @@ impl Fatal {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -17,7 +17,7 @@ use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{DailyUsage, UsageDb, UsageRecorded, MESSAGE_TYPE};
 
 fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

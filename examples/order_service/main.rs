@@ -259,7 +259,7 @@ fn main() -> ExitCode {
         );
     }
     let cli = Cli::parse();
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     let done = match &cli.command {
         Command::Ops(command) => return inbox_outbox::cli::run(&cli.inbox, command),
         _ => tokio::runtime::Runtime::new()

@@ -15,7 +15,7 @@ use std::time::Instant;
 use inbox_examples::quickstart;
 
 fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     let started = Instant::now();
     let dir = match tempfile::tempdir() {
         Ok(dir) => dir,

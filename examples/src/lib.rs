@@ -4,6 +4,8 @@
 pub mod credit;
 pub mod metered;
 pub mod ops;
+#[cfg(feature = "otlp")]
+pub mod otlp;
 pub mod quickstart;
 pub mod scrape;
 pub mod usage;
@@ -57,6 +59,35 @@ pub const DEFAULT_LOG_FILTER: &str =
 /// [`inbox_cli::logging`], the `inbox` binary's subscriber). A `RUST_LOG` that does not
 /// parse is reported and the default used. Call it once, first thing in `main`; a
 /// subscriber already installed (a test harness, say) is left in place.
-pub fn init_logging() {
+pub fn init_logging() -> Logging {
+    #[cfg(feature = "otlp")]
+    if std::env::var_os(otlp::ENDPOINT_ENV).is_some() {
+        return Logging {
+            provider: otlp::install(DEFAULT_LOG_FILTER),
+        };
+    }
     inbox_cli::logging::install(DEFAULT_LOG_FILTER);
+    Logging {
+        #[cfg(feature = "otlp")]
+        provider: None,
+    }
+}
+
+/// What [`init_logging`] installed; hold it until `main` returns. With the feature
+/// `otlp` and an exporter installed, dropping it flushes the spans not exported yet.
+#[must_use = "hold it until main returns: dropping it flushes the exported spans"]
+pub struct Logging {
+    #[cfg(feature = "otlp")]
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for Logging {
+    fn drop(&mut self) {
+        #[cfg(feature = "otlp")]
+        if let Some(provider) = self.provider.take() {
+            if let Err(err) = provider.shutdown() {
+                eprintln!("spans not flushed to the OTLP collector: {err}");
+            }
+        }
+    }
 }

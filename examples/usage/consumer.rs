@@ -78,7 +78,7 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        inbox_examples::init_logging();
+        let _logging = inbox_examples::init_logging();
         match run(cli).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {

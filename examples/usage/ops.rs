@@ -47,7 +47,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     inbox_diesel::init_tls();
     let cli = Cli::parse();
     let projection = || DailyUsage::new(RetryPolicy::default());

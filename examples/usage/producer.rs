@@ -32,7 +32,7 @@ use inbox_examples::usage::{
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    inbox_examples::init_logging();
+    let _logging = inbox_examples::init_logging();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

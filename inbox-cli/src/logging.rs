@@ -50,27 +50,38 @@ impl LogFormat {
 /// `default_filter`), in the format of `INBOX_LOG_FORMAT` (see the module docs).
 /// Returns `false`, changing nothing, when a global subscriber was already installed.
 pub fn install(default_filter: &str) -> bool {
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(env_filter(default_filter))
+        .with_writer(std::io::stderr);
+    match log_format() {
+        LogFormat::Text => builder.try_init().is_ok(),
+        LogFormat::Json => builder.json().try_init().is_ok(),
+    }
+}
+
+/// The filter [`install`] uses: `RUST_LOG`, else `default_filter` (a `RUST_LOG` that
+/// does not parse is reported on stderr). For a program that builds its own
+/// subscriber with more layers (an OpenTelemetry exporter, say).
+pub fn env_filter(default_filter: &str) -> tracing_subscriber::EnvFilter {
     use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
+    match std::env::var("RUST_LOG") {
         Ok(directives) => EnvFilter::try_new(&directives).unwrap_or_else(|err| {
             eprintln!("ignoring RUST_LOG={directives:?} ({err}); using {default_filter}");
             EnvFilter::new(default_filter)
         }),
         Err(_) => EnvFilter::new(default_filter),
-    };
-    let format = match std::env::var(LOG_FORMAT_ENV) {
+    }
+}
+
+/// The format [`install`] uses: `INBOX_LOG_FORMAT`, else text (a value other than
+/// `text` or `json` is reported on stderr).
+pub fn log_format() -> LogFormat {
+    match std::env::var(LOG_FORMAT_ENV) {
         Ok(value) => LogFormat::parse(&value).unwrap_or_else(|| {
             eprintln!("ignoring {LOG_FORMAT_ENV}={value:?} (expected text or json); using text");
             LogFormat::Text
         }),
         Err(_) => LogFormat::Text,
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.try_init().is_ok(),
-        LogFormat::Json => builder.json().try_init().is_ok(),
     }
 }
 
