@@ -446,6 +446,17 @@ fn a_stalled_or_closed_redis_is_bypassed_and_money_is_still_guarded() {
                 "{name}: {stats}"
             );
         }
+        // The same counts on `GET /metrics`, each fallback under its kind. Scraped
+        // after the stats: no request of a key runs in between (admin requests use
+        // the admin token, not the key cache).
+        let text = scrape(&svc);
+        assert_advisory_counts_match(&text, &stats);
+        if name != "healthy" {
+            for kind in ["rate_limit", "slot", "key_cache"] {
+                let series = format!("metered_api_redis_fallbacks_total{{kind=\"{kind}\"}}");
+                assert!(sample(&text, &series) >= 3, "{name}: {series} in:\n{text}");
+            }
+        }
         // 19 credits left: the debit still refuses what the balance does not cover.
         let over = svc.speech(&key, None, TEXT);
         assert_eq!(
@@ -874,6 +885,62 @@ fn a_default_build_ignores_the_fail_after_marker() {
     assert_eq!((balance, sum, refunds), (500 - 36, 500 - 36, 0));
 }
 
+/// The value of `series` (a name and its labels as rendered) in a Prometheus text
+/// exposition.
+fn sample(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{series} in:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+/// `GET /metrics` on the admin listener, with the admin token.
+fn scrape(svc: &Service) -> String {
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let r = metered_support::request(
+        &svc.admin_addr,
+        "GET",
+        "/metrics",
+        &[("Authorization", &bearer)],
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.text()
+}
+
+/// The Redis advisory layer's series in `text` equal `/admin/stats`' fields.
+fn assert_advisory_counts_match(text: &str, stats: &serde_json::Value) {
+    for (series, field) in [
+        (
+            "metered_api_redis_fallbacks_total{kind=\"rate_limit\"}",
+            "rate_limit_fallbacks",
+        ),
+        (
+            "metered_api_redis_fallbacks_total{kind=\"slot\"}",
+            "slot_fallbacks",
+        ),
+        (
+            "metered_api_redis_fallbacks_total{kind=\"key_cache\"}",
+            "key_cache_fallbacks",
+        ),
+        (
+            "metered_api_key_cache_lookups_total{outcome=\"hit\"}",
+            "key_cache_hits",
+        ),
+        (
+            "metered_api_key_cache_lookups_total{outcome=\"miss\"}",
+            "key_cache_misses",
+        ),
+    ] {
+        assert_eq!(
+            sample(text, series),
+            stats[field].as_u64().unwrap(),
+            "{series} against {field}: {stats}\n{text}"
+        );
+    }
+}
+
 /// `GET /metrics` on the admin listener, with the admin token: the Prometheus text
 /// format, the service's own counts equal to `/admin/stats`, described; refused
 /// without the token, absent from the public listener.
@@ -904,13 +971,7 @@ fn metrics_are_served_on_the_admin_listener_and_match_the_stats() {
     );
     let text = r.text();
     let stats = svc.stats();
-    let sample = |series: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-            .unwrap_or_else(|| panic!("{series} in:\n{text}"))
-            .parse()
-            .unwrap()
-    };
+    let sample = |series: &str| sample(&text, series);
     assert_eq!(stats["streams_delivered"], 1, "{stats}");
     assert_eq!(stats["replays"], 1, "{stats}");
     assert_eq!(sample("metered_api_streams_delivered_total"), 1);
@@ -923,6 +984,18 @@ fn metrics_are_served_on_the_admin_listener_and_match_the_stats() {
         text.contains("# HELP metered_api_replays_total Replays served from a saved response.\n"),
         "{text}"
     );
+    // The Redis advisory layer: the first request missed the key cache (and cached
+    // the key), the replay hit it; nothing failed open.
+    assert!(stats["key_cache_misses"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(stats["key_cache_hits"].as_u64().unwrap() >= 1, "{stats}");
+    assert_advisory_counts_match(&text, &stats);
+    assert_eq!(stats["redis_fallbacks"], 0, "{stats}");
+    for series in [
+        "# HELP metered_api_redis_fallbacks_total ",
+        "# HELP metered_api_key_cache_lookups_total ",
+    ] {
+        assert!(text.contains(series), "{series} in:\n{text}");
+    }
     // Refused without the token; not on the public listener.
     let none = metered_support::request(&svc.admin_addr, "GET", "/metrics", &[], None);
     assert_eq!(none.status, 401, "{}", none.text());

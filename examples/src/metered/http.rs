@@ -213,11 +213,11 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
     let count = |c: &Count| c.get();
     axum::Json(json!({
         "redis_fallbacks": a.fallbacks(),
-        "rate_limit_fallbacks": load(&a.rate_limit_fallbacks),
-        "slot_fallbacks": load(&a.slot_fallbacks),
-        "key_cache_fallbacks": load(&a.key_cache_fallbacks),
-        "key_cache_hits": load(&a.key_cache_hits),
-        "key_cache_misses": load(&a.key_cache_misses),
+        "rate_limit_fallbacks": count(&a.rate_limit_fallbacks),
+        "slot_fallbacks": count(&a.slot_fallbacks),
+        "key_cache_fallbacks": count(&a.key_cache_fallbacks),
+        "key_cache_hits": count(&a.key_cache_hits),
+        "key_cache_misses": count(&a.key_cache_misses),
         "streams_delivered": count(&app.stats.delivered),
         "streams_refunded": count(&app.stats.refunded),
         "refund_failures": count(&app.stats.refund_failures),

@@ -20,6 +20,11 @@ pub const ADMIN_UNAUTHORIZED_TOTAL: &str = "metered_api_admin_unauthorized_total
 pub const SETTLEMENTS_TOTAL: &str = "metered_api_settlements_total";
 /// Connections accepted, by listener (`public`, `admin`).
 pub const CONNECTIONS_ACCEPTED_TOTAL: &str = "metered_api_connections_accepted_total";
+/// Redis advisory commands that failed open on the request path, by kind
+/// (`rate_limit`, `slot`, `key_cache`).
+pub const REDIS_FALLBACKS_TOTAL: &str = "metered_api_redis_fallbacks_total";
+/// API-key cache look-ups Redis answered, by outcome (`hit`, `miss`).
+pub const KEY_CACHE_LOOKUPS_TOTAL: &str = "metered_api_key_cache_lookups_total";
 /// Connections open now, by listener.
 pub const CONNECTIONS_OPEN: &str = "metered_api_connections_open";
 
@@ -55,6 +60,14 @@ pub fn describe() {
         (
             CONNECTIONS_ACCEPTED_TOTAL,
             "Connections accepted, by listener (public, admin).",
+        ),
+        (
+            REDIS_FALLBACKS_TOTAL,
+            "Redis advisory commands that failed open (timeout or error), by kind (rate_limit, slot, key_cache).",
+        ),
+        (
+            KEY_CACHE_LOOKUPS_TOTAL,
+            "API-key cache look-ups Redis answered, by outcome (hit, miss).",
         ),
     ] {
         describe_counter!(name, Unit::Count, help);

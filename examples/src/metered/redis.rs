@@ -32,11 +32,12 @@
 //! What stays hand-written here is the advisory logic itself (which commands, what a
 //! missing answer means), not a client.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use super::meter::{self, Count};
 
 /// The budget of one command on the request path.
 pub const REQUEST_BUDGET: Duration = Duration::from_millis(250);
@@ -146,27 +147,42 @@ fn lazy_manager(client: &redis::Client) -> Result<ConnectionManager, RedisError>
         .map_err(RedisError::Command)
 }
 
-/// Fallbacks and hits of the advisory layer, for `GET /admin/stats`.
-#[derive(Debug, Default)]
+/// Fallbacks and hits of the advisory layer, for `GET /admin/stats` and
+/// `GET /metrics` (`metered_api_redis_fallbacks_total{kind}`,
+/// `metered_api_key_cache_lookups_total{outcome}`).
+#[derive(Debug)]
 pub struct AdvisoryStats {
     /// Rate-limit checks that failed open.
-    pub rate_limit_fallbacks: AtomicU64,
+    pub rate_limit_fallbacks: Count,
     /// Concurrency slots granted because Redis did not answer.
-    pub slot_fallbacks: AtomicU64,
+    pub slot_fallbacks: Count,
     /// Key-cache look-ups that went to PostgreSQL because Redis did not answer.
-    pub key_cache_fallbacks: AtomicU64,
+    pub key_cache_fallbacks: Count,
     /// Key-cache hits.
-    pub key_cache_hits: AtomicU64,
+    pub key_cache_hits: Count,
     /// Key-cache misses (Redis answered, the key was not cached).
-    pub key_cache_misses: AtomicU64,
+    pub key_cache_misses: Count,
+}
+
+impl Default for AdvisoryStats {
+    /// Registers the counters with the recorder installed now (install it first).
+    fn default() -> Self {
+        let fallbacks = |kind| Count::new(meter::REDIS_FALLBACKS_TOTAL, &[("kind", kind)]);
+        let lookups = |outcome| Count::new(meter::KEY_CACHE_LOOKUPS_TOTAL, &[("outcome", outcome)]);
+        Self {
+            rate_limit_fallbacks: fallbacks("rate_limit"),
+            slot_fallbacks: fallbacks("slot"),
+            key_cache_fallbacks: fallbacks("key_cache"),
+            key_cache_hits: lookups("hit"),
+            key_cache_misses: lookups("miss"),
+        }
+    }
 }
 
 impl AdvisoryStats {
     /// Every fallback so far.
     pub fn fallbacks(&self) -> u64 {
-        self.rate_limit_fallbacks.load(Ordering::Relaxed)
-            + self.slot_fallbacks.load(Ordering::Relaxed)
-            + self.key_cache_fallbacks.load(Ordering::Relaxed)
+        self.rate_limit_fallbacks.get() + self.slot_fallbacks.get() + self.key_cache_fallbacks.get()
     }
 }
 
@@ -199,7 +215,7 @@ pub enum Verdict {
 pub struct Advisory {
     redis: Redis,
     prefix: String,
-    /// Counters.
+    /// Counters (registered with the recorder installed when the layer is made).
     pub stats: AdvisoryStats,
 }
 
@@ -228,9 +244,7 @@ impl Advisory {
             Some(n) if n > i64::try_from(limit).unwrap_or(i64::MAX) => Verdict::Refused,
             Some(_) => Verdict::Allowed,
             None => {
-                self.stats
-                    .rate_limit_fallbacks
-                    .fetch_add(1, Ordering::Relaxed);
+                self.stats.rate_limit_fallbacks.add(1);
                 Verdict::Allowed
             }
         }
@@ -251,7 +265,7 @@ impl Advisory {
             }
             Some(_) => (Verdict::Allowed, true),
             None => {
-                self.stats.slot_fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.stats.slot_fallbacks.add(1);
                 (Verdict::Allowed, false)
             }
         }
@@ -282,19 +296,17 @@ impl Advisory {
                 });
                 match parsed {
                     Some((account, key_id)) => {
-                        self.stats.key_cache_hits.fetch_add(1, Ordering::Relaxed);
+                        self.stats.key_cache_hits.add(1);
                         CacheLookup::Hit { account, key_id }
                     }
                     None => {
-                        self.stats.key_cache_misses.fetch_add(1, Ordering::Relaxed);
+                        self.stats.key_cache_misses.add(1);
                         CacheLookup::Miss
                     }
                 }
             }
             Err(_) => {
-                self.stats
-                    .key_cache_fallbacks
-                    .fetch_add(1, Ordering::Relaxed);
+                self.stats.key_cache_fallbacks.add(1);
                 CacheLookup::Unavailable
             }
         }
