@@ -43,8 +43,6 @@ pub(crate) fn install(default_filter: &str) -> Option<SdkTracerProvider> {
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .build();
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    opentelemetry::global::set_tracer_provider(provider.clone());
     let spans = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("inbox-examples"))
         .with_filter(LevelFilter::INFO);
@@ -61,5 +59,12 @@ pub(crate) fn install(default_filter: &str) -> Option<SdkTracerProvider> {
         .with(spans)
         .try_init()
         .is_ok();
-    installed.then_some(provider)
+    if !installed {
+        // A subscriber was there first: nothing of this one is used.
+        let _ = provider.shutdown();
+        return None;
+    }
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    Some(provider)
 }

@@ -103,8 +103,13 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         .await
         .map_err(|e| e.to_string())?;
     let gauges_every = match std::env::var(inbox_examples::scrape::OPERATOR_GAUGES_EVERY_ENV) {
-        Ok(text) => inbox_core::parse_duration(&text)
-            .map_err(|e| format!("INBOX_OPERATOR_GAUGES_EVERY: {e}"))?,
+        Ok(text) => match inbox_core::parse_duration(&text) {
+            Ok(every) if every.is_zero() => {
+                return Err("INBOX_OPERATOR_GAUGES_EVERY: expected a duration above 0".into())
+            }
+            Ok(every) => every,
+            Err(e) => return Err(format!("INBOX_OPERATOR_GAUGES_EVERY: {e}").into()),
+        },
         Err(_) => inbox_examples::scrape::OPERATOR_GAUGES_EVERY,
     };
     let database_url = std::env::var("DATABASE_URL")
@@ -149,6 +154,10 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 
     // The scheduled rebuild runs on a thread of its own beside the consumer.
     let stop_rebuilds = Arc::new(AtomicBool::new(false));
+    // Refused before any background task starts: an early return after one would
+    // wait for it forever.
+    let topology = Topology::new("billing")?.prefix(prefix)?.ladder(ladder);
+
     let rebuilds = match cli.schedule.rebuild_every {
         Some(every) => {
             let runner = RebuildRunner::new(Rebuilder::new(&store, PROJECTION)?)
@@ -173,7 +182,6 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         })
     });
 
-    let topology = Topology::new("billing")?.prefix(prefix)?.ladder(ladder);
     let consumer =
         Consumer::new(amqp_url, Arc::new(store), topology).with_settings(consumer_settings());
     let stats = consumer.stats();

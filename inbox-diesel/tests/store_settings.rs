@@ -564,4 +564,15 @@ fn a_url_of_the_other_backend_is_refused_before_connecting() {
     assert_eq!(rejected_setting(&err), Some("url"), "{err}");
     assert!(!dir.join("x.db").exists());
     std::fs::remove_dir_all(&dir).unwrap();
+    // libpq's key=value strings name no scheme: a PostgreSQL store passes them on (and
+    // fails to connect to this closed port, not on the setting).
+    let err = Store::<PgConnection>::builder("host=127.0.0.1 port=1 user=app password=s3cret")
+        .build()
+        .unwrap_err();
+    assert_eq!(rejected_setting(&err), None, "{err}");
+    // And a file: URL is SQLite's.
+    let err = Store::<PgConnection>::builder("file:/tmp/x.db")
+        .build()
+        .unwrap_err();
+    assert_eq!(rejected_setting(&err), Some("url"), "{err}");
 }

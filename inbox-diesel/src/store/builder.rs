@@ -299,13 +299,21 @@ impl<C: StoreConnection> StoreBuilder<C> {
 
     /// Refuses settings the store cannot run with, before connecting.
     fn check_settings(&self) -> Result<()> {
-        // A store of one backend never opens another's URL (SQLite would take
-        // `postgres://...` as a file name).
-        if Backend::from_url(&self.url)? != C::BACKEND {
+        // A store of one backend never opens a URL of the other's scheme (SQLite would
+        // take `postgres://...` as a file name). A PostgreSQL store still takes libpq's
+        // `key=value` strings, which name no scheme.
+        let lower = self.url.to_ascii_lowercase();
+        let other = match C::BACKEND {
+            Backend::Postgres => lower.starts_with("sqlite:") || lower.starts_with("file:"),
+            Backend::Sqlite => {
+                lower.starts_with("postgres://") || lower.starts_with("postgresql://")
+            }
+        };
+        if other {
             return Err(Error::invalid(
                 "url",
                 match C::BACKEND {
-                    Backend::Postgres => "a postgres:// or postgresql:// URL (a PostgreSQL store)",
+                    Backend::Postgres => "a postgres:// or postgresql:// URL, or a libpq key=value string (a PostgreSQL store)",
                     Backend::Sqlite => "a sqlite:// URL or a file path (a SQLite store)",
                 },
                 format_args!("a URL of the other backend: {}", crate::redact(&self.url)),
