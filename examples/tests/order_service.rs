@@ -150,7 +150,15 @@ fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_command
     let mut conn = PgConnection::establish(&scene.url).unwrap();
     conn.batch_execute("UPDATE customer_totals SET cents = 1")
         .unwrap();
-    let report = scene.run(&["rebuild"]);
+    let audit = scene.run(&["--json", "audit", "customer_totals"]);
+    let audit: serde_json::Value = serde_json::from_slice(&audit.stdout).unwrap();
+    assert_eq!(audit["rows_differing"], 2, "{audit}");
+    assert_eq!(
+        scene.totals(),
+        [t("ada", 1), t("bob", 1)],
+        "an audit writes nothing"
+    );
+    let report = scene.run(&["--json", "rebuild", "customer_totals"]);
     let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
     assert_eq!(report["events_covered"], 3, "{report}");
     assert_eq!(report["rows_changed"], 2, "{report}");

@@ -19,8 +19,8 @@
 //! `INBOX_MAX_ATTEMPTS` (failures before a message is dead-lettered; default the
 //! framework's retry policy's), `RUST_LOG` (log filter; default
 //! [`inbox_examples::DEFAULT_LOG_FILTER`]: the inbox crates at `info`, the rest at
-//! `warn`), `INBOX_LOG_FORMAT` (`text` or `json`), `RUST_MIN_STACK` (default [`inbox_amqp::frame_parse_stack`]: the stack
-//! lapin's frame parser needs for the deepest header table a frame holds).
+//! `warn`), `INBOX_LOG_FORMAT` (`text` or `json`), `RUST_MIN_STACK` (raised to [`inbox_amqp::frame_parse_stack`] when lower: the
+//! stack lapin's frame parser needs for the deepest header table a frame holds).
 //!
 //! Scheduled rebuild (optional): `--rebuild-every 1h` (or `INBOX_REBUILD_EVERY=1h`;
 //! units `ms`, `s`, `m`, `h`) runs the `daily_usage` rebuild beside consuming, at once
@@ -52,20 +52,9 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    // lapin parses frames on a thread of its own, spawned with the standard library's
-    // default stack, and its parser recurses once per level of a header table: the
-    // deepest table a frame holds needs `inbox_amqp::frame_parse_stack()` bytes, far
-    // more than the default 2 MiB. `RUST_MIN_STACK` sets that default for every
-    // thread spawned without an explicit size (lapin's, tokio's workers and blocking
-    // threads, the pool's). It is set here, first thing in a synchronous `main`,
-    // before any thread exists (the runtime is built below, after it), so no other
-    // thread can read the environment while it changes; a value the user set is kept.
-    if std::env::var_os("RUST_MIN_STACK").is_none() {
-        std::env::set_var(
-            "RUST_MIN_STACK",
-            inbox_amqp::frame_parse_stack().to_string(),
-        );
-    }
+    // First, before any thread exists: the stack lapin's frame parser needs (see
+    // `inbox_amqp::reserve_frame_stack`); a larger `RUST_MIN_STACK` of the user's is kept.
+    let _ = inbox_amqp::reserve_frame_stack();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -12,9 +12,11 @@
 //!   so a deeply nested header table overflows that thread's stack and aborts the
 //!   process. The consumer bounds the depth by asking for frames of at most
 //!   [`FRAME_MAX`] bytes (a level costs at least 6 bytes), and the stack that the
-//!   deepest such table needs is [`frame_parse_stack`]: a program sets
-//!   `RUST_MIN_STACK` to at least that before any thread starts (a library must not
-//!   set the process environment; `Consumer::run` warns when it is lower).
+//!   deepest such table needs is [`frame_parse_stack`]. lapin spawns that thread
+//!   without a size, so the only lever is the process default that `RUST_MIN_STACK`
+//!   sets: [`reserve_frame_stack`], called first thing in `main`, sets it while the
+//!   process has one thread (changing the environment while another thread may read
+//!   it is a data race, so it refuses then); `Consumer::run` warns when it is lower.
 //!
 //! What would remove the need for both mitigations is a fix in amq-protocol-types: a
 //! depth limit in `parse_value` (a parse error past, say, 100 levels), and short
@@ -52,6 +54,53 @@ pub fn frame_parse_stack() -> usize {
     need.div_ceil(1 << 20) << 20
 }
 
+/// What [`reserve_frame_stack`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FrameStack {
+    /// `RUST_MIN_STACK` already asked for at least [`frame_parse_stack`] bytes.
+    Kept,
+    /// It was unset, unreadable or lower, and is now [`frame_parse_stack`].
+    Set,
+    /// Other threads were running, so the environment was left as it was (the
+    /// consumer warns at its start when the stack is too small).
+    ThreadsRunning,
+}
+
+/// Sets `RUST_MIN_STACK` to [`frame_parse_stack`] when it asks for less, so that
+/// lapin's frame-parsing thread survives the deepest header table a frame holds.
+///
+/// Call it first thing in `main`, before any thread exists (a tokio runtime, a
+/// connection pool, ...): the standard library reads the variable once, at the
+/// first thread spawned without an explicit size, and keeps that figure for the
+/// process. On Linux it counts the process's threads (`/proc/self/status`) and, with
+/// more than one, changes nothing and returns [`FrameStack::ThreadsRunning`]; on
+/// other systems it trusts the caller. `inbox_cli::service::init` calls it.
+pub fn reserve_frame_stack() -> FrameStack {
+    let need = frame_parse_stack();
+    let set = std::env::var("RUST_MIN_STACK").ok();
+    if set
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|v| v >= need)
+    {
+        return FrameStack::Kept;
+    }
+    if threads_running() != Some(1) && cfg!(target_os = "linux") {
+        return FrameStack::ThreadsRunning;
+    }
+    std::env::set_var("RUST_MIN_STACK", need.to_string());
+    FrameStack::Set
+}
+
+/// The process's thread count, where the system tells it.
+fn threads_running() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+}
+
 /// Logs one warning when `rust_min_stack` (the `RUST_MIN_STACK` variable) is unset,
 /// unreadable or below [`frame_parse_stack`]; whether it warned.
 pub(crate) fn warn_on_small_stack(rust_min_stack: Option<&str>) -> bool {
@@ -65,7 +114,8 @@ pub(crate) fn warn_on_small_stack(rust_min_stack: Option<&str>) -> bool {
         need,
         "RUST_MIN_STACK is below the stack lapin's frame parser needs for the deepest header \
          table a frame holds; a message with such a table would abort the process. Set \
-         RUST_MIN_STACK={need} before the program starts"
+         RUST_MIN_STACK={need} before the program starts, or call \
+         inbox_amqp::reserve_frame_stack first thing in main"
     );
     true
 }
@@ -83,6 +133,31 @@ mod tests {
         assert_eq!(need % (1 << 20), 0);
         let expected_mib = if cfg!(debug_assertions) { 297 } else { 56 };
         assert_eq!(need >> 20, expected_mib);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn the_thread_count_is_read() {
+        // The test harness runs this test on a thread of its own.
+        assert!(threads_running().is_some_and(|n| n >= 2));
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn with_threads_running_the_environment_is_left_alone() {
+        let before = std::env::var_os("RUST_MIN_STACK");
+        let outcome = reserve_frame_stack();
+        if before
+            .as_deref()
+            .and_then(|v| v.to_str())
+            .and_then(|v| v.parse::<usize>().ok())
+            .is_some_and(|v| v >= frame_parse_stack())
+        {
+            assert_eq!(outcome, FrameStack::Kept);
+        } else {
+            assert_eq!(outcome, FrameStack::ThreadsRunning);
+        }
+        assert_eq!(std::env::var_os("RUST_MIN_STACK"), before);
     }
 
     #[test]

@@ -168,9 +168,32 @@ impl Topology {
         &self.ladder
     }
 
-    /// The exchange's name.
+    /// The exchange's name as the broker has it: the prefix, then the name given to
+    /// [`Topology::new`].
     pub fn exchange(&self) -> String {
         format!("{}{}", self.prefix, self.exchange)
+    }
+
+    /// An outbox message to this topology's exchange, routed by its `message_type`
+    /// (what the consumer groups bind): the one way to name the exchange that cannot
+    /// disagree with the consumers, whatever the prefix.
+    ///
+    /// ```
+    /// use inbox_amqp::Topology;
+    /// use inbox_core::MessageKey;
+    /// let topology = Topology::new("shop")?.prefix("staging.")?;
+    /// let key = MessageKey::derive("shop", "order:1", "order.placed");
+    /// let msg = topology.message(key, "order.placed", b"{}".to_vec());
+    /// assert_eq!((msg.exchange.as_str(), msg.routing_key.as_str()), ("staging.shop", "order.placed"));
+    /// # Ok::<(), inbox_amqp::Error>(())
+    /// ```
+    pub fn message(
+        &self,
+        key: inbox_core::MessageKey,
+        message_type: impl Into<String>,
+        payload: Vec<u8>,
+    ) -> inbox_core::OutboxMessage {
+        inbox_core::OutboxMessage::new(key, self.exchange(), message_type, payload)
     }
 
     /// The broker's `x-delivery-limit` on group queues.

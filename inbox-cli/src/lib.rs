@@ -56,6 +56,7 @@ mod output;
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
 pub mod projections;
 mod run;
+pub mod service;
 
 pub use args::{
     ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,

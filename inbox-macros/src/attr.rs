@@ -33,10 +33,18 @@ pub(crate) struct Spec {
     pub(crate) handle: Option<ExprPath>,
     /// The fold hook, if any.
     pub(crate) fold: Option<ExprPath>,
-    /// The lock hook, if any.
-    pub(crate) lock: Option<ExprPath>,
+    /// The projection lock, if any.
+    pub(crate) lock: Option<Lock>,
     /// Where the retry policy comes from.
     pub(crate) retry: Retry,
+}
+
+/// `lock = ...`.
+pub(crate) enum Lock {
+    /// `lock = "name"`: `ProjectionLock::named("name")`.
+    Named(LitStr),
+    /// `lock = path`: `path(&self) -> ProjectionLock`.
+    Hook(ExprPath),
 }
 
 /// `connection = ...`.
@@ -80,7 +88,7 @@ struct Attrs {
     connection: Option<Connection>,
     handle: Option<ExprPath>,
     fold: Option<ExprPath>,
-    lock: Option<ExprPath>,
+    lock: Option<Lock>,
     retry_policy: Option<ExprPath>,
     max_attempts: Option<(u32, LitInt)>,
     backoff: Option<Backoff>,
@@ -215,7 +223,18 @@ impl Attrs {
             }
             "handle" => self.handle = Some(value(input)?.parse()?),
             "fold" => self.fold = Some(value(input)?.parse()?),
-            "lock" => self.lock = Some(value(input)?.parse()?),
+            "lock" => {
+                let input = value(input)?;
+                self.lock = Some(if input.peek(LitStr) {
+                    let lit: LitStr = input.parse()?;
+                    if lit.value().is_empty() {
+                        cx.error_spanned_by(&lit, "a lock name must not be empty");
+                    }
+                    Lock::Named(lit)
+                } else {
+                    Lock::Hook(input.parse()?)
+                });
+            }
             "retry_policy" => self.retry_policy = Some(value(input)?.parse()?),
             "max_attempts" => {
                 let lit: LitInt = value(input)?.parse()?;

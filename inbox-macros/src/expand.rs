@@ -4,7 +4,7 @@ use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{quote, quote_spanned, ToTokens};
 use syn::{parse_quote, Data, DeriveInput, ExprPath, Generics, Ident, Type};
 
-use crate::attr::{self, Connection, Retry, Spec};
+use crate::attr::{self, Connection, Lock, Retry, Spec};
 use crate::ctxt::Ctxt;
 
 /// The whole derive: the impls, or every error found.
@@ -91,9 +91,13 @@ fn one_impl(
         }
     });
     let lock = spec.lock.as_ref().map(|lock| {
+        let lock = match lock {
+            Lock::Named(name) => quote! { #root::ProjectionLock::named(#name) },
+            Lock::Hook(hook) => quote! { #hook(self) },
+        };
         quote! {
             fn lock(&self) -> ::core::option::Option<#root::ProjectionLock> {
-                ::core::option::Option::Some(#lock(self))
+                ::core::option::Option::Some(#lock)
             }
         }
     });

@@ -51,6 +51,8 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// The date and time types of the API (`Rebuild::window`'s `now`, a clock's instants).
+pub use chrono;
 pub use diesel;
 /// Types, traits and rules: envelopes, keys, handlers, retry policies, decisions, the
 /// in-process transport (the `inbox-core` crate).

@@ -1,0 +1,51 @@
+//! A consumer and a relay in one process, ended together.
+//!
+//! A service that consumes and also writes to the outbox runs both: the relay is what
+//! publishes the rows the handlers enqueue, and what publishes an operator's replay
+//! (a replay is an outbox row). [`serve`] runs them side by side until `shutdown`,
+//! and when either ends on an error it stops the other (draining it as a shutdown
+//! would) and returns that error: a process never keeps consuming with a dead relay,
+//! nor relaying with a dead consumer.
+
+use inbox_core::{GroupHalts, InboxStore, OutboxStore};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Consumer, Relay, Result};
+
+/// Runs `consumer` and `relay` until `shutdown` is cancelled or either fails (see the
+/// module docs); the first error, the consumer's when both fail.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, Relay, Topology};
+/// # async fn run<S>(store: S) -> Result<(), inbox_amqp::Error>
+/// # where S: inbox_core::InboxStore + inbox_core::GroupHalts + inbox_core::OutboxStore {
+/// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// let store = Arc::new(store);
+/// let consumer = Consumer::new(url, store.clone(), Topology::new("shop")?);
+/// let relay = Relay::new(url, store);
+/// inbox_amqp::serve(consumer, relay, cancel_on_signals(CancellationToken::new())).await
+/// # }
+/// ```
+pub async fn serve<S, O>(
+    consumer: Consumer<S>,
+    relay: Relay<O>,
+    shutdown: CancellationToken,
+) -> Result<()>
+where
+    S: InboxStore + GroupHalts,
+    O: OutboxStore,
+{
+    // Cancelled by the caller's token, or by whichever of the two fails first.
+    let stop = shutdown.child_token();
+    let ended = |result: Result<()>, stop: &CancellationToken| {
+        if result.is_err() {
+            stop.cancel();
+        }
+        result
+    };
+    let consumed = async { ended(consumer.run(stop.clone()).await, &stop) };
+    let relayed = async { ended(relay.run(stop.clone()).await, &stop) };
+    let (consumed, relayed) = tokio::join!(consumed, relayed);
+    consumed.and(relayed)
+}
