@@ -145,7 +145,7 @@ enum Command {
     Ops(inbox_outbox::cli::Command),
 }
 
-fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
+fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
     match &cli.command {
         Command::Ops(ops) => return Ok(inbox_outbox::cli::run(&cli.inbox, ops)),
         Command::Projections(cmd) => {
@@ -186,9 +186,10 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 store.clock().now(),
             )?;
             println!("order {id} placed");
-            Ok::<_, Box<dyn std::error::Error>>(())
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
         })?,
         _ => {
+            inbox_examples::scrape::spawn_from_env("order_service")?; // INBOX_METRICS_ADDR
             let amqp = std::env::var("AMQP_URL")
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
             service::serve(&amqp, store, topology)?;

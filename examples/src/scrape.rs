@@ -121,3 +121,28 @@ pub async fn serve_from_env(program: &str) -> Result<Option<SocketAddr>, BoxErro
     println!("{program}: metrics on http://{local}/metrics");
     Ok(Some(local))
 }
+
+/// [`serve_from_env`] for a program without a runtime of its own (one that hands its
+/// consumer and relay to `inbox_cli::service::serve`): a thread with a one-thread
+/// tokio runtime serves `/metrics` (and keeps the histograms up to date) for the rest
+/// of the process. Call it after `inbox_cli::service::init`.
+pub fn spawn_from_env(program: &str) -> Result<Option<SocketAddr>, BoxError> {
+    if std::env::var_os(METRICS_ADDR_ENV).is_none() {
+        return Ok(None);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let program = program.to_owned();
+    std::thread::Builder::new()
+        .name("metrics".to_owned())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let served = serve_from_env(&program).await.map_err(|e| e.to_string());
+                let _ = tx.send(served);
+                std::future::pending::<()>().await;
+            });
+        })?;
+    Ok(rx.recv().map_err(|_| "the metrics thread ended")??)
+}

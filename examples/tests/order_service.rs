@@ -1,9 +1,11 @@
 //! The order service example (`examples/order_service`), run as its README says: three
 //! orders placed, the consumer and relay in one process, the totals exact, a damaged
-//! projection healed by `rebuild`, and the mounted operator commands answering.
+//! projection healed by `rebuild`, `/metrics` served, and the mounted operator commands
+//! answering. It runs with `RUST_MIN_STACK` unset, as a user who sets nothing.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -108,6 +110,20 @@ impl Drop for Scene {
     }
 }
 
+/// `GET /metrics` over plain HTTP/1.0: the body.
+fn scrape(addr: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.contains(" 200 "), "{head}");
+    body.to_owned()
+}
+
 fn t(customer: &str, cents: i64) -> Total {
     Total {
         customer: customer.to_owned(),
@@ -123,10 +139,21 @@ fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_command
     }
     let mut service = scene
         .command(&["run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .env("INBOX_METRICS_ADDR", "127.0.0.1:0")
+        .env_remove("RUST_MIN_STACK")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null()) // never read: a full pipe would stall the service
         .spawn()
         .unwrap();
+    let mut stdout = BufReader::new(service.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("order_service: metrics on http://")
+        .and_then(|rest| rest.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("the first line names the metrics address: {line:?}"))
+        .to_owned();
     let deadline = Instant::now() + Duration::from_secs(60);
     while scene.totals() != [t("ada", 1300), t("bob", 300)] {
         assert!(
@@ -136,6 +163,13 @@ fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_command
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    let metrics = scrape(&addr);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("inbox_processed_total{") && l.ends_with(" 3")),
+        "three orders processed: {metrics}"
+    );
     assert!(Command::new("kill")
         .args(["-TERM", &service.id().to_string()])
         .status()
