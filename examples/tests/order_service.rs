@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
 use inbox_amqp::Topology;
 use inbox_core::ConsumerGroup;
+use inbox_test_support::metrics::scrape;
 
 #[derive(QueryableByName, Debug, PartialEq)]
 struct Total {
@@ -108,20 +109,6 @@ impl Drop for Scene {
             });
         }
     }
-}
-
-/// `GET /metrics` over plain HTTP/1.0: the body.
-fn scrape(addr: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    assert!(head.contains(" 200 "), "{head}");
-    body.to_owned()
 }
 
 fn t(customer: &str, cents: i64) -> Total {

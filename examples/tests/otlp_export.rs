@@ -111,49 +111,27 @@ impl Drop for KillOnDrop {
 /// Publishes one event with a `traceparent` header, confirmed and routed (retried
 /// until the example has declared its exchange and bound its queue).
 async fn publish(amqp: &str, exchange: &str, traceparent: &str) {
-    let conn = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        let mut headers = lapin::types::FieldTable::default();
-        headers.insert(
-            "traceparent".into(),
-            lapin::types::AMQPValue::LongString(traceparent.into()),
-        );
-        let confirm = match channel
-            .basic_publish(
-                exchange.into(),
-                "usage.recorded".into(),
-                lapin::options::BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                br#"{"user_id": 42, "day": "2026-11-30", "amount": 5}"#,
-                lapin::BasicProperties::default()
-                    .with_message_id("evt-otlp-1".into())
-                    .with_type("usage.recorded".into())
-                    .with_headers(headers),
-            )
-            .await
-        {
-            Ok(pending) => pending.await.ok(),
-            Err(_) => None,
-        };
-        if confirm.is_some_and(|c| c.is_ack() && c.take_message().is_none()) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the example never bound its queue"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let conn = inbox_test_support::amqp::connect(amqp).await;
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert(
+        "traceparent".into(),
+        lapin::types::AMQPValue::LongString(traceparent.into()),
+    );
+    let props = lapin::BasicProperties::default()
+        .with_message_id("evt-otlp-1".into())
+        .with_type("usage.recorded".into())
+        .with_headers(headers);
+    let body = br#"{"user_id": 42, "day": "2026-11-30", "amount": 5}"#;
+    let within = Duration::from_secs(30);
+    inbox_test_support::amqp::publish_routed(
+        &conn,
+        exchange,
+        "usage.recorded",
+        body,
+        props,
+        within,
+    )
+    .await;
     let _ = conn.close(200, "done".into()).await;
 }
 

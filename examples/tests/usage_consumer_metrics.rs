@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
 use inbox_core::metrics::{Label, CATALOG};
+use inbox_test_support::metrics::scrape;
 
 const GROUP: &str = "billing.daily-usage";
 
@@ -42,28 +43,6 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// `GET /metrics` over plain HTTP/1.0: the body.
-fn scrape(addr: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    assert!(
-        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
-        "{head}"
-    );
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    body.to_owned()
-}
-
 /// The samples of a scrape: `name{labels}` -> value.
 fn samples(text: &str) -> BTreeMap<String, f64> {
     text.lines()
@@ -76,55 +55,24 @@ fn samples(text: &str) -> BTreeMap<String, f64> {
 }
 
 /// Publishes `(message id, body)` events as any AMQP client would, each confirmed and
-/// routed (mandatory, retried on a new channel until the example has declared its
-/// exchange and bound its queue).
+/// routed (retried until the example has declared its exchange and bound its queue).
 async fn publish(amqp: &str, exchange: &str, events: &[(&str, String)]) {
-    let conn = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let confirming = || async {
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        channel
-    };
-    let mut channel = confirming().await;
+    let conn = inbox_test_support::amqp::connect(amqp).await;
     for (id, body) in events {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let confirm = match channel
-                .basic_publish(
-                    exchange.into(),
-                    "usage.recorded".into(),
-                    lapin::options::BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    body.as_bytes(),
-                    lapin::BasicProperties::default()
-                        .with_message_id((*id).into())
-                        .with_type("usage.recorded".into()),
-                )
-                .await
-            {
-                Ok(pending) => pending.await.ok(),
-                Err(_) => None,
-            };
-            if confirm.is_some_and(|c| c.is_ack() && c.take_message().is_none()) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the example never bound its queue"
-            );
-            // Until the example has declared it, the missing exchange closes the channel.
-            if !channel.status().connected() {
-                channel = confirming().await;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let props = lapin::BasicProperties::default()
+            .with_message_id((*id).into())
+            .with_type("usage.recorded".into());
+        let within = Duration::from_secs(30);
+        let body = body.as_bytes();
+        inbox_test_support::amqp::publish_routed(
+            &conn,
+            exchange,
+            "usage.recorded",
+            body,
+            props,
+            within,
+        )
+        .await;
     }
     let _ = conn.close(200, "done".into()).await;
 }

@@ -100,14 +100,7 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let amqp = amqp_url().unwrap();
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .unwrap();
+        let conn = inbox_test_support::amqp::connect(&amqp).await;
         // evt-1 twice; evt-3's day is not written as the contract says.
         let events = [
             ("evt-1", "2026-11-30", 40),
@@ -122,37 +115,22 @@ fn sigterm_stops_it_gracefully_with_exit_zero() {
                 "tenant".into(),
                 lapin::types::AMQPValue::LongString("acme".into()),
             );
-            // Mandatory: until the example has bound its queue, the event comes back.
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let confirm = match channel
-                    .basic_publish(
-                        exchange.as_str().into(),
-                        "usage.recorded".into(),
-                        lapin::options::BasicPublishOptions {
-                            mandatory: true,
-                            ..Default::default()
-                        },
-                        body.as_bytes(),
-                        lapin::BasicProperties::default()
-                            .with_message_id(id.into())
-                            .with_type("usage.recorded".into())
-                            .with_headers(headers.clone()),
-                    )
-                    .await
-                {
-                    Ok(pending) => pending.await.ok(),
-                    Err(_) => None,
-                };
-                if confirm.is_some_and(|c| c.is_ack() && c.take_message().is_none()) {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "the example never bound its queue"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            // Routed: until the example has bound its queue, it is published again.
+            let props = lapin::BasicProperties::default()
+                .with_message_id(id.into())
+                .with_type("usage.recorded".into())
+                .with_headers(headers);
+            let within = Duration::from_secs(30);
+            let body = body.as_bytes();
+            inbox_test_support::amqp::publish_routed(
+                &conn,
+                &exchange,
+                "usage.recorded",
+                body,
+                props,
+                within,
+            )
+            .await;
         }
     });
     let deadline = Instant::now() + Duration::from_secs(30);

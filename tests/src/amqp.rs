@@ -282,6 +282,52 @@ pub async fn publish(channel: &Channel, exchange: &str, msg: &Outgoing<'_>) {
         .expect("publish");
 }
 
+/// Publishes `body` to `exchange` under `routing_key`, confirmed and routed: mandatory,
+/// and tried again every 50 ms, on a new channel when the exchange's absence closed
+/// the old one, until a queue is bound to take it (a program under test declares its
+/// topology when it starts). Panics after `within`.
+pub async fn publish_routed(
+    conn: &Connection,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+    within: Duration,
+) {
+    let deadline = std::time::Instant::now() + within;
+    let mut channel = confirm_channel(conn).await;
+    loop {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let published = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                options,
+                body,
+                props.clone(),
+            )
+            .await;
+        let confirm = match published {
+            Ok(pending) => pending.await.ok(),
+            Err(_) => None,
+        };
+        if confirm.is_some_and(|c| c.is_ack() && c.take_message().is_none()) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing bound to {exchange} / {routing_key} within {within:?}"
+        );
+        if !channel.status().connected() {
+            channel = confirm_channel(conn).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits for every confirm of the channel; panics on a returned message.
 pub async fn wait_for_confirms(channel: &Channel) {
     let returned = channel.wait_for_confirms().await.expect("confirms");

@@ -109,3 +109,27 @@ pub fn capture<T>(f: impl FnOnce() -> T) -> (T, Captured) {
     let captured = shared.lock().expect("captured").clone();
     (out, captured)
 }
+
+/// `GET /metrics` from `addr` (`host:port`) over plain HTTP/1.0: the body. Panics
+/// unless the answer is 200 with the Prometheus text format's content type.
+pub fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("read timeout");
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_owned()
+}
