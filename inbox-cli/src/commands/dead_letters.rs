@@ -49,189 +49,237 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
     command: &DeadLetterCommand,
     out: &mut dyn Write,
 ) -> Outcome {
+    let json = global.json;
     match command {
         DeadLetterCommand::List {
             filter: args,
             limit,
             offset,
-        } => {
-            let f = filter(store, args, StatusArg::Active)?;
-            let letters = Operator::new(store)
-                .list_dead_letters(&f, *offset, *limit)
-                .map_err(failed)?;
-            if global.json {
-                let rows: Vec<Value> = letters.iter().map(output::entry_json).collect();
-                return print_json(
-                    out,
-                    &json!({ "dead_letters": rows, "offset": offset, "limit": limit }),
-                );
-            }
-            let mut table = Table::new([
-                "ID",
-                "GROUP",
-                "KEY",
-                "TYPE",
-                "REASON",
-                "ATTEMPTS",
-                "REPLAYS",
-                "STATUS",
-                "FAILURE_GROUP",
-                "DEAD_LETTERED_AT",
-                "LAST_ERROR",
-            ]);
-            for e in &letters {
-                table.row([
-                    e.id.to_string(),
-                    e.consumer_group.clone(),
-                    e.message_key.clone(),
-                    e.message_type.clone(),
-                    e.reason.as_str().to_owned(),
-                    e.attempts.to_string(),
-                    e.replay_count.to_string(),
-                    e.status.as_str().to_owned(),
-                    e.failure_group.clone(),
-                    output::time(e.dead_lettered_at),
-                    output::first_line(e.last_error.as_deref()),
-                ]);
-            }
-            print(
-                out,
-                table.render(&format!("{} dead letters", letters.len())),
-            )
-        }
+        } => list(json, store, args, *offset, *limit, out),
         DeadLetterCommand::Show { id } => {
             let details = Operator::new(store)
                 .dead_letter_details(*id)
                 .map_err(failed)?
                 .ok_or_else(|| Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))?;
-            if global.json {
+            if json {
                 return print_json(out, &output::details_json(&details));
             }
             print(out, output::details_text(&details))
         }
-        DeadLetterCommand::Groups { filter: args } => {
-            let f = filter(store, args, StatusArg::Pending)?;
-            let groups = Operator::new(store).failure_groups(&f).map_err(failed)?;
-            if global.json {
-                let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
-                return print_json(out, &json!({ "failure_groups": rows }));
-            }
-            let mut table = Table::new([
-                "FAILURE_GROUP",
-                "COUNT",
-                "REASON",
-                "TYPE",
-                "CONSUMER_GROUPS",
-                "REPLAYABLE",
-                "FIRST_SEEN",
-                "LAST_SEEN",
-                "SIGNATURE",
-            ]);
-            for g in &groups {
-                table.row([
-                    g.fingerprint.clone(),
-                    g.count.to_string(),
-                    g.reason.as_str().to_owned(),
-                    g.message_type.clone(),
-                    g.consumer_groups.join(","),
-                    if g.replayable { "yes" } else { "no" }.to_owned(),
-                    output::time(g.first_seen),
-                    output::time(g.last_seen),
-                    g.signature.clone(),
-                ]);
-            }
-            print(
-                out,
-                table.render(&format!("{} failure groups", groups.len())),
-            )
+        DeadLetterCommand::Groups { filter: args } => groups(json, store, args, out),
+        DeadLetterCommand::Replay { id: Some(id), .. } => {
+            replay_one(global, store, target, *id, out)
         }
         DeadLetterCommand::Replay {
-            id,
+            id: None,
             filter: args,
             limit,
             yes,
-        } => {
-            if let Some(id) = id {
-                return replay_one(global, store, target, *id, out);
-            }
-            let f = filter(store, args, StatusArg::Pending)?;
-            confirm(store, &f, *limit, *yes, "replay")?;
-            let report = Operator::new(store)
-                .replay_dead_letters(&f, *limit, target)
-                .map_err(failed)?;
-            if global.json {
-                return print_json(
-                    out,
-                    &json!({
-                        "matched": report.matched,
-                        "replayed": report.affected,
-                        "refused": report.refused,
-                        "skipped": report.skipped,
-                    }),
-                );
-            }
-            print(
-                out,
-                format!(
-                    "replayed {} of {} dead letters ({} refused for their reason, {} skipped: \
-                     claim no longer dead)\n",
-                    report.affected, report.matched, report.refused, report.skipped
-                ),
-            )
-        }
+        } => replay_many(json, store, target, args, *limit, *yes, out),
+        DeadLetterCommand::Discard { id: Some(id), .. } => discard_one(json, store, *id, out),
         DeadLetterCommand::Discard {
-            id,
+            id: None,
             filter: args,
             limit,
             yes,
-        } => {
-            if let Some(id) = id {
-                let outcome = Operator::new(store)
-                    .discard_dead_letter(*id)
-                    .map_err(failed)?;
-                let name = match outcome {
-                    DiscardOutcome::Discarded => "discarded",
-                    DiscardOutcome::AlreadyDiscarded => "already_discarded",
-                    _ => "not_found",
-                };
-                if global.json {
-                    print_json(out, &json!({ "id": id, "outcome": name }))?;
-                } else {
-                    print(
-                        out,
-                        format!("dead letter {id}: {}\n", name.replace('_', " ")),
-                    )?;
-                }
-                return if name == "not_found" {
-                    Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")).reported())
-                } else {
-                    Ok(())
-                };
-            }
-            let f = filter(store, args, StatusArg::Pending)?;
-            confirm(store, &f, *limit, *yes, "discard")?;
-            let report = Operator::new(store)
-                .discard_dead_letters(&f, *limit)
-                .map_err(failed)?;
-            if global.json {
-                return print_json(
-                    out,
-                    &json!({
-                        "matched": report.matched,
-                        "discarded": report.affected,
-                        "skipped": report.skipped,
-                    }),
-                );
-            }
-            print(
-                out,
-                format!(
-                    "discarded {} of {} dead letters\n",
-                    report.affected, report.matched
-                ),
-            )
-        }
+        } => discard_many(json, store, args, *limit, *yes, out),
     }
+}
+
+/// `dead-letters list`.
+fn list<C: OperatorConnection>(
+    json: bool,
+    store: &Store<C>,
+    args: &FilterArgs,
+    offset: usize,
+    limit: usize,
+    out: &mut dyn Write,
+) -> Outcome {
+    let f = filter(store, args, StatusArg::Active)?;
+    let letters = Operator::new(store)
+        .list_dead_letters(&f, offset, limit)
+        .map_err(failed)?;
+    if json {
+        let rows: Vec<Value> = letters.iter().map(output::entry_json).collect();
+        return print_json(
+            out,
+            &json!({ "dead_letters": rows, "offset": offset, "limit": limit }),
+        );
+    }
+    let mut table = Table::new([
+        "ID",
+        "GROUP",
+        "KEY",
+        "TYPE",
+        "REASON",
+        "ATTEMPTS",
+        "REPLAYS",
+        "STATUS",
+        "FAILURE_GROUP",
+        "DEAD_LETTERED_AT",
+        "LAST_ERROR",
+    ]);
+    for e in &letters {
+        table.row([
+            e.id.to_string(),
+            e.consumer_group.clone(),
+            e.message_key.clone(),
+            e.message_type.clone(),
+            e.reason.as_str().to_owned(),
+            e.attempts.to_string(),
+            e.replay_count.to_string(),
+            e.status.as_str().to_owned(),
+            e.failure_group.clone(),
+            output::time(e.dead_lettered_at),
+            output::first_line(e.last_error.as_deref()),
+        ]);
+    }
+    print(
+        out,
+        table.render(&format!("{} dead letters", letters.len())),
+    )
+}
+
+/// `dead-letters groups`.
+fn groups<C: OperatorConnection>(
+    json: bool,
+    store: &Store<C>,
+    args: &FilterArgs,
+    out: &mut dyn Write,
+) -> Outcome {
+    let f = filter(store, args, StatusArg::Pending)?;
+    let groups = Operator::new(store).failure_groups(&f).map_err(failed)?;
+    if json {
+        let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
+        return print_json(out, &json!({ "failure_groups": rows }));
+    }
+    let mut table = Table::new([
+        "FAILURE_GROUP",
+        "COUNT",
+        "REASON",
+        "TYPE",
+        "CONSUMER_GROUPS",
+        "REPLAYABLE",
+        "FIRST_SEEN",
+        "LAST_SEEN",
+        "SIGNATURE",
+    ]);
+    for g in &groups {
+        table.row([
+            g.fingerprint.clone(),
+            g.count.to_string(),
+            g.reason.as_str().to_owned(),
+            g.message_type.clone(),
+            g.consumer_groups.join(","),
+            if g.replayable { "yes" } else { "no" }.to_owned(),
+            output::time(g.first_seen),
+            output::time(g.last_seen),
+            g.signature.clone(),
+        ]);
+    }
+    print(
+        out,
+        table.render(&format!("{} failure groups", groups.len())),
+    )
+}
+
+/// `dead-letters replay` with a filter.
+fn replay_many<C: OperatorConnection>(
+    json: bool,
+    store: &Store<C>,
+    target: &ReplayTarget,
+    args: &FilterArgs,
+    limit: Option<usize>,
+    yes: bool,
+    out: &mut dyn Write,
+) -> Outcome {
+    let f = filter(store, args, StatusArg::Pending)?;
+    confirm(store, &f, limit, yes, "replay")?;
+    let report = Operator::new(store)
+        .replay_dead_letters(&f, limit, target)
+        .map_err(failed)?;
+    if json {
+        return print_json(
+            out,
+            &json!({
+                "matched": report.matched,
+                "replayed": report.affected,
+                "refused": report.refused,
+                "skipped": report.skipped,
+            }),
+        );
+    }
+    print(
+        out,
+        format!(
+            "replayed {} of {} dead letters ({} refused for their reason, {} skipped: \
+             claim no longer dead)\n",
+            report.affected, report.matched, report.refused, report.skipped
+        ),
+    )
+}
+
+/// `dead-letters discard <ID>`.
+fn discard_one<C: OperatorConnection>(
+    json: bool,
+    store: &Store<C>,
+    id: i64,
+    out: &mut dyn Write,
+) -> Outcome {
+    let outcome = Operator::new(store)
+        .discard_dead_letter(id)
+        .map_err(failed)?;
+    let name = match outcome {
+        DiscardOutcome::Discarded => "discarded",
+        DiscardOutcome::AlreadyDiscarded => "already_discarded",
+        _ => "not_found",
+    };
+    if json {
+        print_json(out, &json!({ "id": id, "outcome": name }))?;
+    } else {
+        print(
+            out,
+            format!("dead letter {id}: {}\n", name.replace('_', " ")),
+        )?;
+    }
+    if name == "not_found" {
+        Err(Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")).reported())
+    } else {
+        Ok(())
+    }
+}
+
+/// `dead-letters discard` with a filter.
+fn discard_many<C: OperatorConnection>(
+    json: bool,
+    store: &Store<C>,
+    args: &FilterArgs,
+    limit: Option<usize>,
+    yes: bool,
+    out: &mut dyn Write,
+) -> Outcome {
+    let f = filter(store, args, StatusArg::Pending)?;
+    confirm(store, &f, limit, yes, "discard")?;
+    let report = Operator::new(store)
+        .discard_dead_letters(&f, limit)
+        .map_err(failed)?;
+    if json {
+        return print_json(
+            out,
+            &json!({
+                "matched": report.matched,
+                "discarded": report.affected,
+                "skipped": report.skipped,
+            }),
+        );
+    }
+    print(
+        out,
+        format!(
+            "discarded {} of {} dead letters\n",
+            report.affected, report.matched
+        ),
+    )
 }
 
 /// A bulk change needs --yes; without it, says how many letters it would touch.
