@@ -22,10 +22,11 @@ struct OrderPlaced {
     cents: i64,
 }
 
-/// Live batches take the lock shared, a rebuild exclusive: they never double count.
+/// One batch at a time (its per-event upserts of shared rows would deadlock side by
+/// side), and a rebuild waits for it: they never double count.
 #[derive(Handler)]
 #[inbox(group = "shop.customer-totals", message = OrderPlaced, message_type = "order.placed",
-        connection = [PgConnection], lock = "customer_totals")]
+        connection = [PgConnection], lock = serialized("customer_totals"))]
 struct CustomerTotals;
 
 impl CustomerTotals {

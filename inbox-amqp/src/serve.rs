@@ -6,6 +6,11 @@
 //! and when either ends on an error it stops the other (draining it as a shutdown
 //! would) and returns that error: a process never keeps consuming with a dead relay,
 //! nor relaying with a dead consumer.
+//!
+//! Before either starts, it declares the consumer's topology once (on a connection of
+//! its own, closed after), so the first outbox rows of a fresh deployment find their
+//! queues bound instead of coming back unroutable; a broker that refuses that
+//! connection or declaration fails `serve` at once, as it would fail the consumer.
 
 use inbox_core::{GroupHalts, InboxStore, OutboxStore};
 use tokio_util::sync::CancellationToken;
@@ -36,6 +41,7 @@ where
     S: InboxStore + GroupHalts,
     O: OutboxStore,
 {
+    consumer.declare_topology().await?;
     // Cancelled by the caller's token, or by whichever of the two fails first.
     let stop = shutdown.child_token();
     let ended = |result: Result<()>, stop: &CancellationToken| {

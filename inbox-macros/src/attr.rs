@@ -43,6 +43,8 @@ pub(crate) struct Spec {
 pub(crate) enum Lock {
     /// `lock = "name"`: `ProjectionLock::named("name")`.
     Named(LitStr),
+    /// `lock = serialized("name")`: `ProjectionLock::serialized("name")`.
+    Serialized(LitStr),
     /// `lock = path`: `path(&self) -> ProjectionLock`.
     Hook(ExprPath),
 }
@@ -225,14 +227,23 @@ impl Attrs {
             "fold" => self.fold = Some(value(input)?.parse()?),
             "lock" => {
                 let input = value(input)?;
-                self.lock = Some(if input.peek(LitStr) {
-                    let lit: LitStr = input.parse()?;
+                let named = |cx: &mut Ctxt, lit: LitStr| {
                     if lit.value().is_empty() {
                         cx.error_spanned_by(&lit, "a lock name must not be empty");
                     }
-                    Lock::Named(lit)
+                    lit
+                };
+                self.lock = Some(if input.peek(LitStr) {
+                    Lock::Named(named(cx, input.parse()?))
                 } else {
-                    Lock::Hook(input.parse()?)
+                    let path: ExprPath = input.parse()?;
+                    if path.path.is_ident("serialized") && input.peek(syn::token::Paren) {
+                        let inner;
+                        syn::parenthesized!(inner in input);
+                        Lock::Serialized(named(cx, inner.parse()?))
+                    } else {
+                        Lock::Hook(path)
+                    }
                 });
             }
             "retry_policy" => self.retry_policy = Some(value(input)?.parse()?),

@@ -93,6 +93,7 @@ fn one_impl(
     let lock = spec.lock.as_ref().map(|lock| {
         let lock = match lock {
             Lock::Named(name) => quote! { #root::ProjectionLock::named(#name) },
+            Lock::Serialized(name) => quote! { #root::ProjectionLock::serialized(#name) },
             Lock::Hook(hook) => quote! { #hook(self) },
         };
         quote! {

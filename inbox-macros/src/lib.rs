@@ -149,7 +149,7 @@ mod retry;
 /// | `connection` | `[PgConnection, SqliteConnection]`, `PgConnection` or `impl Trait + ...` | required; a list gets one `impl Handler<C>` per type, `impl Bounds` one impl generic over every connection `C: Bounds` |
 /// | `handle` | a path | optional; the function handling one message, default `Self::handle` |
 /// | `fold` | a path | optional; implements `Handler::fold` |
-/// | `lock` | `"name"` or a path | optional; implements `Handler::lock`: `ProjectionLock::named("name")`, or what the path returns |
+/// | `lock` | `"name"`, `serialized("name")` or a path | optional; implements `Handler::lock`: `ProjectionLock::named("name")` (batches side by side, a rebuild exclusive), `ProjectionLock::serialized("name")` (one batch at a time: for a handler writing shared rows one event at a time), or what the path returns |
 /// | `max_attempts` | an integer | optional, at least 1; default 8 |
 /// | `backoff` | `(initial = "1s", max = "5m")` | optional, each part optional; durations are a whole number and `ms`, `s`, `m` or `h`; initial above zero and not above max; defaults 1s and 5m |
 /// | `retry_policy` | a path | optional, instead of `max_attempts`/`backoff`: a method computing the policy at run time (from the handler's configuration, say) |

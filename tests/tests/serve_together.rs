@@ -1,7 +1,10 @@
 //! `inbox_amqp::serve`: the consumer and the relay of one process end together. A
 //! relay that cannot start stops the consumer (the process exits instead of consuming
 //! while nothing publishes its outbox or an operator's replays), and the caller's
-//! shutdown stops both.
+//! shutdown stops both. The topology is declared before the relay starts, so the
+//! outbox rows of a fresh deployment are routed the first time (a check of the
+//! outcome: the race it prevents, the relay publishing before the consumer has
+//! declared its queues, does not happen reliably enough here to fail without it).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
@@ -91,6 +94,67 @@ fn a_relay_that_cannot_start_stops_the_consumer() {
         matches!(err, inbox_amqp::Error::Connect { .. }),
         "the relay's connect error: {err:?}"
     );
+}
+
+#[derive(diesel::QueryableByName)]
+struct Row {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    attempts: i32,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    last_error: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    published: bool,
+}
+
+fn outbox(db: &SqliteFixture) -> Vec<Row> {
+    use diesel::{Connection, RunQueryDsl};
+    let mut conn = SqliteConnection::establish(&db.path).unwrap();
+    diesel::sql_query(
+        "SELECT attempts, last_error, published_at IS NOT NULL AS published \
+         FROM outbox_messages ORDER BY id",
+    )
+    .load(&mut conn)
+    .unwrap()
+}
+
+#[test]
+fn a_fresh_deployments_first_rows_are_routed_the_first_time() {
+    let Some(scene) = Scene::new() else { return };
+    {
+        let mut conn = scene.store.connection().unwrap();
+        for i in 0..5 {
+            let key = inbox_core::MessageKey::derive("serve", &format!("ping:{i}"), "ping");
+            let msg = scene.topology.message(key, "ping", b"{}".to_vec());
+            inbox_diesel::enqueue(&mut conn, &msg, scene.store.clock().now()).unwrap();
+        }
+    }
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let rows = runtime.block_on(async {
+        let consumer = Consumer::new(&scene.amqp, scene.store.clone(), scene.topology.clone());
+        let relay = Relay::new(&scene.amqp, scene.store.clone());
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn(inbox_amqp::serve(consumer, relay, shutdown.clone()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let rows = loop {
+            let rows = outbox(&scene._db);
+            if rows.iter().all(|r| r.published) || std::time::Instant::now() > deadline {
+                break rows;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        shutdown.cancel();
+        serving.await.unwrap().unwrap();
+        rows
+    });
+    assert_eq!(rows.len(), 5);
+    for row in &rows {
+        assert!(row.published, "every row published");
+        assert_eq!(
+            (row.attempts, row.last_error.as_deref()),
+            (0, None),
+            "published on the first try, never unroutable"
+        );
+    }
 }
 
 #[test]

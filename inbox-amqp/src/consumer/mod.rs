@@ -174,6 +174,16 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
         &self.shared.topology
     }
 
+    /// Declares its topology once, on a connection of its own closed after (what
+    /// [`serve`](crate::serve) does before the relay starts).
+    pub(crate) async fn declare_topology(&self) -> Result<()> {
+        let settings = &self.shared.settings.connection;
+        let conn = crate::connect(&self.url, settings.ca_cert.as_deref()).await?;
+        let declared = self.shared.topology.declare(&conn).await;
+        crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
+        declared
+    }
+
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
     /// are acked, channels and connections close). A group whose store reports a
     /// claim invariant violation halts; the others go on; a resumed group resumes (see

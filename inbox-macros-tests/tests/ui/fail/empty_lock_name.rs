@@ -15,4 +15,15 @@ impl Pings {
     }
 }
 
+#[derive(inbox_core::Handler)]
+#[inbox(group = "pongs", message = Ping, message_type = "pong", connection = Conn,
+        lock = serialized(""))]
+struct Pongs;
+
+impl Pongs {
+    fn handle(&self, _: &mut Conn, _: Ping, _: &MessageContext<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
 fn main() {}
