@@ -10,8 +10,9 @@ use clap::{Parser, Subcommand};
 use inbox_outbox::cli::projections::{run_projections, ProjectionCommand};
 use inbox_outbox::cli::{service, GlobalArgs};
 use inbox_outbox::core_types::rebuild::{HookError, ProjectionRow, Rebuild, SourceEvent};
+// `diesel` in scope for diesel's derives (a crate with no diesel dependency of its own).
 use inbox_outbox::diesel::{
-    connection::SimpleConnection, prelude::*, sql_query, sql_types::*, PgConnection,
+    self, connection::SimpleConnection, prelude::*, sql_query, sql_types::*, PgConnection,
 };
 use inbox_outbox::prelude::*;
 
@@ -191,9 +192,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
         })?,
         _ => {
             inbox_examples::scrape::spawn_from_env("order_service")?; // INBOX_METRICS_ADDR
-            let amqp = std::env::var("AMQP_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-            service::serve(&amqp, store, topology)?;
+            service::serve(&service::amqp_url(), store, topology)?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -22,8 +22,6 @@ mod guides {
     mod testing {}
     #[doc = include_str!("../../docs/handlers.md")]
     mod handlers {}
-    #[doc = include_str!("../../docs/service.md")]
-    mod service {}
     #[doc = include_str!("../../docs/rabbitmq.md")]
     mod rabbitmq {}
     #[doc = include_str!("../../docs/errors.md")]

@@ -360,6 +360,9 @@ impl<O: OutboxStore> Relay<O> {
             .failures(s.retry_after, s.max_attempts);
         let mut publisher = AmqpPublisher::new(conn, channel);
         let mut rounds: u64 = 0;
+        // Store failures in a row: the pause before the next lease doubles with each,
+        // from the connection's `backoff_min` to its `backoff_max`.
+        let mut store_failures: u32 = 0;
         while !shutdown.is_cancelled() {
             rounds += 1;
             if rounds % 64 == 1 {
@@ -384,11 +387,26 @@ impl<O: OutboxStore> Relay<O> {
                 Ok(report) => report,
                 // A database outage is not the broker's: wait and lease again.
                 Err(err) => {
-                    tracing::error!(error = %ErrorChain(&err), "leasing failed");
-                    tokio::time::sleep(s.connection.backoff_min).await;
+                    let pause = store_pause(
+                        s.connection.backoff_min,
+                        s.connection.backoff_max,
+                        store_failures,
+                    );
+                    store_failures = store_failures.saturating_add(1);
+                    tracing::error!(
+                        error = %ErrorChain(&err),
+                        failures = store_failures,
+                        retry_in = ?pause,
+                        "leasing failed"
+                    );
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => {}
+                        () = shutdown.cancelled() => {}
+                    }
                     continue;
                 }
             };
+            store_failures = 0;
             if report.leased == 0 {
                 self.idle(shutdown).await;
                 continue;
@@ -520,8 +538,25 @@ fn random_u64() -> u64 {
     hasher.finish()
 }
 
+/// The pause after `failures` failed leases in a row (0 for the first): `min`
+/// doubled per failure, at most `max`.
+fn store_pause(min: Duration, max: Duration, failures: u32) -> Duration {
+    min.saturating_mul(2u32.saturating_pow(failures.min(31)))
+        .min(max)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn failed_leases_pause_longer_each_time_up_to_the_maximum() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+        let pauses: Vec<u128> = (0..9)
+            .map(|n| super::store_pause(min, max, n).as_millis())
+            .collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+        assert_eq!(super::store_pause(min, max, u32::MAX), max);
+    }
+
     use super::*;
     use crate::connect::config_error;
 

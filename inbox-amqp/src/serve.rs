@@ -42,6 +42,13 @@ where
     O: OutboxStore,
 {
     consumer.declare_topology().await?;
+    let topology = consumer.topology();
+    let queues: Vec<String> = topology.groups().map(|g| topology.queue(g)).collect();
+    tracing::info!(
+        exchange = %topology.exchange(),
+        queues = %queues.join(","),
+        "topology declared; consuming and relaying"
+    );
     // Cancelled by the caller's token, or by whichever of the two fails first.
     let stop = shutdown.child_token();
     let ended = |result: Result<()>, stop: &CancellationToken| {

@@ -7,8 +7,8 @@
 //! fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     let _process = service::init(); // before any thread: the stack, the logs
 //!     let store = store(); // built here, off any async runtime
-//!     let amqp = "amqp://guest:guest@127.0.0.1:5672/%2f";
-//!     service::serve(amqp, store, inbox_amqp::Topology::new("shop")?)?;
+//!     let amqp = service::amqp_url(); // AMQP_URL, else a local RabbitMQ
+//!     service::serve(&amqp, store, inbox_amqp::Topology::new("shop")?)?;
 //!     Ok(())
 //! }
 //! ```
@@ -26,8 +26,21 @@ use inbox_amqp::{cancel_on_signals, CancellationToken, Consumer, FrameStack, Rel
 use inbox_core::{GroupHalts, InboxStore, OutboxStore};
 
 /// The log filter [`init`] installs when `RUST_LOG` is not set: `info`, lapin's own
-/// chatter at `warn`.
-pub const SERVICE_LOG_FILTER: &str = "info,lapin=warn,amq_protocol=warn";
+/// lines off (the consumer and the relay log what lapin reports to them as their own;
+/// lapin's raw lines include a returned message's body and an error at every clean
+/// shutdown). `RUST_LOG=info,lapin=warn` brings them back.
+pub const SERVICE_LOG_FILTER: &str = "info,lapin=off,amq_protocol=off";
+
+/// The broker [`amqp_url`] names when `AMQP_URL` is not set.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The broker's URL: `AMQP_URL`, else [`DEFAULT_AMQP_URL`] (a local RabbitMQ).
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL")
+        .ok()
+        .filter(|url| !url.trim().is_empty())
+        .unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned())
+}
 
 /// What [`init`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

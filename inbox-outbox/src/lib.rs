@@ -56,20 +56,24 @@ pub use chrono;
 pub use diesel;
 /// Types, traits and rules: envelopes, keys, handlers, retry policies, decisions, the
 /// in-process transport (the `inbox-core` crate).
+#[doc(inline)]
 pub use inbox_core as core_types;
 /// The store on PostgreSQL and SQLite: claims, dead letters, the outbox, rebuilds,
 /// idempotency keys, retention (the `inbox-diesel` crate).
+#[doc(inline)]
 pub use inbox_diesel as store;
 
 /// The RabbitMQ transport: topology, the consumer, the outbox relay (the `inbox-amqp`
 /// crate).
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+#[doc(inline)]
 pub use inbox_amqp as amqp;
 
 /// The operator commands, to mount in your own binary (the `inbox-cli` crate).
 #[cfg(feature = "cli")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
+#[doc(inline)]
 pub use inbox_cli as cli;
 
 /// What most applications use, in one `use inbox_outbox::prelude::*;`.
@@ -99,6 +103,13 @@ pub use inbox_core::Handler;
 /// `#[inbox(...)]` attribute; see `inbox_macros::Handler` for the attributes.
 #[cfg(feature = "derive")]
 pub use inbox_macros::FacadeHandler as Handler;
+
+/// The guide `docs/service.md`, whose blocks compile against this crate alone (with
+/// its features `cli` and `rebuild`; the guide's own `Cargo.toml` adds clap, serde and
+/// serde_json).
+#[cfg(all(doctest, feature = "cli", feature = "rebuild"))]
+#[doc = include_str!("../../docs/service.md")]
+mod service_guide {}
 
 /// What the derive's generated code names; not part of the API.
 #[doc(hidden)]

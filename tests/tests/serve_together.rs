@@ -1,7 +1,8 @@
 //! `inbox_amqp::serve`: the consumer and the relay of one process end together. A
 //! relay that cannot start stops the consumer (the process exits instead of consuming
 //! while nothing publishes its outbox or an operator's replays), and the caller's
-//! shutdown stops both. The topology is declared before the relay starts, so the
+//! shutdown stops both. A relay whose store keeps failing backs off (doubling pauses,
+//! up to the connection's `backoff_max`) instead of leasing again every 100 ms. The topology is declared before the relay starts, so the
 //! outbox rows of a fresh deployment are routed the first time (a check of the
 //! outcome: the race it prevents, the relay publishing before the consumer has
 //! declared its queues, does not happen reliably enough here to fail without it).
@@ -179,4 +180,48 @@ fn the_callers_shutdown_stops_both() {
     ended
         .expect("serve still running 58 s after its shutdown")
         .expect("a clean shutdown");
+}
+
+/// An outbox whose every lease fails, counting the tries.
+struct BrokenOutbox(std::sync::atomic::AtomicU32);
+
+impl inbox_core::OutboxStore for BrokenOutbox {
+    fn lease(&self, _: &str, _: usize, _: Duration) -> inbox_core::Result<inbox_core::Lease> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Err(inbox_core::Error::Store("the database is down".into()))
+    }
+    fn mark_published(&self, _: &str, _: &[i64]) -> inbox_core::Result<usize> {
+        Ok(0)
+    }
+    fn record_failures(&self, _: &str, _: &[inbox_core::OutboxFailure]) -> inbox_core::Result<()> {
+        Ok(())
+    }
+    fn oldest_unpublished_age(&self) -> inbox_core::Result<Option<Duration>> {
+        Ok(None)
+    }
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc::now()
+    }
+}
+
+#[test]
+fn a_relay_whose_store_keeps_failing_backs_off() {
+    let Some(amqp) = amqp_url() else { return };
+    let store = Arc::new(BrokenOutbox(Default::default()));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        let relay = Relay::new(&amqp, store.clone());
+        let running = tokio::spawn(relay.run(shutdown.clone()));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(10), running)
+            .await
+            .expect("the relay stops at once, also while it pauses")
+            .unwrap()
+            .unwrap();
+    });
+    // 100, 200, 400, 800, 1600 ms: at most 6 leases in 3 s (30 without the backoff).
+    let tries = store.0.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((1..=7).contains(&tries), "{tries} leases in 3 s");
 }
