@@ -4,8 +4,8 @@
 //! not.
 //!
 //! The server must have a German locale (`.ci/run` makes one); without it these tests
-//! are skipped with a `skipped: this machine lacks the de_DE.UTF-8 locale ...` line on
-//! the terminal, and fail under `INBOX_REQUIRE_SERVICES=1`.
+//! are skipped, each with a `skipped: <test>: this machine lacks the de_DE.UTF-8 locale
+//! ...` line on the terminal, and fail under `INBOX_REQUIRE_SERVICES=1`.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 

@@ -159,9 +159,10 @@ pub fn unavailable(service: Service, why: &str, fix: &str) {
 /// A test that needs something of the machine's that is not a service (the server's
 /// German locale, say) and does not find it. Under `INBOX_REQUIRE_SERVICES=1` (CI, whose
 /// `.ci/run` provides it) the test fails; otherwise it is skipped out loud: one
-/// `skipped: ...` line per `what` goes straight to the terminal, past cargo test's
-/// output capture, and the caller returns early. A plain `cargo test --workspace` on a
-/// machine without it thus passes and says what it did not run.
+/// `skipped: <test>: ...` line per test goes straight to the terminal, past cargo
+/// test's output capture (the reason and its fix once per `what`), and the caller
+/// returns early. A plain `cargo test --workspace` on a machine without it thus passes
+/// and says which tests it did not run.
 pub fn machine_lacks(what: &'static str, why: &str, fix: &str) {
     if services_required() {
         panic!("INBOX_REQUIRE_SERVICES=1 but this machine lacks {what}: {why}; {fix}");
@@ -169,13 +170,14 @@ pub fn machine_lacks(what: &'static str, why: &str, fix: &str) {
     static SAID: OnceLock<std::sync::Mutex<Vec<&'static str>>> = OnceLock::new();
     let said = SAID.get_or_init(Default::default);
     let mut said = said.lock().unwrap_or_else(|p| p.into_inner());
-    if !said.contains(&what) {
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let line = if said.contains(&what) {
+        format!("skipped: {test}: this machine lacks {what}")
+    } else {
         said.push(what);
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipped: this machine lacks {what} ({why}); {fix}"
-        );
-    }
+        format!("skipped: {test}: this machine lacks {what} ({why}); {fix}")
+    };
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 fn locate(service: Service) -> Option<String> {
