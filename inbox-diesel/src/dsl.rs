@@ -5,63 +5,57 @@
 //! leasing and waking. A backend folder invokes these; what is its own SQL stays in
 //! it. Neutral: nothing here names a backend.
 
-/// The claim statements of [`ClaimOps`](crate::statements::ClaimOps) that are the
-/// same diesel DSL on both backends, for a backend's schema module and timestamp SQL
-/// type; `@claim_one` is one row's claim (SQLite runs it per row).
 /// Ids per statement: SQLite binds every id of an `IN` list as its own parameter.
 pub(crate) const ID_CHUNK: usize = 500;
 
+use chrono::{DateTime, Utc};
+use diesel::dsl::{sql, AsExprOf};
+use diesel::expression::{SqlLiteral, UncheckedBind};
+use diesel::sql_types::Bool;
+
+use crate::schema::sql_types::{Stamp, StoreTime};
+use crate::statements::ClaimConflict;
+
+/// The claim upserts' conflict target: the claim key's columns (`ClaimKey::COLUMNS`,
+/// checked by a test).
+pub(crate) fn claim_target() -> (
+    crate::schema::inbox_claims::consumer_group,
+    crate::schema::inbox_claims::message_key,
+) {
+    (
+        crate::schema::inbox_claims::consumer_group,
+        crate::schema::inbox_claims::message_key,
+    )
+}
+
+/// A claim upsert's conflict condition (see [`claim_conflict`]) as a filter, its due
+/// time bound to `now`.
+pub(crate) fn due_condition(conflict: &ClaimConflict, now: DateTime<Utc>) -> DueCondition {
+    sql::<Bool>(&conflict.condition)
+        .bind::<StoreTime, _>(Stamp(now))
+        .sql(conflict.close)
+}
+
+/// The type of [`due_condition`].
+pub(crate) type DueCondition =
+    SqlLiteral<Bool, UncheckedBind<SqlLiteral<Bool>, AsExprOf<Stamp, StoreTime>>>;
+
+/// The claim statements of [`ClaimOps`](crate::statements::ClaimOps) that are the
+/// same diesel DSL on both backends.
 macro_rules! claim_dsl {
-    (@claim_one $schema:ident, $ts:ty, $conn:expr, $group:expr, $row:expr, $now:expr) => {{
-        use diesel::query_dsl::methods::FilterDsl;
-        use $crate::schema::$schema::inbox_claims::dsl::*;
-        let conflict = $crate::statements::claim_conflict(true);
-        diesel::insert_into(inbox_claims)
-            .values((
-                consumer_group.eq($group.as_str()),
-                message_key.eq($row.key),
-                message_type.eq($row.message_type),
-                tenant.eq($row.tenant),
-                payload_digest.eq($row.digest),
-                status.eq($crate::ClaimStatus::Done.as_str()),
-                attempts.eq(0),
-                starts.eq(0),
-                first_seen_at.eq($now),
-                updated_at.eq($now),
-            ))
-            .on_conflict($crate::dsl::claim_dsl!(@target $schema))
-            .do_update()
-            .set((
-                status.eq($crate::ClaimStatus::Done.as_str()),
-                payload.eq(None::<Vec<u8>>),
-                updated_at.eq($now),
-            ))
-            .filter($crate::dsl::claim_dsl!(@condition conflict, $ts, $now))
-            .returning((message_key, attempts))
-            .get_result::<(String, i32)>($conn)
-            .optional()
-    }};
-    // The claim key's columns (`ClaimKey::COLUMNS`, checked by a test of each backend).
-    (@target $schema:ident) => {
-        (
-            $crate::schema::$schema::inbox_claims::consumer_group,
-            $crate::schema::$schema::inbox_claims::message_key,
-        )
-    };
-    // A `ClaimConflict`'s condition as a filter, its due time bound to `$now`.
-    (@condition $conflict:ident, $ts:ty, $now:expr) => {
-        diesel::dsl::sql::<diesel::sql_types::Bool>(&$conflict.condition)
-            .bind::<$ts, _>($now)
-            .sql($conflict.close)
-    };
-    ($schema:ident, $ts:ty) => {
+    () => {
         fn lookup(
             conn: &mut Self,
             group: &inbox_core::ConsumerGroup,
             keys: &[&str],
         ) -> diesel::QueryResult<Vec<$crate::rows::Stored>> {
-            use $crate::schema::$schema::inbox_claims::dsl::*;
-            let rows: Vec<(String, String, Vec<u8>, Option<chrono::DateTime<chrono::Utc>>)> = inbox_claims
+            use $crate::schema::inbox_claims::dsl::*;
+            let rows: Vec<(
+                String,
+                String,
+                Vec<u8>,
+                Option<chrono::DateTime<chrono::Utc>>,
+            )> = inbox_claims
                 .filter(consumer_group.eq(group.as_str()))
                 .filter(message_key.eq_any(keys))
                 .select((message_key, status, payload_digest, next_attempt_at))
@@ -86,7 +80,7 @@ macro_rules! claim_dsl {
         ) -> diesel::QueryResult<Option<i32>> {
             use diesel::query_dsl::methods::FilterDsl;
             use diesel::upsert::excluded;
-            use $crate::schema::$schema::inbox_claims::dsl::*;
+            use $crate::schema::inbox_claims::dsl::*;
             let conflict = $crate::statements::claim_conflict(true);
             diesel::insert_into(inbox_claims)
                 .values((
@@ -99,20 +93,20 @@ macro_rules! claim_dsl {
                     attempts.eq(0),
                     starts.eq(1),
                     payload.eq(Some(row.payload)),
-                    first_seen_at.eq(now),
-                    updated_at.eq(now),
+                    first_seen_at.eq($crate::schema::Stamp(now)),
+                    updated_at.eq($crate::schema::Stamp(now)),
                 ))
-                .on_conflict($crate::dsl::claim_dsl!(@target $schema))
+                .on_conflict($crate::dsl::claim_target())
                 .do_update()
                 .set((
                     status.eq($crate::ClaimStatus::Started.as_str()),
                     starts.eq(starts + increment),
                     payload.eq(excluded(payload)),
-                    updated_at.eq(now),
+                    updated_at.eq($crate::schema::Stamp(now)),
                 ))
                 // The claim's own conflict condition: a done, dead, colliding or
                 // not-yet-due row gets no mark and takes its ordinary decision.
-                .filter($crate::dsl::claim_dsl!(@condition conflict, $ts, now))
+                .filter($crate::dsl::due_condition(&conflict, now))
                 .returning(starts)
                 .get_result(conn)
                 .optional()
@@ -124,17 +118,17 @@ macro_rules! claim_dsl {
             update: &$crate::rows::FailureUpdate<'_>,
             count_attempt: bool,
         ) -> diesel::QueryResult<Vec<i32>> {
-            use $crate::schema::$schema::inbox_claims::dsl::*;
+            use $crate::schema::inbox_claims::dsl::*;
             let increment = i32::from(count_attempt);
             diesel::update(inbox_claims.find((key.group.as_str(), key.key.as_str())))
                 .set((
                     status.eq(update.status.as_str()),
                     attempts.eq(attempts + increment),
                     starts.eq(0),
-                    next_attempt_at.eq(update.next_attempt_at),
+                    next_attempt_at.eq(update.next_attempt_at.map($crate::schema::Stamp)),
                     last_error.eq(update.last_error),
                     payload.eq(update.payload),
-                    updated_at.eq(update.now),
+                    updated_at.eq($crate::schema::Stamp(update.now)),
                 ))
                 .returning(attempts)
                 .get_results(conn)
@@ -148,7 +142,7 @@ macro_rules! claim_dsl {
             now: chrono::DateTime<chrono::Utc>,
         ) -> diesel::QueryResult<Option<i32>> {
             use diesel::query_dsl::methods::FilterDsl;
-            use $crate::schema::$schema::inbox_claims::dsl::*;
+            use $crate::schema::inbox_claims::dsl::*;
             let conflict = $crate::statements::claim_conflict(false);
             diesel::insert_into(inbox_claims)
                 .values((
@@ -161,26 +155,31 @@ macro_rules! claim_dsl {
                     attempts.eq(0),
                     starts.eq(0),
                     last_error.eq(error),
-                    first_seen_at.eq(now),
-                    updated_at.eq(now),
+                    first_seen_at.eq($crate::schema::Stamp(now)),
+                    updated_at.eq($crate::schema::Stamp(now)),
                 ))
-                .on_conflict($crate::dsl::claim_dsl!(@target $schema))
+                .on_conflict($crate::dsl::claim_target())
                 .do_update()
                 .set((
                     status.eq($crate::ClaimStatus::Dead.as_str()),
                     payload.eq(None::<Vec<u8>>),
                     last_error.eq(error),
-                    updated_at.eq(now),
+                    updated_at.eq($crate::schema::Stamp(now)),
                 ))
                 // Not the due time: a broker that gave up does not wait for it.
-                .filter(diesel::dsl::sql::<diesel::sql_types::Bool>(&conflict.condition))
+                .filter(diesel::dsl::sql::<diesel::sql_types::Bool>(
+                    &conflict.condition,
+                ))
                 .returning(attempts)
                 .get_result::<i32>(conn)
                 .optional()
         }
 
-        fn has_dead_letter(conn: &mut Self, dl: &$crate::rows::NewDeadLetter<'_>) -> diesel::QueryResult<bool> {
-            use $crate::schema::$schema::inbox_dead_letters::dsl::*;
+        fn has_dead_letter(
+            conn: &mut Self,
+            dl: &$crate::rows::NewDeadLetter<'_>,
+        ) -> diesel::QueryResult<bool> {
+            use $crate::schema::inbox_dead_letters::dsl::*;
             diesel::select(diesel::dsl::exists(
                 inbox_dead_letters
                     .filter(consumer_group.eq(dl.group))
@@ -191,8 +190,11 @@ macro_rules! claim_dsl {
             .get_result(conn)
         }
 
-        fn insert_dead_letter(conn: &mut Self, dl: &$crate::rows::NewDeadLetter<'_>) -> diesel::QueryResult<()> {
-            use $crate::schema::$schema::inbox_dead_letters::dsl::*;
+        fn insert_dead_letter(
+            conn: &mut Self,
+            dl: &$crate::rows::NewDeadLetter<'_>,
+        ) -> diesel::QueryResult<()> {
+            use $crate::schema::inbox_dead_letters::dsl::*;
             diesel::insert_into(inbox_dead_letters)
                 .values((
                     consumer_group.eq(dl.group),
@@ -204,7 +206,7 @@ macro_rules! claim_dsl {
                     attempts.eq(dl.attempts),
                     reason.eq(dl.reason),
                     last_error.eq(dl.last_error),
-                    dead_lettered_at.eq(dl.now),
+                    dead_lettered_at.eq($crate::schema::Stamp(dl.now)),
                     payload_length.eq(dl.payload_length),
                     payload_sha256.eq(dl.payload_sha256),
                 ))
@@ -212,25 +214,16 @@ macro_rules! claim_dsl {
                 .map(|_| ())
         }
 
-        fn read_claim(conn: &mut Self, key: &inbox_core::ClaimKey) -> diesel::QueryResult<Option<$crate::ClaimRecord>> {
-            use $crate::schema::$schema::inbox_claims::dsl::*;
+        fn read_claim(
+            conn: &mut Self,
+            key: &inbox_core::ClaimKey,
+        ) -> diesel::QueryResult<Option<$crate::ClaimRecord>> {
+            use $crate::rows::StoredClaim;
+            use $crate::schema::inbox_claims::dsl::*;
             inbox_claims
                 .find((key.group.as_str(), key.key.as_str()))
-                .select((
-                    consumer_group,
-                    message_key,
-                    message_type,
-                    tenant,
-                    status,
-                    attempts,
-                    starts,
-                    next_attempt_at,
-                    last_error,
-                    payload.is_not_null(),
-                    first_seen_at,
-                    updated_at,
-                ))
-                .first::<$crate::rows::ClaimTuple>(conn)
+                .select(StoredClaim::as_select())
+                .first(conn)
                 .optional()?
                 .map($crate::rows::claim_record)
                 .transpose()
@@ -240,26 +233,11 @@ macro_rules! claim_dsl {
             conn: &mut Self,
             group: &inbox_core::ConsumerGroup,
         ) -> diesel::QueryResult<Vec<$crate::DeadLetter>> {
-            use $crate::schema::$schema::inbox_dead_letters::dsl::*;
-            let rows: Vec<$crate::rows::DeadLetterTuple> = inbox_dead_letters
+            use $crate::schema::inbox_dead_letters::dsl::*;
+            let rows: Vec<$crate::rows::StoredDeadLetter> = inbox_dead_letters
                 .filter(consumer_group.eq(group.as_str()))
                 .order(id)
-                .select((
-                    id,
-                    consumer_group,
-                    message_key,
-                    message_type,
-                    tenant,
-                    payload,
-                    headers,
-                    attempts,
-                    reason,
-                    last_error,
-                    dead_lettered_at,
-                    replayed_at,
-                    payload_length,
-                    payload_sha256,
-                ))
+                .select($crate::rows::StoredDeadLetter::as_select())
                 .load(conn)?;
             rows.into_iter().map($crate::rows::dead_letter).collect()
         }
@@ -270,12 +248,12 @@ pub(crate) use claim_dsl;
 /// The outbox statements of [`OutboxOps`](crate::statements::OutboxOps) that are the
 /// same diesel DSL on both backends.
 macro_rules! outbox_dsl {
-    ($schema:ident) => {
+    () => {
         fn insert_outbox(
             conn: &mut Self,
             row: &$crate::rows::NewOutbox<'_>,
         ) -> diesel::QueryResult<Option<i64>> {
-            use $crate::schema::$schema::outbox_messages::dsl::*;
+            use $crate::schema::outbox_messages::dsl::*;
             diesel::insert_into(outbox_messages)
                 .values((
                     message_key.eq(row.key),
@@ -286,8 +264,8 @@ macro_rules! outbox_dsl {
                     payload.eq(row.payload),
                     headers.eq(&row.headers),
                     ordering_key.eq(row.ordering_key),
-                    created_at.eq(row.created_at),
-                    available_at.eq(row.available_at),
+                    created_at.eq($crate::schema::Stamp(row.created_at)),
+                    available_at.eq($crate::schema::Stamp(row.available_at)),
                     attempts.eq(0),
                 ))
                 // The only unique key besides the id is (message_key, replay_seq),
@@ -303,30 +281,17 @@ macro_rules! outbox_dsl {
             ids: &[i64],
         ) -> diesel::QueryResult<(Vec<inbox_core::OutboxRow>, Vec<inbox_core::UnreadableRow>)> {
             use diesel::result::Error::DeserializationError;
-            use $crate::schema::$schema::outbox_messages::dsl::*;
-            let columns = (
-                id,
-                message_key,
-                exchange,
-                routing_key,
-                message_type,
-                tenant,
-                payload,
-                headers,
-                ordering_key,
-                created_at,
-                attempts,
-            );
+            use $crate::schema::outbox_messages::dsl::*;
             let mut rows = Vec::with_capacity(ids.len());
             let mut unreadable = Vec::new();
             for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
-                let loaded: diesel::QueryResult<Vec<$crate::rows::OutboxTuple>> = outbox_messages
+                let loaded: diesel::QueryResult<Vec<$crate::rows::StoredOutbox>> = outbox_messages
                     .filter(id.eq_any(chunk))
-                    .select(columns)
+                    .select($crate::rows::StoredOutbox::as_select())
                     .load(conn);
                 match loaded {
-                    Ok(tuples) => {
-                        for t in tuples {
+                    Ok(stored) => {
+                        for t in stored {
                             $crate::rows::decode_into(t, &mut rows, &mut unreadable);
                         }
                     }
@@ -335,10 +300,10 @@ macro_rules! outbox_dsl {
                     // the client, so the transaction is still usable.
                     Err(DeserializationError(_)) => {
                         for &one in chunk {
-                            let single: diesel::QueryResult<Option<$crate::rows::OutboxTuple>> =
+                            let single: diesel::QueryResult<Option<$crate::rows::StoredOutbox>> =
                                 outbox_messages
                                     .filter(id.eq(one))
-                                    .select(columns)
+                                    .select($crate::rows::StoredOutbox::as_select())
                                     .first(conn)
                                     .optional();
                             match single {
@@ -380,7 +345,7 @@ macro_rules! outbox_dsl {
             ids: &[i64],
             now: chrono::DateTime<chrono::Utc>,
         ) -> diesel::QueryResult<usize> {
-            use $crate::schema::$schema::outbox_messages::dsl::*;
+            use $crate::schema::outbox_messages::dsl::*;
             let mut marked = 0;
             for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
                 // Only rows this relay still leases: a relay whose lease expired
@@ -392,8 +357,8 @@ macro_rules! outbox_dsl {
                         .filter(published_at.is_null()),
                 )
                 .set((
-                    published_at.eq(now),
-                    leased_until.eq(None::<chrono::DateTime<chrono::Utc>>),
+                    published_at.eq($crate::schema::Stamp(now)),
+                    leased_until.eq(None::<$crate::schema::Stamp>),
                 ))
                 .execute(conn)?;
             }
@@ -408,7 +373,7 @@ macro_rules! outbox_dsl {
             due: chrono::DateTime<chrono::Utc>,
             dead: Option<chrono::DateTime<chrono::Utc>>,
         ) -> diesel::QueryResult<usize> {
-            use $crate::schema::$schema::outbox_fates::dsl::*;
+            use $crate::schema::outbox_fates::dsl::*;
             diesel::update(
                 outbox_fates
                     .filter(id.eq(row_id))
@@ -418,9 +383,9 @@ macro_rules! outbox_dsl {
             .set((
                 attempts.eq(attempts + 1),
                 last_error.eq(error),
-                available_at.eq(due),
-                dead_at.eq(dead),
-                leased_until.eq(None::<chrono::DateTime<chrono::Utc>>),
+                available_at.eq($crate::schema::Stamp(due)),
+                dead_at.eq(dead.map($crate::schema::Stamp)),
+                leased_until.eq(None::<$crate::schema::Stamp>),
                 leased_by.eq(None::<&str>),
             ))
             .execute(conn)
@@ -429,7 +394,7 @@ macro_rules! outbox_dsl {
         fn first_unpublished_at(
             conn: &mut Self,
         ) -> diesel::QueryResult<Option<chrono::DateTime<chrono::Utc>>> {
-            use $crate::schema::$schema::outbox_fates::dsl::*;
+            use $crate::schema::outbox_fates::dsl::*;
             outbox_fates
                 .filter(published_at.is_null())
                 .filter(dead_at.is_null())
@@ -443,25 +408,15 @@ macro_rules! outbox_dsl {
             conn: &mut Self,
             limit: i64,
         ) -> diesel::QueryResult<Vec<$crate::DeadOutboxRow>> {
-            use $crate::schema::$schema::outbox_fates::dsl::*;
-            let tuples: Vec<$crate::rows::DeadTuple> = outbox_fates
+            use $crate::schema::outbox_fates::dsl::*;
+            let rows: Vec<$crate::rows::StoredDeadOutbox> = outbox_fates
                 .filter(dead_at.is_not_null())
                 .filter(published_at.is_null())
                 .order((dead_at, id))
                 .limit(limit)
-                .select((
-                    id,
-                    message_key,
-                    exchange,
-                    routing_key,
-                    message_type,
-                    ordering_key,
-                    attempts,
-                    last_error,
-                    dead_at,
-                ))
+                .select($crate::rows::StoredDeadOutbox::as_select())
                 .load(conn)?;
-            Ok(tuples.into_iter().map($crate::rows::dead_row).collect())
+            Ok(rows.into_iter().map($crate::rows::dead_row).collect())
         }
 
         fn revive_outbox(
@@ -469,7 +424,7 @@ macro_rules! outbox_dsl {
             ids: &[i64],
             now: chrono::DateTime<chrono::Utc>,
         ) -> diesel::QueryResult<usize> {
-            use $crate::schema::$schema::outbox_fates::dsl::*;
+            use $crate::schema::outbox_fates::dsl::*;
             let mut revived = 0;
             for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
                 revived += diesel::update(
@@ -479,9 +434,9 @@ macro_rules! outbox_dsl {
                         .filter(published_at.is_null()),
                 )
                 .set((
-                    dead_at.eq(None::<chrono::DateTime<chrono::Utc>>),
+                    dead_at.eq(None::<$crate::schema::Stamp>),
                     attempts.eq(0),
-                    available_at.eq(now),
+                    available_at.eq($crate::schema::Stamp(now)),
                 ))
                 .execute(conn)?;
             }
@@ -501,8 +456,7 @@ mod tests {
     }
 
     #[test]
-    fn the_conflict_target_is_the_claim_key_on_both_backends() {
-        assert_eq!(names(claim_dsl!(@target pg)), ClaimKey::COLUMNS);
-        assert_eq!(names(claim_dsl!(@target sqlite)), ClaimKey::COLUMNS);
+    fn the_conflict_target_is_the_claim_key() {
+        assert_eq!(names(super::claim_target()), ClaimKey::COLUMNS);
     }
 }

@@ -69,22 +69,6 @@ pub struct Redrivable {
     pub updated_at: DateTime<Utc>,
 }
 
-/// A claim row, as `ClaimRecord` is built from.
-pub(crate) type ClaimTuple = (
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    i32,
-    i32,
-    Option<DateTime<Utc>>,
-    Option<String>,
-    bool,
-    DateTime<Utc>,
-    DateTime<Utc>,
-);
-
 /// What `stats` reads, raw.
 #[derive(Default)]
 pub struct RawStats {
@@ -170,7 +154,7 @@ pub trait OperatorOps: StoreConnection {
 
     /// Every claim of a message key, by group.
     #[doc(hidden)]
-    fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>>;
+    fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<crate::ClaimRecord>>;
 
     /// Failed claims with a payload, due and unchanged since `cutoff`.
     #[doc(hidden)]
@@ -215,7 +199,7 @@ pub trait OperatorOps: StoreConnection {
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
 macro_rules! operator_ops {
-    ($conn:ty, $schema:ident) => {
+    ($conn:ty) => {
         impl OperatorOps for $conn {
             fn op_entries(
                 conn: &mut Self,
@@ -223,7 +207,7 @@ macro_rules! operator_ops {
                 limit: Option<i64>,
                 offset: i64,
             ) -> QueryResult<Vec<EntryTuple>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters.into_boxed();
                 if let Some(g) = &filter.consumer_group {
                     q = q.filter(consumer_group.eq(g.clone()));
@@ -239,10 +223,14 @@ macro_rules! operator_ops {
                 }
                 // Within the years the stores hold: "since 10,000 years ago" is all.
                 if let Some(since) = filter.since {
-                    q = q.filter(dead_lettered_at.ge(inbox_core::stored_time(since)));
+                    q = q.filter(
+                        dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
+                    );
                 }
                 if let Some(until) = filter.until {
-                    q = q.filter(dead_lettered_at.lt(inbox_core::stored_time(until)));
+                    q = q.filter(
+                        dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
+                    );
                 }
                 q = match filter.status {
                     None => q.filter(discarded_at.is_null()),
@@ -288,7 +276,7 @@ macro_rules! operator_ops {
             }
 
             fn op_letter(conn: &mut Self, letter: i64) -> QueryResult<Option<Letter>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 let row: Option<(
                     i64,
                     String,
@@ -342,7 +330,7 @@ macro_rules! operator_ops {
                 key: &str,
                 before: i64,
             ) -> QueryResult<bool> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 diesel::select(diesel::dsl::exists(
                     op_dead_letters
                         .filter(consumer_group.eq(group))
@@ -357,7 +345,7 @@ macro_rules! operator_ops {
                 conn: &mut Self,
                 letter: i64,
             ) -> QueryResult<Option<(EntryTuple, StoredPayload)>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 let entry: Option<EntryTuple> = op_dead_letters
                     .find(letter)
                     .select((
@@ -381,7 +369,7 @@ macro_rules! operator_ops {
                 let Some(entry) = entry else {
                     return Ok(None);
                 };
-                use crate::operator::tables::$schema::op_letter_payloads::dsl as p;
+                use crate::operator::tables::op_letter_payloads::dsl as p;
                 let body: StoredPayload = p::op_letter_payloads
                     .find(letter)
                     .select((p::payload, p::payload_length, p::payload_sha256))
@@ -394,7 +382,7 @@ macro_rules! operator_ops {
                 group: &str,
                 key: &str,
             ) -> QueryResult<FailureSpan> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 // No MIN/MAX: diesel has no ordering aggregates for SQLite's timestamps.
                 let first = op_dead_letters
                     .filter(consumer_group.eq(group))
@@ -421,7 +409,7 @@ macro_rules! operator_ops {
                 body: &[u8],
                 now: DateTime<Utc>,
             ) -> QueryResult<usize> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
+                use crate::schema::inbox_claims::dsl::*;
                 diesel::update(
                     inbox_claims
                         .find((group, key))
@@ -432,9 +420,9 @@ macro_rules! operator_ops {
                     status.eq(crate::ClaimStatus::Failed.as_str()),
                     attempts.eq(0),
                     starts.eq(0),
-                    next_attempt_at.eq(Some(now)),
+                    next_attempt_at.eq(Some(crate::schema::Stamp(now))),
                     payload.eq(Some(body)),
-                    updated_at.eq(now),
+                    updated_at.eq(crate::schema::Stamp(now)),
                 ))
                 .execute(conn)
             }
@@ -444,7 +432,7 @@ macro_rules! operator_ops {
                 group: &str,
                 key: &str,
             ) -> QueryResult<Option<(String, Vec<u8>)>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
+                use crate::schema::inbox_claims::dsl::*;
                 inbox_claims
                     .find((group, key))
                     .select((status, payload_digest))
@@ -453,7 +441,7 @@ macro_rules! operator_ops {
             }
 
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
-                use crate::operator::tables::$schema::inbox_replay_sequences::dsl::*;
+                use crate::operator::tables::inbox_replay_sequences::dsl::*;
                 // One row per key, raised under its row lock: two replays of one key
                 // (in two groups) take two numbers, and a purge of the outbox rows
                 // that carried the earlier ones leaves the counter where it was.
@@ -467,7 +455,7 @@ macro_rules! operator_ops {
             }
 
             fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64> {
-                use crate::operator::tables::$schema::op_outbox::dsl::*;
+                use crate::operator::tables::op_outbox::dsl::*;
                 diesel::insert_into(op_outbox)
                     .values((
                         message_key.eq(row.key),
@@ -477,8 +465,8 @@ macro_rules! operator_ops {
                         tenant.eq(row.tenant),
                         payload.eq(row.payload),
                         headers.eq(row.headers),
-                        created_at.eq(row.now),
-                        available_at.eq(row.now),
+                        created_at.eq(crate::schema::Stamp(row.now)),
+                        available_at.eq(crate::schema::Stamp(row.now)),
                         attempts.eq(0),
                         replay_seq.eq(row.sequence),
                     ))
@@ -491,7 +479,7 @@ macro_rules! operator_ops {
                 letter: i64,
                 now: DateTime<Utc>,
             ) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 diesel::update(
                     op_dead_letters
                         .find(letter)
@@ -499,37 +487,32 @@ macro_rules! operator_ops {
                         .filter(replayed_at.is_null())
                         .filter(resolved_at.is_null()),
                 )
-                .set((replay_count.eq(replay_count + 1), replayed_at.eq(Some(now))))
+                .set((
+                    replay_count.eq(replay_count + 1),
+                    replayed_at.eq(Some(crate::schema::Stamp(now))),
+                ))
                 .execute(conn)
             }
 
             fn op_discard(conn: &mut Self, letter: i64, now: DateTime<Utc>) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 diesel::update(op_dead_letters.find(letter).filter(discarded_at.is_null()))
-                    .set(discarded_at.eq(Some(now)))
+                    .set(discarded_at.eq(Some(crate::schema::Stamp(now))))
                     .execute(conn)
             }
 
-            fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
-                inbox_claims
+            fn op_claims_by_key(
+                conn: &mut Self,
+                key: &str,
+            ) -> QueryResult<Vec<crate::ClaimRecord>> {
+                use crate::rows::StoredClaim;
+                use crate::schema::inbox_claims::dsl::*;
+                let rows: Vec<StoredClaim> = inbox_claims
                     .filter(message_key.eq(key))
                     .order(consumer_group)
-                    .select((
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        status,
-                        attempts,
-                        starts,
-                        next_attempt_at,
-                        last_error,
-                        payload.is_not_null(),
-                        first_seen_at,
-                        updated_at,
-                    ))
-                    .load(conn)
+                    .select(StoredClaim::as_select())
+                    .load(conn)?;
+                rows.into_iter().map(crate::rows::claim_record).collect()
             }
 
             fn op_redrivable(
@@ -539,12 +522,12 @@ macro_rules! operator_ops {
                 cutoff: DateTime<Utc>,
                 limit: i64,
             ) -> QueryResult<Vec<Redrivable>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
+                use crate::schema::inbox_claims::dsl::*;
                 let mut q = inbox_claims
                     .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
                     .filter(payload.is_not_null())
-                    .filter(next_attempt_at.le(cutoff))
-                    .filter(updated_at.le(cutoff))
+                    .filter(next_attempt_at.le(crate::schema::Stamp(cutoff)))
+                    .filter(updated_at.le(crate::schema::Stamp(cutoff)))
                     .into_boxed();
                 if let Some(g) = group {
                     q = q.filter(consumer_group.eq(g.to_owned()));
@@ -593,15 +576,18 @@ macro_rules! operator_ops {
                 read_at: DateTime<Utc>,
                 now: DateTime<Utc>,
             ) -> QueryResult<usize> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
+                use crate::schema::inbox_claims::dsl::*;
                 diesel::update(
                     inbox_claims
                         .find((group, key))
                         .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(updated_at.eq(read_at))
+                        .filter(updated_at.eq(crate::schema::Stamp(read_at)))
                         .filter(payload.is_not_null()),
                 )
-                .set((next_attempt_at.eq(Some(now)), updated_at.eq(now)))
+                .set((
+                    next_attempt_at.eq(Some(crate::schema::Stamp(now))),
+                    updated_at.eq(crate::schema::Stamp(now)),
+                ))
                 .execute(conn)
             }
 
@@ -609,7 +595,7 @@ macro_rules! operator_ops {
                 use diesel::dsl::count_star;
                 let mut stats = RawStats::default();
                 {
-                    use crate::schema::$schema::inbox_claims::dsl::*;
+                    use crate::schema::inbox_claims::dsl::*;
                     stats.claims = inbox_claims
                         .group_by((consumer_group, status))
                         .select((consumer_group, status, count_star()))
@@ -617,7 +603,7 @@ macro_rules! operator_ops {
                         .load(conn)?;
                     stats.due = inbox_claims
                         .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(next_attempt_at.le(now))
+                        .filter(next_attempt_at.le(crate::schema::Stamp(now)))
                         .group_by(consumer_group)
                         .select((consumer_group, count_star()))
                         .load(conn)?;
@@ -666,7 +652,7 @@ macro_rules! operator_ops {
                     }
                 }
                 {
-                    use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                    use crate::operator::tables::op_dead_letters::dsl::*;
                     stats.letters = op_dead_letters
                         .filter(discarded_at.is_null())
                         .filter(replayed_at.is_null())
@@ -677,7 +663,7 @@ macro_rules! operator_ops {
                         .load(conn)?;
                 }
                 {
-                    use crate::operator::tables::$schema::op_outbox::dsl::*;
+                    use crate::operator::tables::op_outbox::dsl::*;
                     let live = op_outbox
                         .filter(published_at.is_null())
                         .filter(dead_at.is_null());
@@ -705,13 +691,13 @@ macro_rules! operator_ops {
                 sent: DateTime<Utc>,
                 now: DateTime<Utc>,
             ) -> QueryResult<()> {
-                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                use crate::operator::tables::inbox_canary::dsl::*;
                 diesel::insert_into(inbox_canary)
                     .values((
                         run_id.eq(run),
                         seq.eq(number),
-                        sent_at.eq(sent),
-                        arrived_at.eq(now),
+                        sent_at.eq(crate::schema::Stamp(sent)),
+                        arrived_at.eq(crate::schema::Stamp(now)),
                         arrivals.eq(1),
                     ))
                     .on_conflict((run_id, seq))
@@ -722,7 +708,7 @@ macro_rules! operator_ops {
             }
 
             fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>> {
-                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                use crate::operator::tables::inbox_canary::dsl::*;
                 inbox_canary
                     .filter(run_id.eq(run))
                     .order(seq)

@@ -89,5 +89,5 @@ impl OutboxOps for PgConnection {
         Ok(ids.into_iter().map(|r| r.id).collect())
     }
 
-    crate::dsl::outbox_dsl!(pg);
+    crate::dsl::outbox_dsl!();
 }

@@ -9,7 +9,7 @@ use diesel::PgConnection;
 
 use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease};
 
-rebuild_dsl!(PgConnection, pg);
+rebuild_dsl!(PgConnection);
 
 #[derive(QueryableByName)]
 struct Got {

@@ -60,88 +60,85 @@ pub trait RebuildOps: crate::backend::StoreConnection {
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()>;
 }
 
-/// The diesel tables of the rebuild's statements, per backend: only the columns they
-/// touch.
-macro_rules! rebuild_tables {
-    ($ts:ident) => {
-        diesel::table! {
-            use diesel::sql_types::*;
-
-            #[sql_name = "inbox_claims"]
-            covered_claims (consumer_group, message_key) {
-                consumer_group -> Text,
-                message_key -> Text,
-                message_type -> Text,
-                payload_digest -> Binary,
-                status -> Text,
-                attempts -> Integer,
-                starts -> Integer,
-                next_attempt_at -> Nullable<$ts>,
-                payload -> Nullable<Binary>,
-                first_seen_at -> $ts,
-                updated_at -> $ts,
-                covered_at -> Nullable<$ts>,
-            }
-        }
-
-        diesel::table! {
-            use diesel::sql_types::*;
-
-            #[sql_name = "inbox_dead_letters"]
-            resolved_letters (id) {
-                id -> BigInt,
-                consumer_group -> Text,
-                message_key -> Text,
-                reason -> Text,
-                resolved_at -> Nullable<$ts>,
-            }
-        }
-
-        diesel::table! {
-            use diesel::sql_types::*;
-
-            inbox_rebuild_runs (projection) {
-                projection -> Text,
-                runner -> Text,
-                leased_until -> $ts,
-            }
-        }
-    };
-}
-
+/// The diesel tables of the rebuild's statements, one set for both backends: only
+/// the columns they touch.
 pub(crate) mod tables {
-    #[cfg(feature = "postgres")]
-    pub(crate) mod pg {
-        rebuild_tables!(Timestamptz);
+    diesel::table! {
+        use diesel::sql_types::*;
+        use crate::schema::sql_types::StoreTime;
+
+        #[sql_name = "inbox_claims"]
+        covered_claims (consumer_group, message_key) {
+            consumer_group -> Text,
+            message_key -> Text,
+            message_type -> Text,
+            payload_digest -> Binary,
+            status -> Text,
+            attempts -> Integer,
+            starts -> Integer,
+            next_attempt_at -> Nullable<StoreTime>,
+            payload -> Nullable<Binary>,
+            first_seen_at -> StoreTime,
+            updated_at -> StoreTime,
+            covered_at -> Nullable<StoreTime>,
+        }
     }
-    #[cfg(feature = "sqlite")]
-    pub(crate) mod sqlite {
-        rebuild_tables!(TimestamptzSqlite);
+
+    diesel::table! {
+        use diesel::sql_types::*;
+        use crate::schema::sql_types::StoreTime;
+
+        #[sql_name = "inbox_dead_letters"]
+        resolved_letters (id) {
+            id -> BigInt,
+            consumer_group -> Text,
+            message_key -> Text,
+            reason -> Text,
+            resolved_at -> Nullable<StoreTime>,
+        }
+    }
+
+    diesel::table! {
+        use diesel::sql_types::*;
+        use crate::schema::sql_types::StoreTime;
+
+        inbox_rebuild_runs (projection) {
+            projection -> Text,
+            runner -> Text,
+            leased_until -> StoreTime,
+        }
     }
 }
 
 /// The statements both backends share (diesel expands them per connection type);
 /// `$insert` is how a backend inserts the new covered claims.
 macro_rules! rebuild_dsl {
-    ($conn:ty, $tables:ident) => {
+    ($conn:ty) => {
         fn shared_lease(
             conn: &mut $conn,
             l: &crate::rebuild::ops::RunLease<'_>,
         ) -> diesel::QueryResult<String> {
-            use crate::rebuild::ops::tables::$tables::inbox_rebuild_runs::dsl::*;
+            use crate::rebuild::ops::tables::inbox_rebuild_runs::dsl::*;
             use diesel::prelude::*;
             use diesel::query_dsl::methods::FilterDsl;
             let took: Option<String> = diesel::insert_into(inbox_rebuild_runs)
                 .values((
                     projection.eq(l.projection),
                     runner.eq(l.runner),
-                    leased_until.eq(l.until),
+                    leased_until.eq(crate::schema::Stamp(l.until)),
                 ))
                 .on_conflict(projection)
                 .do_update()
-                .set((runner.eq(l.runner), leased_until.eq(l.until)))
+                .set((
+                    runner.eq(l.runner),
+                    leased_until.eq(crate::schema::Stamp(l.until)),
+                ))
                 // Free (expired) or ours: another runner's live lease is left alone.
-                .filter(leased_until.le(l.now).or(runner.eq(l.runner)))
+                .filter(
+                    leased_until
+                        .le(crate::schema::Stamp(l.now))
+                        .or(runner.eq(l.runner)),
+                )
                 .returning(runner)
                 .get_result(conn)
                 .optional()?;
@@ -152,7 +149,7 @@ macro_rules! rebuild_dsl {
         }
 
         fn shared_release(conn: &mut $conn, name: &str, me: &str) -> diesel::QueryResult<()> {
-            use crate::rebuild::ops::tables::$tables::inbox_rebuild_runs::dsl::*;
+            use crate::rebuild::ops::tables::inbox_rebuild_runs::dsl::*;
             use diesel::prelude::*;
             diesel::delete(
                 inbox_rebuild_runs
@@ -172,8 +169,8 @@ macro_rules! rebuild_dsl {
             chunk: &[&str],
             out: &mut crate::rebuild::ops::Covered,
         ) -> diesel::QueryResult<()> {
-            use crate::rebuild::ops::tables::$tables::covered_claims::dsl::*;
-            use crate::rebuild::ops::tables::$tables::resolved_letters::dsl as letters;
+            use crate::rebuild::ops::tables::covered_claims::dsl::*;
+            use crate::rebuild::ops::tables::resolved_letters::dsl as letters;
             use crate::ClaimStatus;
             use diesel::prelude::*;
             let mine = || {
@@ -188,9 +185,9 @@ macro_rules! rebuild_dsl {
                 status.eq(ClaimStatus::Done.as_str()),
                 payload.eq(None::<Vec<u8>>),
                 payload_digest.eq(crate::rebuild::ops::NO_DIGEST),
-                next_attempt_at.eq(None::<chrono::DateTime<chrono::Utc>>),
-                covered_at.eq(Some(c.now)),
-                updated_at.eq(c.now),
+                next_attempt_at.eq(None::<crate::schema::Stamp>),
+                covered_at.eq(Some(crate::schema::Stamp(c.now))),
+                updated_at.eq(crate::schema::Stamp(c.now)),
             ))
             .execute(conn)? as u64;
             let dead: Vec<String> = diesel::update(
@@ -201,8 +198,8 @@ macro_rules! rebuild_dsl {
             .set((
                 payload.eq(None::<Vec<u8>>),
                 payload_digest.eq(crate::rebuild::ops::NO_DIGEST),
-                covered_at.eq(Some(c.now)),
-                updated_at.eq(c.now),
+                covered_at.eq(Some(crate::schema::Stamp(c.now))),
+                updated_at.eq(crate::schema::Stamp(c.now)),
             ))
             .returning(message_key)
             .get_results(conn)?;
@@ -218,7 +215,7 @@ macro_rules! rebuild_dsl {
                             letters::reason.ne(inbox_core::DeadLetterReason::KeyCollision.as_str()),
                         ),
                 )
-                .set(letters::resolved_at.eq(Some(c.now)))
+                .set(letters::resolved_at.eq(Some(crate::schema::Stamp(c.now))))
                 .execute(conn)? as u64;
             }
             Ok(())

@@ -7,9 +7,9 @@ use diesel::result::QueryResult;
 use chrono::{DateTime, Utc};
 
 use crate::operator::ops::{
-    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats,
-    Redrivable, StoredPayload,
+    CanaryRow, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats, Redrivable,
+    StoredPayload,
 };
 use crate::operator::{DeadLetterFilter, LetterStatus};
 
-crate::operator::operator_ops!(diesel::SqliteConnection, sqlite);
+crate::operator::operator_ops!(diesel::SqliteConnection);

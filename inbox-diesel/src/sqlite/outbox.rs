@@ -61,5 +61,5 @@ impl OutboxOps for SqliteConnection {
         Ok(ids.into_iter().map(|r| r.id).collect())
     }
 
-    crate::dsl::outbox_dsl!(sqlite);
+    crate::dsl::outbox_dsl!();
 }

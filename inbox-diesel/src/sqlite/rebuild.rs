@@ -11,7 +11,7 @@ use diesel::SqliteConnection;
 
 use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST};
 
-rebuild_dsl!(SqliteConnection, sqlite);
+rebuild_dsl!(SqliteConnection);
 
 /// Keys per statement of the take-over (SQLite binds at most 32,766 parameters).
 const CHUNK: usize = 500;
@@ -32,7 +32,7 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
-        use crate::rebuild::ops::tables::sqlite::covered_claims::dsl::*;
+        use crate::rebuild::ops::tables::covered_claims::dsl::*;
         use crate::ClaimStatus;
         let mut out = Covered::default();
         for chunk in c.keys.chunks(CHUNK) {
@@ -48,9 +48,9 @@ impl RebuildOps for SqliteConnection {
                         status.eq(ClaimStatus::Done.as_str()),
                         attempts.eq(0),
                         starts.eq(0),
-                        first_seen_at.eq(c.now),
-                        updated_at.eq(c.now),
-                        covered_at.eq(Some(c.now)),
+                        first_seen_at.eq(crate::schema::Stamp(c.now)),
+                        updated_at.eq(crate::schema::Stamp(c.now)),
+                        covered_at.eq(Some(crate::schema::Stamp(c.now))),
                     ))
                     .on_conflict((consumer_group, message_key))
                     .do_nothing()
