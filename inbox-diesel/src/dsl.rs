@@ -13,8 +13,20 @@ use diesel::dsl::{sql, AsExprOf};
 use diesel::expression::{SqlLiteral, UncheckedBind};
 use diesel::sql_types::Bool;
 
+use diesel::connection::LoadConnection;
+use diesel::dsl::{auto_type, insert_into, update};
+use diesel::prelude::*;
+use diesel::query_dsl::methods::ExecuteDsl;
+use diesel::query_dsl::LoadQuery;
+use inbox_core::{OutboxRow, UnreadableRow};
+
+use crate::rows::{
+    dead_row, decode_into, DeadOutboxRow, NewOutbox, StoredDeadOutbox, StoredOutbox,
+};
+use crate::schema::outbox_fates as of;
+use crate::schema::outbox_messages as om;
 use crate::schema::sql_types::{Stamp, StoreTime};
-use crate::statements::ClaimConflict;
+use crate::statements::{ClaimConflict, SharedOutboxOps};
 
 /// The claim upserts' conflict target: the claim key's columns (`ClaimKey::COLUMNS`,
 /// checked by a test).
@@ -245,206 +257,276 @@ macro_rules! claim_dsl {
 }
 pub(crate) use claim_dsl;
 
-/// The outbox statements of [`OutboxOps`](crate::statements::OutboxOps) that are the
-/// same diesel DSL on both backends.
-macro_rules! outbox_dsl {
-    () => {
-        fn insert_outbox(
-            conn: &mut Self,
-            row: &$crate::rows::NewOutbox<'_>,
-        ) -> diesel::QueryResult<Option<i64>> {
-            use $crate::schema::outbox_messages::dsl::*;
-            diesel::insert_into(outbox_messages)
-                .values((
-                    message_key.eq(row.key),
-                    exchange.eq(row.exchange),
-                    routing_key.eq(row.routing_key),
-                    message_type.eq(row.message_type),
-                    tenant.eq(row.tenant),
-                    payload.eq(row.payload),
-                    headers.eq(&row.headers),
-                    ordering_key.eq(row.ordering_key),
-                    created_at.eq($crate::schema::Stamp(row.created_at)),
-                    available_at.eq($crate::schema::Stamp(row.available_at)),
-                    attempts.eq(0),
-                ))
-                // The only unique key besides the id is (message_key, replay_seq),
-                // and a producer's row has replay_seq 0.
-                .on_conflict_do_nothing()
-                .returning(id)
-                .get_result(conn)
-                .optional()
-        }
-
-        fn load_outbox(
-            conn: &mut Self,
-            ids: &[i64],
-        ) -> diesel::QueryResult<(Vec<inbox_core::OutboxRow>, Vec<inbox_core::UnreadableRow>)> {
-            use diesel::result::Error::DeserializationError;
-            use $crate::schema::outbox_messages::dsl::*;
-            let mut rows = Vec::with_capacity(ids.len());
-            let mut unreadable = Vec::new();
-            for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
-                let loaded: diesel::QueryResult<Vec<$crate::rows::StoredOutbox>> = outbox_messages
-                    .filter(id.eq_any(chunk))
-                    .select($crate::rows::StoredOutbox::as_select())
-                    .load(conn);
-                match loaded {
-                    Ok(stored) => {
-                        for t in stored {
-                            $crate::rows::decode_into(t, &mut rows, &mut unreadable);
-                        }
+/// The outbox statements of [`SharedOutboxOps`] as plain functions, for every
+/// connection type that runs each statement, as diesel advises for generic code: a
+/// where clause per statement on [`LoadQuery`] or [`ExecuteDsl`], the statement's
+/// type named by `#[auto_type]` (the builders below). Both backends run all of them,
+/// so both implement the trait through this one impl. The builders take owned
+/// values (an id chunk, the relay's name): a statement type without a lifetime
+/// keeps each bound a plain one (with a borrowed chunk, the bound would be a
+/// higher-ranked `for<'a>` one, which rustc does not prove for the backends'
+/// connections: E0477), for an allocation beside a round trip.
+impl<C> SharedOutboxOps for C
+where
+    C: Connection + LoadConnection,
+    outbox_rows: LoadQuery<'static, C, StoredOutbox>,
+    outbox_row: LoadQuery<'static, C, StoredOutbox>,
+    outbox_attempts: LoadQuery<'static, C, i32>,
+    mark_published: ExecuteDsl<C>,
+    record_failure: ExecuteDsl<C>,
+    first_unpublished: LoadQuery<'static, C, DateTime<Utc>>,
+    dead_rows: LoadQuery<'static, C, StoredDeadOutbox>,
+    revive: ExecuteDsl<C>,
+{
+    fn load_outbox(conn: &mut C, ids: &[i64]) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)> {
+        use diesel::result::Error::DeserializationError;
+        let mut rows = Vec::with_capacity(ids.len());
+        let mut unreadable = Vec::new();
+        for chunk in ids.chunks(ID_CHUNK) {
+            match outbox_rows(chunk.to_vec()).load(conn) {
+                Ok(stored) => {
+                    for t in stored {
+                        decode_into(t, &mut rows, &mut unreadable);
                     }
-                    // A value diesel cannot decode (a timestamp another producer
-                    // wrote as it liked): find it row by row. Decoding fails on
-                    // the client, so the transaction is still usable.
-                    Err(DeserializationError(_)) => {
-                        for &one in chunk {
-                            let single: diesel::QueryResult<Option<$crate::rows::StoredOutbox>> =
-                                outbox_messages
-                                    .filter(id.eq(one))
-                                    .select($crate::rows::StoredOutbox::as_select())
-                                    .first(conn)
-                                    .optional();
-                            match single {
-                                Ok(Some(t)) => {
-                                    $crate::rows::decode_into(t, &mut rows, &mut unreadable)
-                                }
-                                Ok(None) => {}
-                                Err(DeserializationError(err)) => {
-                                    let tries: diesel::QueryResult<i32> = outbox_messages
-                                        .filter(id.eq(one))
-                                        .select(attempts)
-                                        .first(conn);
-                                    let tries = match tries {
-                                        Ok(n) => n,
-                                        Err(DeserializationError(_)) => 0,
-                                        Err(other) => return Err(other),
-                                    };
-                                    unreadable.push(inbox_core::UnreadableRow {
-                                        id: one,
-                                        attempts: tries,
-                                        error: format!("unreadable row: {err}"),
-                                    });
-                                }
-                                Err(other) => return Err(other),
-                            }
-                        }
-                    }
-                    Err(other) => return Err(other),
                 }
+                // A value diesel cannot decode (a timestamp another producer wrote as
+                // it liked): find it row by row. Decoding fails on the client, so the
+                // transaction is still usable.
+                Err(DeserializationError(_)) => {
+                    for &one in chunk {
+                        match outbox_row(one).get_result(conn).optional() {
+                            Ok(Some(t)) => decode_into(t, &mut rows, &mut unreadable),
+                            Ok(None) => {}
+                            Err(DeserializationError(err)) => {
+                                let tries = match outbox_attempts(one).get_result(conn) {
+                                    Ok(n) => n,
+                                    Err(DeserializationError(_)) => 0,
+                                    Err(other) => return Err(other),
+                                };
+                                unreadable.push(UnreadableRow {
+                                    id: one,
+                                    attempts: tries,
+                                    error: format!("unreadable row: {err}"),
+                                });
+                            }
+                            Err(other) => return Err(other),
+                        }
+                    }
+                }
+                Err(other) => return Err(other),
             }
-            rows.sort_by_key(|r| r.id);
-            unreadable.sort_by_key(|r| r.id);
-            Ok((rows, unreadable))
         }
+        rows.sort_by_key(|r| r.id);
+        unreadable.sort_by_key(|r| r.id);
+        Ok((rows, unreadable))
+    }
 
-        fn mark_outbox_published(
-            conn: &mut Self,
-            relay: &str,
-            ids: &[i64],
-            now: chrono::DateTime<chrono::Utc>,
-        ) -> diesel::QueryResult<usize> {
-            use $crate::schema::outbox_messages::dsl::*;
-            let mut marked = 0;
-            for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
-                // Only rows this relay still leases: a relay whose lease expired
-                // and was taken over marks nothing (the new holder publishes).
-                marked += diesel::update(
-                    outbox_messages
-                        .filter(id.eq_any(chunk))
-                        .filter(leased_by.eq(relay))
-                        .filter(published_at.is_null()),
-                )
-                .set((
-                    published_at.eq($crate::schema::Stamp(now)),
-                    leased_until.eq(None::<$crate::schema::Stamp>),
-                ))
-                .execute(conn)?;
-            }
-            Ok(marked)
+    fn mark_outbox_published(
+        conn: &mut C,
+        relay: &str,
+        ids: &[i64],
+        now: DateTime<Utc>,
+    ) -> QueryResult<usize> {
+        let mut marked = 0;
+        for chunk in ids.chunks(ID_CHUNK) {
+            marked += mark_published(relay.to_owned(), chunk.to_vec(), Stamp(now)).execute(conn)?;
         }
+        Ok(marked)
+    }
 
-        fn record_outbox_failure(
-            conn: &mut Self,
-            relay: &str,
-            row_id: i64,
-            error: &str,
-            due: chrono::DateTime<chrono::Utc>,
-            dead: Option<chrono::DateTime<chrono::Utc>>,
-        ) -> diesel::QueryResult<usize> {
-            use $crate::schema::outbox_fates::dsl::*;
-            diesel::update(
-                outbox_fates
-                    .filter(id.eq(row_id))
-                    .filter(leased_by.eq(relay))
-                    .filter(published_at.is_null()),
-            )
-            .set((
-                attempts.eq(attempts + 1),
-                last_error.eq(error),
-                available_at.eq($crate::schema::Stamp(due)),
-                dead_at.eq(dead.map($crate::schema::Stamp)),
-                leased_until.eq(None::<$crate::schema::Stamp>),
-                leased_by.eq(None::<&str>),
-            ))
-            .execute(conn)
-        }
+    fn record_outbox_failure(
+        conn: &mut C,
+        relay: &str,
+        row_id: i64,
+        error: &str,
+        due: DateTime<Utc>,
+        dead: Option<DateTime<Utc>>,
+    ) -> QueryResult<usize> {
+        record_failure(
+            relay.to_owned(),
+            row_id,
+            error.to_owned(),
+            Stamp(due),
+            dead.map(Stamp),
+        )
+        .execute(conn)
+    }
 
-        fn first_unpublished_at(
-            conn: &mut Self,
-        ) -> diesel::QueryResult<Option<chrono::DateTime<chrono::Utc>>> {
-            use $crate::schema::outbox_fates::dsl::*;
-            outbox_fates
-                .filter(published_at.is_null())
-                .filter(dead_at.is_null())
-                .order(id)
-                .select(created_at)
-                .first(conn)
-                .optional()
-        }
+    fn first_unpublished_at(conn: &mut C) -> QueryResult<Option<DateTime<Utc>>> {
+        first_unpublished().get_result(conn).optional()
+    }
 
-        fn dead_outbox(
-            conn: &mut Self,
-            limit: i64,
-        ) -> diesel::QueryResult<Vec<$crate::DeadOutboxRow>> {
-            use $crate::schema::outbox_fates::dsl::*;
-            let rows: Vec<$crate::rows::StoredDeadOutbox> = outbox_fates
-                .filter(dead_at.is_not_null())
-                .filter(published_at.is_null())
-                .order((dead_at, id))
-                .limit(limit)
-                .select($crate::rows::StoredDeadOutbox::as_select())
-                .load(conn)?;
-            Ok(rows.into_iter().map($crate::rows::dead_row).collect())
-        }
+    fn dead_outbox(conn: &mut C, limit: i64) -> QueryResult<Vec<DeadOutboxRow>> {
+        Ok(dead_rows(limit)
+            .load(conn)?
+            .into_iter()
+            .map(dead_row)
+            .collect())
+    }
 
-        fn revive_outbox(
-            conn: &mut Self,
-            ids: &[i64],
-            now: chrono::DateTime<chrono::Utc>,
-        ) -> diesel::QueryResult<usize> {
-            use $crate::schema::outbox_fates::dsl::*;
-            let mut revived = 0;
-            for chunk in ids.chunks($crate::dsl::ID_CHUNK) {
-                revived += diesel::update(
-                    outbox_fates
-                        .filter(id.eq_any(chunk))
-                        .filter(dead_at.is_not_null())
-                        .filter(published_at.is_null()),
-                )
-                .set((
-                    dead_at.eq(None::<$crate::schema::Stamp>),
-                    attempts.eq(0),
-                    available_at.eq($crate::schema::Stamp(now)),
-                ))
-                .execute(conn)?;
-            }
-            Ok(revived)
+    fn revive_outbox(conn: &mut C, ids: &[i64], now: DateTime<Utc>) -> QueryResult<usize> {
+        let mut revived = 0;
+        for chunk in ids.chunks(ID_CHUNK) {
+            revived += revive(chunk.to_vec(), Stamp(now)).execute(conn)?;
         }
-    };
+        Ok(revived)
+    }
 }
-pub(crate) use outbox_dsl;
+
+/// A producer's row, as an insert: each backend adds its own `ON CONFLICT DO
+/// NOTHING` (diesel names no type for an upsert, so the statement cannot be bounded
+/// as the others are). The only unique key besides the id is (message_key,
+/// replay_seq), and a producer's row has replay_seq 0.
+#[auto_type]
+pub(crate) fn new_outbox_row<'a>(row: &'a NewOutbox<'a>) -> _ {
+    let created: Stamp = Stamp(row.created_at);
+    let available: Stamp = Stamp(row.available_at);
+    let key: &'a str = row.key;
+    let exchange: &'a str = row.exchange;
+    let routing_key: &'a str = row.routing_key;
+    let message_type: &'a str = row.message_type;
+    let tenant: Option<&'a str> = row.tenant;
+    let payload: &'a [u8] = row.payload;
+    let headers: &'a String = &row.headers;
+    let ordering_key: Option<&'a str> = row.ordering_key;
+    let no_attempts: i32 = 0;
+    insert_into(om::table).values((
+        om::message_key.eq(key),
+        om::exchange.eq(exchange),
+        om::routing_key.eq(routing_key),
+        om::message_type.eq(message_type),
+        om::tenant.eq(tenant),
+        om::payload.eq(payload),
+        om::headers.eq(headers),
+        om::ordering_key.eq(ordering_key),
+        om::created_at.eq(created),
+        om::available_at.eq(available),
+        om::attempts.eq(no_attempts),
+    ))
+}
+
+/// The columns of a [`StoredOutbox`], in its fields' order.
+#[auto_type]
+fn outbox_columns() -> _ {
+    (
+        om::id,
+        om::message_key,
+        om::exchange,
+        om::routing_key,
+        om::message_type,
+        om::tenant,
+        om::payload,
+        om::headers,
+        om::ordering_key,
+        om::created_at,
+        om::attempts,
+    )
+}
+
+#[auto_type]
+fn outbox_rows(ids: Vec<i64>) -> _ {
+    let columns: outbox_columns = outbox_columns();
+    om::table.filter(om::id.eq_any(ids)).select(columns)
+}
+
+#[auto_type]
+fn outbox_row(one: i64) -> _ {
+    let columns: outbox_columns = outbox_columns();
+    om::table
+        .filter(om::id.eq(one))
+        .select(columns)
+        .limit(1_i64)
+}
+
+#[auto_type]
+fn outbox_attempts(one: i64) -> _ {
+    om::table
+        .filter(om::id.eq(one))
+        .select(om::attempts)
+        .limit(1_i64)
+}
+
+/// Only rows this relay still leases: a relay whose lease expired and was taken over
+/// marks nothing (the new holder publishes).
+#[auto_type]
+fn mark_published(relay: String, ids: Vec<i64>, now: Stamp) -> _ {
+    let no_lease: Option<Stamp> = None;
+    update(
+        om::table
+            .filter(om::id.eq_any(ids))
+            .filter(om::leased_by.eq(relay))
+            .filter(om::published_at.is_null()),
+    )
+    .set((om::published_at.eq(now), om::leased_until.eq(no_lease)))
+}
+
+#[auto_type]
+fn record_failure(relay: String, row_id: i64, error: String, due: Stamp, dead: Option<Stamp>) -> _ {
+    let no_lease: Option<Stamp> = None;
+    let no_holder: Option<String> = None;
+    let one: i32 = 1;
+    update(
+        of::table
+            .filter(of::id.eq(row_id))
+            .filter(of::leased_by.eq(relay))
+            .filter(of::published_at.is_null()),
+    )
+    .set((
+        of::attempts.eq(of::attempts + one),
+        of::last_error.eq(error),
+        of::available_at.eq(due),
+        of::dead_at.eq(dead),
+        of::leased_until.eq(no_lease),
+        of::leased_by.eq(no_holder),
+    ))
+}
+
+#[auto_type]
+fn first_unpublished() -> _ {
+    of::table
+        .filter(of::published_at.is_null())
+        .filter(of::dead_at.is_null())
+        .order(of::id)
+        .select(of::created_at)
+        .limit(1_i64)
+}
+
+#[auto_type]
+fn dead_rows(limit: i64) -> _ {
+    of::table
+        .filter(of::dead_at.is_not_null())
+        .filter(of::published_at.is_null())
+        .order((of::dead_at, of::id))
+        .limit(limit)
+        .select((
+            of::id,
+            of::message_key,
+            of::exchange,
+            of::routing_key,
+            of::message_type,
+            of::ordering_key,
+            of::attempts,
+            of::last_error,
+            of::dead_at,
+        ))
+}
+
+#[auto_type]
+fn revive(ids: Vec<i64>, now: Stamp) -> _ {
+    let alive: Option<Stamp> = None;
+    let no_attempts: i32 = 0;
+    update(
+        of::table
+            .filter(of::id.eq_any(ids))
+            .filter(of::dead_at.is_not_null())
+            .filter(of::published_at.is_null()),
+    )
+    .set((
+        of::dead_at.eq(alive),
+        of::attempts.eq(no_attempts),
+        of::available_at.eq(now),
+    ))
+}
 
 #[cfg(test)]
 mod tests {

@@ -93,7 +93,11 @@ pub trait OutboxOps: Sized {
         now: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> QueryResult<Vec<i64>>;
+}
 
+/// The outbox statements that are the same diesel DSL on both backends, implemented
+/// once for every connection type that runs them (`dsl.rs`).
+pub trait SharedOutboxOps: Sized {
     /// Reads rows by id, in id order; rows that cannot be read are returned apart.
     fn load_outbox(
         conn: &mut Self,
