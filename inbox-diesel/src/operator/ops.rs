@@ -6,6 +6,7 @@ use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::DeadLetterReason;
 
+use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
@@ -83,7 +84,7 @@ pub struct RawStats {
 }
 
 /// The operator statements every backend runs, on its own connection type.
-pub trait OperatorOps: StoreConnection {
+pub trait OperatorOps: StoreConnection + SharedOperatorOps {
     /// Dead letters matching `filter` (the failure group aside), newest first.
     #[doc(hidden)]
     fn op_entries(
@@ -92,27 +93,6 @@ pub trait OperatorOps: StoreConnection {
         limit: Option<i64>,
         offset: i64,
     ) -> QueryResult<Vec<EntryTuple>>;
-
-    /// One dead letter with its payload.
-    #[doc(hidden)]
-    fn op_letter(conn: &mut Self, id: i64) -> QueryResult<Option<Letter>>;
-
-    /// One dead letter, and its payload (with a cut payload's length and SHA-256).
-    #[doc(hidden)]
-    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>>;
-
-    /// Whether a letter of (group, key) older than `before` (by id) was replayed.
-    #[doc(hidden)]
-    fn op_replayed_before(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        before: i64,
-    ) -> QueryResult<bool>;
-
-    /// The first and last time a (group, key) was dead-lettered.
-    #[doc(hidden)]
-    fn op_failure_span(conn: &mut Self, group: &str, key: &str) -> QueryResult<FailureSpan>;
 
     /// The guarded reset of a dead claim: only a `dead` claim of this payload digest
     /// becomes a due `failed` one with no attempts or starts; returns rows touched.
@@ -126,14 +106,6 @@ pub trait OperatorOps: StoreConnection {
         now: DateTime<Utc>,
     ) -> QueryResult<usize>;
 
-    /// A claim's status and digest.
-    #[doc(hidden)]
-    fn op_claim_state(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-    ) -> QueryResult<Option<(String, Vec<u8>)>>;
-
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
     #[doc(hidden)]
@@ -142,19 +114,6 @@ pub trait OperatorOps: StoreConnection {
     /// Inserts a replay row; returns its id.
     #[doc(hidden)]
     fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64>;
-
-    /// Counts a replay against a dead letter, only if it is neither discarded, nor
-    /// replayed, nor resolved by a rebuild; returns rows touched (the guard).
-    #[doc(hidden)]
-    fn op_mark_replayed(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
-
-    /// Discards a dead letter not discarded yet; returns rows touched.
-    #[doc(hidden)]
-    fn op_discard(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
-
-    /// Every claim of a message key, by group.
-    #[doc(hidden)]
-    fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<crate::ClaimRecord>>;
 
     /// Failed claims with a payload, due and unchanged since `cutoff`.
     #[doc(hidden)]
@@ -165,16 +124,6 @@ pub trait OperatorOps: StoreConnection {
         cutoff: DateTime<Utc>,
         limit: i64,
     ) -> QueryResult<Vec<Redrivable>>;
-
-    /// Marks a redriven claim (guarded by its `updated_at` as read): rows touched.
-    #[doc(hidden)]
-    fn op_touch_redriven(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        read_at: DateTime<Utc>,
-        now: DateTime<Utc>,
-    ) -> QueryResult<usize>;
 
     /// The figures of `stats`.
     #[doc(hidden)]
@@ -189,10 +138,6 @@ pub trait OperatorOps: StoreConnection {
         sent_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> QueryResult<()>;
-
-    /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
-    #[doc(hidden)]
-    fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
 }
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
@@ -275,132 +220,6 @@ macro_rules! operator_ops {
                 q.load(conn)
             }
 
-            fn op_letter(conn: &mut Self, letter: i64) -> QueryResult<Option<Letter>> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                let row: Option<(
-                    i64,
-                    String,
-                    String,
-                    String,
-                    Option<String>,
-                    Vec<u8>,
-                    String,
-                    String,
-                    Option<DateTime<Utc>>,
-                    Option<DateTime<Utc>>,
-                )> = op_dead_letters
-                    .find(letter)
-                    .select((
-                        id,
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        payload,
-                        headers,
-                        reason,
-                        discarded_at,
-                        resolved_at,
-                    ))
-                    .first(conn)
-                    .optional()?;
-                row.map(|r| {
-                    Ok(Letter {
-                        reason: crate::rows::stored_reason(
-                            format_args!("dead letter {}", r.0),
-                            &r.7,
-                        )?,
-                        id: r.0,
-                        group: r.1,
-                        key: r.2,
-                        message_type: r.3,
-                        tenant: r.4,
-                        payload: r.5,
-                        headers: r.6,
-                        discarded: r.8.is_some(),
-                        resolved: r.9.is_some(),
-                    })
-                })
-                .transpose()
-            }
-
-            fn op_replayed_before(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                before: i64,
-            ) -> QueryResult<bool> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                diesel::select(diesel::dsl::exists(
-                    op_dead_letters
-                        .filter(consumer_group.eq(group))
-                        .filter(message_key.eq(key))
-                        .filter(id.lt(before))
-                        .filter(replayed_at.is_not_null()),
-                ))
-                .get_result(conn)
-            }
-
-            fn op_entry(
-                conn: &mut Self,
-                letter: i64,
-            ) -> QueryResult<Option<(EntryTuple, StoredPayload)>> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                let entry: Option<EntryTuple> = op_dead_letters
-                    .find(letter)
-                    .select((
-                        id,
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        headers,
-                        attempts,
-                        reason,
-                        last_error,
-                        dead_lettered_at,
-                        replayed_at,
-                        replay_count,
-                        discarded_at,
-                        resolved_at,
-                    ))
-                    .first(conn)
-                    .optional()?;
-                let Some(entry) = entry else {
-                    return Ok(None);
-                };
-                use crate::operator::tables::op_letter_payloads::dsl as p;
-                let body: StoredPayload = p::op_letter_payloads
-                    .find(letter)
-                    .select((p::payload, p::payload_length, p::payload_sha256))
-                    .first(conn)?;
-                Ok(Some((entry, body)))
-            }
-
-            fn op_failure_span(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-            ) -> QueryResult<FailureSpan> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                // No MIN/MAX: diesel has no ordering aggregates for SQLite's timestamps.
-                let first = op_dead_letters
-                    .filter(consumer_group.eq(group))
-                    .filter(message_key.eq(key))
-                    .order(dead_lettered_at)
-                    .select(dead_lettered_at)
-                    .first(conn)
-                    .optional()?;
-                let last = op_dead_letters
-                    .filter(consumer_group.eq(group))
-                    .filter(message_key.eq(key))
-                    .order(dead_lettered_at.desc())
-                    .select(dead_lettered_at)
-                    .first(conn)
-                    .optional()?;
-                Ok((first, last))
-            }
-
             fn op_reset_dead_claim(
                 conn: &mut Self,
                 group: &str,
@@ -425,19 +244,6 @@ macro_rules! operator_ops {
                     updated_at.eq(crate::schema::Stamp(now)),
                 ))
                 .execute(conn)
-            }
-
-            fn op_claim_state(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-            ) -> QueryResult<Option<(String, Vec<u8>)>> {
-                use crate::schema::inbox_claims::dsl::*;
-                inbox_claims
-                    .find((group, key))
-                    .select((status, payload_digest))
-                    .first(conn)
-                    .optional()
             }
 
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
@@ -472,47 +278,6 @@ macro_rules! operator_ops {
                     ))
                     .returning(id)
                     .get_result(conn)
-            }
-
-            fn op_mark_replayed(
-                conn: &mut Self,
-                letter: i64,
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                diesel::update(
-                    op_dead_letters
-                        .find(letter)
-                        .filter(discarded_at.is_null())
-                        .filter(replayed_at.is_null())
-                        .filter(resolved_at.is_null()),
-                )
-                .set((
-                    replay_count.eq(replay_count + 1),
-                    replayed_at.eq(Some(crate::schema::Stamp(now))),
-                ))
-                .execute(conn)
-            }
-
-            fn op_discard(conn: &mut Self, letter: i64, now: DateTime<Utc>) -> QueryResult<usize> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                diesel::update(op_dead_letters.find(letter).filter(discarded_at.is_null()))
-                    .set(discarded_at.eq(Some(crate::schema::Stamp(now))))
-                    .execute(conn)
-            }
-
-            fn op_claims_by_key(
-                conn: &mut Self,
-                key: &str,
-            ) -> QueryResult<Vec<crate::ClaimRecord>> {
-                use crate::rows::StoredClaim;
-                use crate::schema::inbox_claims::dsl::*;
-                let rows: Vec<StoredClaim> = inbox_claims
-                    .filter(message_key.eq(key))
-                    .order(consumer_group)
-                    .select(StoredClaim::as_select())
-                    .load(conn)?;
-                rows.into_iter().map(crate::rows::claim_record).collect()
             }
 
             fn op_redrivable(
@@ -567,28 +332,6 @@ macro_rules! operator_ops {
                         })
                     })
                     .collect())
-            }
-
-            fn op_touch_redriven(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                read_at: DateTime<Utc>,
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::inbox_claims::dsl::*;
-                diesel::update(
-                    inbox_claims
-                        .find((group, key))
-                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(updated_at.eq(crate::schema::Stamp(read_at)))
-                        .filter(payload.is_not_null()),
-                )
-                .set((
-                    next_attempt_at.eq(Some(crate::schema::Stamp(now))),
-                    updated_at.eq(crate::schema::Stamp(now)),
-                ))
-                .execute(conn)
             }
 
             fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats> {
@@ -705,15 +448,6 @@ macro_rules! operator_ops {
                     .set(arrivals.eq(arrivals + 1))
                     .execute(conn)
                     .map(|_| ())
-            }
-
-            fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>> {
-                use crate::operator::tables::inbox_canary::dsl::*;
-                inbox_canary
-                    .filter(run_id.eq(run))
-                    .order(seq)
-                    .select((seq, sent_at, arrived_at, arrivals))
-                    .load(conn)
             }
         }
     };

@@ -6,10 +6,7 @@ use diesel::result::QueryResult;
 
 use chrono::{DateTime, Utc};
 
-use crate::operator::ops::{
-    CanaryRow, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats, Redrivable,
-    StoredPayload,
-};
+use crate::operator::ops::{EntryTuple, NewReplay, OperatorOps, RawStats, Redrivable};
 use crate::operator::{DeadLetterFilter, LetterStatus};
 
 crate::operator::operator_ops!(diesel::PgConnection);
