@@ -9,7 +9,9 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::SqliteConnection;
 
-use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST};
+use crate::rebuild::ops::{
+    rebuild_dsl, release, take_over, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST,
+};
 
 rebuild_dsl!(SqliteConnection);
 
@@ -56,7 +58,7 @@ impl RebuildOps for SqliteConnection {
                     .do_nothing()
                     .execute(conn)? as u64;
             }
-            shared_take_over(conn, c, chunk, &mut out)?;
+            take_over(conn, c, chunk, &mut out)?;
         }
         Ok(out)
     }
@@ -66,6 +68,6 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
-        shared_release(conn, projection, runner)
+        release(conn, projection, runner)
     }
 }
