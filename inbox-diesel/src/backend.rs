@@ -17,7 +17,9 @@ use diesel::r2d2::R2D2Connection;
 use diesel::{Connection, ConnectionResult, QueryResult};
 use inbox_core::Clock;
 
-use crate::statements::{ClaimOps, HaltOps, OutboxOps, RetentionOps, SharedOutboxOps};
+use crate::statements::{
+    ClaimOps, HaltOps, OutboxOps, RetentionOps, SharedClaimOps, SharedOutboxOps,
+};
 use crate::verify::Catalog;
 use crate::{Backend, Result};
 
@@ -26,7 +28,7 @@ pub(crate) mod private {
 
     /// Backend operations; sealed, so only this crate's backends implement them.
     pub trait Sealed:
-        ClaimOps + OutboxOps + SharedOutboxOps + RetentionOps + HaltOps + Sized
+        ClaimOps + SharedClaimOps + OutboxOps + SharedOutboxOps + RetentionOps + HaltOps + Sized
     {
         const BACKEND: Backend;
 

@@ -1,9 +1,26 @@
-//! The diesel DSL both backends share, written once and expanded inside each
-//! backend's own `impl` (diesel's `ON CONFLICT` does not go through
-//! `MultiConnection`, and the two backends' tables are distinct types): the claim
+//! The diesel DSL both backends share, on the one table set of `schema`: the claim
 //! statements other than the claim itself, and the outbox statements other than
 //! leasing and waking. A backend folder invokes these; what is its own SQL stays in
 //! it. Neutral: nothing here names a backend.
+//!
+//! Two forms, by what diesel lets a generic function bound:
+//!
+//! - plain functions generic over the connection ([`SharedClaimOps`],
+//!   [`SharedOutboxOps`]): one impl for every connection type, bounded per statement
+//!   on `LoadQuery`/`ExecuteDsl` of the statement's `#[auto_type]` builder, as
+//!   diesel's docs advise for generic code. A bound on the backend instead (`C:
+//!   Connection<Backend = B>`) does not get far: diesel's `QueryFragment` impls
+//!   require its private `DieselReserveSpecialization`, dispatch through
+//!   `SqlDialect`, and a row's check is the private `CompatibleType`, so the bound
+//!   would have to spell each statement's whole type;
+//! - `claim_dsl!`, expanded in each backend's `impl ClaimOps`, for the rest: the
+//!   upserts (`mark_start`, `mark_dead`: diesel names no type for `ON CONFLICT ...
+//!   DO UPDATE`, so `#[auto_type]` cannot name them) and the statements that bind a
+//!   batch's keys or a payload by reference (`lookup`, `record_failure`,
+//!   `has_dead_letter`, `insert_dead_letter`): a borrowed statement needs a
+//!   higher-ranked `for<'a>` bound, which rustc does not prove for the backends'
+//!   connections (E0477), and an owned one would copy the payload on the consumer's
+//!   path.
 
 /// Ids per statement: SQLite binds every id of an `IN` list as its own parameter.
 pub(crate) const ID_CHUNK: usize = 500;
@@ -18,15 +35,18 @@ use diesel::dsl::{auto_type, insert_into, update};
 use diesel::prelude::*;
 use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
-use inbox_core::{OutboxRow, UnreadableRow};
+use inbox_core::{ClaimKey, ConsumerGroup, OutboxRow, UnreadableRow};
 
 use crate::rows::{
-    dead_row, decode_into, DeadOutboxRow, NewOutbox, StoredDeadOutbox, StoredOutbox,
+    claim_record, dead_letter, dead_row, decode_into, ClaimRecord, DeadLetter, DeadOutboxRow,
+    NewOutbox, StoredClaim, StoredDeadLetter, StoredDeadOutbox, StoredOutbox,
 };
+use crate::schema::inbox_claims as ic;
+use crate::schema::inbox_dead_letters as dl;
 use crate::schema::outbox_fates as of;
 use crate::schema::outbox_messages as om;
 use crate::schema::sql_types::{Stamp, StoreTime};
-use crate::statements::{ClaimConflict, SharedOutboxOps};
+use crate::statements::{ClaimConflict, SharedClaimOps, SharedOutboxOps};
 
 /// The claim upserts' conflict target: the claim key's columns (`ClaimKey::COLUMNS`,
 /// checked by a test).
@@ -40,7 +60,7 @@ pub(crate) fn claim_target() -> (
     )
 }
 
-/// A claim upsert's conflict condition (see [`claim_conflict`]) as a filter, its due
+/// A claim upsert's conflict condition (see [`claim_conflict`](crate::statements::claim_conflict)) as a filter, its due
 /// time bound to `now`.
 pub(crate) fn due_condition(conflict: &ClaimConflict, now: DateTime<Utc>) -> DueCondition {
     sql::<Bool>(&conflict.condition)
@@ -225,37 +245,34 @@ macro_rules! claim_dsl {
                 .execute(conn)
                 .map(|_| ())
         }
-
-        fn read_claim(
-            conn: &mut Self,
-            key: &inbox_core::ClaimKey,
-        ) -> diesel::QueryResult<Option<$crate::ClaimRecord>> {
-            use $crate::rows::StoredClaim;
-            use $crate::schema::inbox_claims::dsl::*;
-            inbox_claims
-                .find((key.group.as_str(), key.key.as_str()))
-                .select(StoredClaim::as_select())
-                .first(conn)
-                .optional()?
-                .map($crate::rows::claim_record)
-                .transpose()
-        }
-
-        fn read_dead_letters(
-            conn: &mut Self,
-            group: &inbox_core::ConsumerGroup,
-        ) -> diesel::QueryResult<Vec<$crate::DeadLetter>> {
-            use $crate::schema::inbox_dead_letters::dsl::*;
-            let rows: Vec<$crate::rows::StoredDeadLetter> = inbox_dead_letters
-                .filter(consumer_group.eq(group.as_str()))
-                .order(id)
-                .select($crate::rows::StoredDeadLetter::as_select())
-                .load(conn)?;
-            rows.into_iter().map($crate::rows::dead_letter).collect()
-        }
     };
 }
 pub(crate) use claim_dsl;
+
+/// The claim reads of [`SharedClaimOps`], as the outbox statements below are
+/// written.
+impl<C> SharedClaimOps for C
+where
+    C: Connection + LoadConnection,
+    claim_by_key: LoadQuery<'static, C, StoredClaim>,
+    dead_letters_of: LoadQuery<'static, C, StoredDeadLetter>,
+{
+    fn read_claim(conn: &mut C, key: &ClaimKey) -> QueryResult<Option<ClaimRecord>> {
+        claim_by_key(key.group.to_string(), key.key.to_string())
+            .get_result(conn)
+            .optional()?
+            .map(claim_record)
+            .transpose()
+    }
+
+    fn read_dead_letters(conn: &mut C, group: &ConsumerGroup) -> QueryResult<Vec<DeadLetter>> {
+        dead_letters_of(group.to_string())
+            .load(conn)?
+            .into_iter()
+            .map(dead_letter)
+            .collect()
+    }
+}
 
 /// The outbox statements of [`SharedOutboxOps`] as plain functions, for every
 /// connection type that runs each statement, as diesel advises for generic code: a
@@ -405,6 +422,78 @@ pub(crate) fn new_outbox_row<'a>(row: &'a NewOutbox<'a>) -> _ {
     ))
 }
 
+/// The columns of a [`StoredClaim`], in its fields' order (checked against its
+/// `Selectable` by a test).
+#[auto_type]
+pub(crate) fn claim_columns() -> _ {
+    (
+        ic::consumer_group,
+        ic::message_key,
+        ic::message_type,
+        ic::tenant,
+        ic::status,
+        ic::attempts,
+        ic::starts,
+        ic::next_attempt_at,
+        ic::last_error,
+        ic::payload.is_not_null(),
+        ic::first_seen_at,
+        ic::updated_at,
+    )
+}
+
+/// The columns of a [`StoredDeadLetter`], in its fields' order.
+#[auto_type]
+fn dead_letter_columns() -> _ {
+    (
+        dl::id,
+        dl::consumer_group,
+        dl::message_key,
+        dl::message_type,
+        dl::tenant,
+        dl::payload,
+        dl::headers,
+        dl::attempts,
+        dl::reason,
+        dl::last_error,
+        dl::dead_lettered_at,
+        dl::replayed_at,
+        dl::payload_length,
+        dl::payload_sha256,
+    )
+}
+
+/// The columns of a [`StoredDeadOutbox`], in its fields' order.
+#[auto_type]
+fn dead_outbox_columns() -> _ {
+    (
+        of::id,
+        of::message_key,
+        of::exchange,
+        of::routing_key,
+        of::message_type,
+        of::ordering_key,
+        of::attempts,
+        of::last_error,
+        of::dead_at,
+    )
+}
+
+#[auto_type]
+fn claim_by_key(group: String, key: String) -> _ {
+    let columns: claim_columns = claim_columns();
+    ic::table.find((group, key)).select(columns).limit(1_i64)
+}
+
+#[auto_type]
+fn dead_letters_of(group: String) -> _ {
+    let columns: dead_letter_columns = dead_letter_columns();
+    dl::table
+        .filter(dl::consumer_group.eq(group))
+        .order(dl::id)
+        .select(columns)
+}
+
 /// The columns of a [`StoredOutbox`], in its fields' order.
 #[auto_type]
 fn outbox_columns() -> _ {
@@ -493,22 +582,13 @@ fn first_unpublished() -> _ {
 
 #[auto_type]
 fn dead_rows(limit: i64) -> _ {
+    let columns: dead_outbox_columns = dead_outbox_columns();
     of::table
         .filter(of::dead_at.is_not_null())
         .filter(of::published_at.is_null())
         .order((of::dead_at, of::id))
         .limit(limit)
-        .select((
-            of::id,
-            of::message_key,
-            of::exchange,
-            of::routing_key,
-            of::message_type,
-            of::ordering_key,
-            of::attempts,
-            of::last_error,
-            of::dead_at,
-        ))
+        .select(columns)
 }
 
 #[auto_type]
@@ -540,5 +620,42 @@ mod tests {
     #[test]
     fn the_conflict_target_is_the_claim_key() {
         assert_eq!(names(super::claim_target()), ClaimKey::COLUMNS);
+    }
+
+    /// The rows are `Queryable`, read by position: each statement's column list
+    /// selects what the row's `Selectable` (its fields, by name) would, in order.
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn the_column_lists_are_the_rows_fields_in_order() {
+        use super::*;
+        use diesel::debug_query;
+        use diesel::sqlite::Sqlite;
+
+        fn same<A, B>(by_fields: A, by_list: B)
+        where
+            A: diesel::query_builder::QueryFragment<Sqlite>,
+            B: diesel::query_builder::QueryFragment<Sqlite>,
+        {
+            assert_eq!(
+                debug_query::<Sqlite, _>(&by_fields).to_string(),
+                debug_query::<Sqlite, _>(&by_list).to_string()
+            );
+        }
+        same(
+            ic::table.select(StoredClaim::as_select()),
+            ic::table.select(claim_columns()),
+        );
+        same(
+            dl::table.select(StoredDeadLetter::as_select()),
+            dl::table.select(dead_letter_columns()),
+        );
+        same(
+            om::table.select(StoredOutbox::as_select()),
+            om::table.select(outbox_columns()),
+        );
+        same(
+            of::table.select(StoredDeadOutbox::as_select()),
+            of::table.select(dead_outbox_columns()),
+        );
     }
 }

@@ -86,7 +86,10 @@ impl<C: StoreConnection> GroupHalts for Store<C> {
 }
 
 /// The halt statements, written once in diesel's DSL and expanded by each backend
-/// (`pg/mod.rs`, `sqlite/mod.rs`).
+/// (`pg/mod.rs`, `sqlite/mod.rs`). A macro still: recording a halt is an upsert
+/// (`ON CONFLICT DO NOTHING`), which diesel names no type for, so a generic
+/// function could not bound it, and splitting these three statements over two
+/// traits reads worse than one expansion (see `dsl.rs`).
 macro_rules! halt_ops {
     ($conn:ty) => {
         impl crate::statements::HaltOps for $conn {

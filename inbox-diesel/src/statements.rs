@@ -65,7 +65,11 @@ pub trait ClaimOps: Sized {
         last_error: &str,
         now: DateTime<Utc>,
     ) -> QueryResult<Option<i32>>;
+}
 
+/// The claim reads that are the same diesel DSL on both backends, implemented once
+/// for every connection type that runs them (`dsl.rs`).
+pub trait SharedClaimOps: Sized {
     /// Reads one claim.
     fn read_claim(conn: &mut Self, key: &ClaimKey) -> QueryResult<Option<ClaimRecord>>;
 

@@ -503,7 +503,10 @@ pub(crate) fn verify_on<C: IdempotencyConnection>(conn: &mut C) -> Result<()> {
 }
 
 /// The statements of [`IdempotencyOps`], written once and expanded per backend with
-/// its timestamp type and its SQL (placeholders differ).
+/// its SQL (placeholders differ). A macro still: the statements are `sql_query`s with
+/// borrowed binds, whose `QueryFragment` impls require diesel's private
+/// `DieselReserveSpecialization` of the backend, so a generic function could bound
+/// them only by each statement's full type (see `dsl.rs`).
 macro_rules! idempotency_ops {
     ($conn:ty, $sql:ident) => {
         #[derive(diesel::QueryableByName)]

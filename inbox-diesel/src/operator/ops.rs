@@ -1,6 +1,11 @@
-//! The operator's statements, written once as diesel DSL and expanded by each backend
-//! (`pg/operator.rs`, `sqlite/operator.rs`), like `dsl.rs`'s claim and outbox
-//! statements; the catalog reads of the schema check are each backend's own.
+//! The operator's statements, written once as diesel DSL: most are plain functions
+//! generic over the connection (`shared.rs`, [`SharedOperatorOps`]); the ones a
+//! generic function cannot bound readably stay in `operator_ops!`, expanded by each
+//! backend (`pg/operator.rs`, `sqlite/operator.rs`): the filters' boxed queries
+//! (`op_entries`, `op_redrivable`), the upserts (`op_next_sequence`,
+//! `op_record_canary`), the writes that bind a payload by reference
+//! (`op_reset_dead_claim`, `op_insert_replay`) and `op_stats` (see `shared.rs` for
+//! why). The catalog reads of the schema check are each backend's own.
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;

@@ -22,6 +22,7 @@ use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
 
 use super::ops::{CanaryRow, EntryTuple, FailureSpan, Letter, StoredPayload};
+use crate::dsl::claim_columns;
 use crate::operator::tables::{
     inbox_canary as cn, op_dead_letters as dl, op_letter_payloads as lp,
 };
@@ -316,23 +317,11 @@ fn discard(id: i64, now: Stamp) -> _ {
 
 #[auto_type]
 fn claims_by_key(key: String) -> _ {
+    let columns: claim_columns = claim_columns();
     ic::table
         .filter(ic::message_key.eq(key))
         .order(ic::consumer_group)
-        .select((
-            ic::consumer_group,
-            ic::message_key,
-            ic::message_type,
-            ic::tenant,
-            ic::status,
-            ic::attempts,
-            ic::starts,
-            ic::next_attempt_at,
-            ic::last_error,
-            ic::payload.is_not_null(),
-            ic::first_seen_at,
-            ic::updated_at,
-        ))
+        .select(columns)
 }
 
 #[auto_type]
