@@ -2,10 +2,9 @@
 //! generic over the connection (`shared.rs`, [`SharedOperatorOps`]); the ones a
 //! generic function cannot bound readably stay in `operator_ops!`, expanded by each
 //! backend (`pg/operator.rs`, `sqlite/operator.rs`): the filters' boxed queries
-//! (`op_entries`, `op_redrivable`), the upserts (`op_next_sequence`,
-//! `op_record_canary`), the writes that bind a payload by reference
-//! (`op_reset_dead_claim`, `op_insert_replay`) and `op_stats` (see `shared.rs` for
-//! why). The catalog reads of the schema check are each backend's own.
+//! (`op_entries`, `op_redrivable`) and the upserts (`op_next_sequence`,
+//! `op_record_canary`); see `shared.rs` for why. The catalog reads of the schema
+//! check are each backend's own.
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
@@ -99,26 +98,10 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         offset: i64,
     ) -> QueryResult<Vec<EntryTuple>>;
 
-    /// The guarded reset of a dead claim: only a `dead` claim of this payload digest
-    /// becomes a due `failed` one with no attempts or starts; returns rows touched.
-    #[doc(hidden)]
-    fn op_reset_dead_claim(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        digest: &[u8],
-        payload: &[u8],
-        now: DateTime<Utc>,
-    ) -> QueryResult<usize>;
-
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
     #[doc(hidden)]
     fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32>;
-
-    /// Inserts a replay row; returns its id.
-    #[doc(hidden)]
-    fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64>;
 
     /// Failed claims with a payload, due and unchanged since `cutoff`.
     #[doc(hidden)]
@@ -129,10 +112,6 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         cutoff: DateTime<Utc>,
         limit: i64,
     ) -> QueryResult<Vec<Redrivable>>;
-
-    /// The figures of `stats`.
-    #[doc(hidden)]
-    fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats>;
 
     /// Records an arrival of a canary message.
     #[doc(hidden)]
@@ -225,32 +204,6 @@ macro_rules! operator_ops {
                 q.load(conn)
             }
 
-            fn op_reset_dead_claim(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                digest: &[u8],
-                body: &[u8],
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::inbox_claims::dsl::*;
-                diesel::update(
-                    inbox_claims
-                        .find((group, key))
-                        .filter(status.eq(crate::ClaimStatus::Dead.as_str()))
-                        .filter(payload_digest.eq(digest)),
-                )
-                .set((
-                    status.eq(crate::ClaimStatus::Failed.as_str()),
-                    attempts.eq(0),
-                    starts.eq(0),
-                    next_attempt_at.eq(Some(crate::schema::Stamp(now))),
-                    payload.eq(Some(body)),
-                    updated_at.eq(crate::schema::Stamp(now)),
-                ))
-                .execute(conn)
-            }
-
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
                 use crate::operator::tables::inbox_replay_sequences::dsl::*;
                 // One row per key, raised under its row lock: two replays of one key
@@ -262,26 +215,6 @@ macro_rules! operator_ops {
                     .do_update()
                     .set(last_seq.eq(last_seq + 1))
                     .returning(last_seq)
-                    .get_result(conn)
-            }
-
-            fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64> {
-                use crate::operator::tables::op_outbox::dsl::*;
-                diesel::insert_into(op_outbox)
-                    .values((
-                        message_key.eq(row.key),
-                        exchange.eq(""),
-                        routing_key.eq(row.routing_key),
-                        message_type.eq(row.message_type),
-                        tenant.eq(row.tenant),
-                        payload.eq(row.payload),
-                        headers.eq(row.headers),
-                        created_at.eq(crate::schema::Stamp(row.now)),
-                        available_at.eq(crate::schema::Stamp(row.now)),
-                        attempts.eq(0),
-                        replay_seq.eq(row.sequence),
-                    ))
-                    .returning(id)
                     .get_result(conn)
             }
 
@@ -337,99 +270,6 @@ macro_rules! operator_ops {
                         })
                     })
                     .collect())
-            }
-
-            fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats> {
-                use diesel::dsl::count_star;
-                let mut stats = RawStats::default();
-                {
-                    use crate::schema::inbox_claims::dsl::*;
-                    stats.claims = inbox_claims
-                        .group_by((consumer_group, status))
-                        .select((consumer_group, status, count_star()))
-                        .order((consumer_group, status))
-                        .load(conn)?;
-                    stats.due = inbox_claims
-                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(next_attempt_at.le(crate::schema::Stamp(now)))
-                        .group_by(consumer_group)
-                        .select((consumer_group, count_star()))
-                        .load(conn)?;
-                    let failing: Vec<String> = stats
-                        .claims
-                        .iter()
-                        .filter(|(_, s, _)| s == crate::ClaimStatus::Failed.as_str())
-                        .map(|(g, _, _)| g.clone())
-                        .collect();
-                    for group in failing {
-                        // Per group, by the failed-claims index (no MIN on SQLite's
-                        // timestamps in diesel).
-                        let oldest: Option<Option<DateTime<Utc>>> = inbox_claims
-                            .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                            .filter(consumer_group.eq(&group))
-                            .filter(next_attempt_at.is_not_null())
-                            .order(next_attempt_at)
-                            .select(next_attempt_at)
-                            .first(conn)
-                            .optional()?;
-                        stats.oldest_retry.push((group, oldest.flatten()));
-                    }
-                    let unfinished: Vec<String> = stats
-                        .claims
-                        .iter()
-                        .filter(|(_, s, _)| {
-                            s == crate::ClaimStatus::Failed.as_str()
-                                || s == crate::ClaimStatus::Started.as_str()
-                        })
-                        .map(|(g, _, _)| g.clone())
-                        .collect();
-                    for group in unfinished {
-                        let oldest: Option<DateTime<Utc>> = inbox_claims
-                            .filter(status.eq_any([
-                                crate::ClaimStatus::Failed.as_str(),
-                                crate::ClaimStatus::Started.as_str(),
-                            ]))
-                            .filter(consumer_group.eq(&group))
-                            .order(first_seen_at)
-                            .select(first_seen_at)
-                            .first(conn)
-                            .optional()?;
-                        if !stats.oldest_unprocessed.iter().any(|(g, _)| *g == group) {
-                            stats.oldest_unprocessed.push((group, oldest));
-                        }
-                    }
-                }
-                {
-                    use crate::operator::tables::op_dead_letters::dsl::*;
-                    stats.letters = op_dead_letters
-                        .filter(discarded_at.is_null())
-                        .filter(replayed_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .group_by((consumer_group, reason))
-                        .select((consumer_group, reason, count_star()))
-                        .order((consumer_group, reason))
-                        .load(conn)?;
-                }
-                {
-                    use crate::operator::tables::op_outbox::dsl::*;
-                    let live = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_null());
-                    stats.backlog = live.select(count_star()).first(conn)?;
-                    stats.oldest_unpublished = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_null())
-                        .order(created_at)
-                        .select(created_at)
-                        .first(conn)
-                        .optional()?;
-                    stats.dead_outbox = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_not_null())
-                        .select(count_star())
-                        .first(conn)?;
-                }
-                Ok(stats)
             }
 
             fn op_record_canary(
