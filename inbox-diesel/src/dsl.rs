@@ -22,19 +22,14 @@
 //!   connections (E0477), and an owned one would copy the payload on the consumer's
 //!   path.
 
-/// Ids per statement: SQLite binds every id of an `IN` list as its own parameter.
-pub(crate) const ID_CHUNK: usize = 500;
-
 use chrono::{DateTime, Utc};
-use diesel::dsl::{sql, AsExprOf};
-use diesel::expression::{SqlLiteral, UncheckedBind};
-use diesel::sql_types::Bool;
-
 use diesel::connection::LoadConnection;
-use diesel::dsl::{auto_type, insert_into, update};
+use diesel::dsl::{auto_type, insert_into, sql, update, AsExprOf};
+use diesel::expression::{SqlLiteral, UncheckedBind};
 use diesel::prelude::*;
 use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
+use diesel::sql_types::Bool;
 use inbox_core::{ClaimKey, ConsumerGroup, OutboxRow, UnreadableRow};
 
 use crate::rows::{
@@ -48,20 +43,18 @@ use crate::schema::outbox_messages as om;
 use crate::schema::sql_types::{Stamp, StoreTime};
 use crate::statements::{ClaimConflict, SharedClaimOps, SharedOutboxOps};
 
+/// Ids per statement: SQLite binds every id of an `IN` list as its own parameter.
+pub(crate) const ID_CHUNK: usize = 500;
+
 /// The claim upserts' conflict target: the claim key's columns (`ClaimKey::COLUMNS`,
 /// checked by a test).
-pub(crate) fn claim_target() -> (
-    crate::schema::inbox_claims::consumer_group,
-    crate::schema::inbox_claims::message_key,
-) {
-    (
-        crate::schema::inbox_claims::consumer_group,
-        crate::schema::inbox_claims::message_key,
-    )
+pub(crate) fn claim_target() -> (ic::consumer_group, ic::message_key) {
+    (ic::consumer_group, ic::message_key)
 }
 
-/// A claim upsert's conflict condition (see [`claim_conflict`](crate::statements::claim_conflict)) as a filter, its due
-/// time bound to `now`.
+/// A claim upsert's conflict condition (see
+/// [`claim_conflict`](crate::statements::claim_conflict)) as a filter, its due time
+/// bound to `now`.
 pub(crate) fn due_condition(conflict: &ClaimConflict, now: DateTime<Utc>) -> DueCondition {
     sql::<Bool>(&conflict.condition)
         .bind::<StoreTime, _>(Stamp(now))

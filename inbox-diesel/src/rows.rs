@@ -177,6 +177,12 @@ pub struct NewDeadLetter<'a> {
 
 /// A claim row as it is read back: the columns of [`ClaimRecord`], the payload only
 /// as whether it is kept.
+///
+/// The read rows (this one, [`StoredDeadLetter`], [`StoredOutbox`],
+/// [`StoredDeadOutbox`]) are `Queryable`, read by position from the column lists
+/// of `dsl.rs` (`as_select()` is typed by the backend, and the statements'
+/// `#[auto_type]` builders are not), and `Selectable`, which names each field's
+/// column: a test holds each list to its row's fields, in order.
 #[derive(Queryable, Selectable)]
 #[diesel(table_name = inbox_claims)]
 pub(crate) struct StoredClaim {
