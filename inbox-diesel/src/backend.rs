@@ -17,7 +17,9 @@ use diesel::r2d2::R2D2Connection;
 use diesel::{Connection, ConnectionResult, QueryResult};
 use inbox_core::Clock;
 
-use crate::statements::{ClaimOps, HaltOps, OutboxOps, RetentionOps};
+use crate::statements::{
+    ClaimOps, HaltOps, OutboxOps, RetentionOps, SharedClaimOps, SharedOutboxOps,
+};
 use crate::verify::Catalog;
 use crate::{Backend, Result};
 
@@ -25,7 +27,9 @@ pub(crate) mod private {
     use super::*;
 
     /// Backend operations; sealed, so only this crate's backends implement them.
-    pub trait Sealed: ClaimOps + OutboxOps + RetentionOps + HaltOps + Sized {
+    pub trait Sealed:
+        ClaimOps + SharedClaimOps + OutboxOps + SharedOutboxOps + RetentionOps + HaltOps + Sized
+    {
         const BACKEND: Backend;
 
         /// What a relay waits for enqueues on (PostgreSQL: the store's LISTEN

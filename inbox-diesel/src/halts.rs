@@ -86,21 +86,24 @@ impl<C: StoreConnection> GroupHalts for Store<C> {
 }
 
 /// The halt statements, written once in diesel's DSL and expanded by each backend
-/// (`pg/mod.rs`, `sqlite/mod.rs`).
+/// (`pg/mod.rs`, `sqlite/mod.rs`). A macro still: recording a halt is an upsert
+/// (`ON CONFLICT DO NOTHING`), which diesel names no type for, so a generic
+/// function could not bound it, and splitting these three statements over two
+/// traits reads worse than one expansion (see `dsl.rs`).
 macro_rules! halt_ops {
-    ($conn:ty, $schema:ident) => {
+    ($conn:ty) => {
         impl crate::statements::HaltOps for $conn {
             fn op_record_halt(
                 conn: &mut Self,
                 halt: &crate::statements::HaltRow,
             ) -> QueryResult<bool> {
-                use crate::schema::$schema::inbox_group_halts::dsl::*;
+                use crate::schema::inbox_group_halts::dsl::*;
                 let written = diesel::insert_into(inbox_group_halts)
                     .values((
                         consumer_group.eq(&halt.0),
                         message_key.eq(&halt.1),
                         detail.eq(&halt.2),
-                        halted_at.eq(halt.3),
+                        halted_at.eq(crate::schema::Stamp(halt.3)),
                     ))
                     .on_conflict(consumer_group)
                     .do_nothing()
@@ -109,7 +112,7 @@ macro_rules! halt_ops {
             }
 
             fn op_halts(conn: &mut Self) -> QueryResult<Vec<crate::statements::HaltRow>> {
-                use crate::schema::$schema::inbox_group_halts::dsl::*;
+                use crate::schema::inbox_group_halts::dsl::*;
                 inbox_group_halts
                     .order(consumer_group)
                     .select((consumer_group, message_key, detail, halted_at))
@@ -117,7 +120,7 @@ macro_rules! halt_ops {
             }
 
             fn op_delete_halt(conn: &mut Self, group: &str) -> QueryResult<usize> {
-                use crate::schema::$schema::inbox_group_halts::dsl::*;
+                use crate::schema::inbox_group_halts::dsl::*;
                 diesel::delete(inbox_group_halts.filter(consumer_group.eq(group))).execute(conn)
             }
         }

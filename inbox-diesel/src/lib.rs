@@ -33,7 +33,9 @@
 //!   upsert's conflict target and condition, built once from `ClaimKey::COLUMNS`.
 //! - `rows`: the rows the statements write and read, and the public records
 //!   ([`ClaimRecord`], [`DeadLetter`], [`DeadOutboxRow`]).
-//! - `dsl`: the diesel DSL both backends share, written once and expanded in each.
+//! - `dsl`: the diesel DSL both backends share, written once: functions generic over
+//!   the connection, and a macro expanded in each backend for the statements a
+//!   generic function cannot bound (upserts, borrowed payloads).
 //! - `batch/`: the state machine, one step per module: `mod.rs` orchestration and
 //!   in-batch de-duplication; `retry` transaction retries and splitting; `claim`
 //!   locks, claims, lookups and the pure `decide` from a stored claim to a decision;
@@ -46,7 +48,7 @@
 //! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
 //!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
 //!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
-//!   table definitions.
+//!   the one table set of both backends and its timestamp type.
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

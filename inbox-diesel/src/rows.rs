@@ -3,11 +3,14 @@
 //! these).
 
 use chrono::{DateTime, Utc};
+use diesel::prelude::*;
 use diesel::result::QueryResult;
 use inbox_core::{
     DeadLetterReason, MessageKey, OutboxMessage, OutboxRow, PayloadCut, UnreadableRow,
 };
 use std::collections::BTreeMap;
+
+use crate::schema::{inbox_claims, inbox_dead_letters, outbox_fates, outbox_messages};
 
 /// A claim's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,37 +175,53 @@ pub struct NewDeadLetter<'a> {
     pub payload_sha256: Option<&'a [u8]>,
 }
 
-pub(crate) type ClaimTuple = (
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    i32,
-    i32,
-    Option<DateTime<Utc>>,
-    Option<String>,
-    bool,
-    DateTime<Utc>,
-    DateTime<Utc>,
-);
+/// A claim row as it is read back: the columns of [`ClaimRecord`], the payload only
+/// as whether it is kept.
+///
+/// The read rows (this one, [`StoredDeadLetter`], [`StoredOutbox`],
+/// [`StoredDeadOutbox`]) are `Queryable`, read by position from the column lists
+/// of `dsl.rs` (`as_select()` is typed by the backend, and the statements'
+/// `#[auto_type]` builders are not), and `Selectable`, which names each field's
+/// column: a test holds each list to its row's fields, in order.
+#[derive(Queryable, Selectable)]
+#[diesel(table_name = inbox_claims)]
+pub(crate) struct StoredClaim {
+    pub(crate) consumer_group: String,
+    pub(crate) message_key: String,
+    pub(crate) message_type: String,
+    pub(crate) tenant: Option<String>,
+    pub(crate) status: String,
+    pub(crate) attempts: i32,
+    pub(crate) starts: i32,
+    pub(crate) next_attempt_at: Option<DateTime<Utc>>,
+    pub(crate) last_error: Option<String>,
+    #[diesel(select_expression = inbox_claims::payload.is_not_null())]
+    #[diesel(select_expression_type = diesel::dsl::IsNotNull<inbox_claims::payload>)]
+    pub(crate) has_payload: bool,
+    pub(crate) first_seen_at: DateTime<Utc>,
+    pub(crate) updated_at: DateTime<Utc>,
+}
 
-pub(crate) type DeadLetterTuple = (
-    i64,
-    String,
-    String,
-    String,
-    Option<String>,
-    Vec<u8>,
-    String,
-    i32,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    Option<DateTime<Utc>>,
-    Option<i64>,
-    Option<Vec<u8>>,
-);
+/// A dead-letter row as it is read back, before its reason, headers and cut are
+/// checked.
+#[derive(Queryable, Selectable)]
+#[diesel(table_name = inbox_dead_letters)]
+pub(crate) struct StoredDeadLetter {
+    pub(crate) id: i64,
+    pub(crate) consumer_group: String,
+    pub(crate) message_key: String,
+    pub(crate) message_type: String,
+    pub(crate) tenant: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) attempts: i32,
+    pub(crate) reason: String,
+    pub(crate) last_error: Option<String>,
+    pub(crate) dead_lettered_at: DateTime<Utc>,
+    pub(crate) replayed_at: Option<DateTime<Utc>>,
+    pub(crate) payload_length: Option<i64>,
+    pub(crate) payload_sha256: Option<Vec<u8>>,
+}
 
 /// The stored length and SHA-256 of a cut payload: both or neither.
 pub(crate) fn payload_cut(
@@ -225,25 +244,25 @@ pub(crate) fn payload_cut(
     }
 }
 
-pub(crate) fn claim_record(t: ClaimTuple) -> QueryResult<ClaimRecord> {
-    let status = ClaimStatus::parse(&t.4).ok_or_else(|| {
+pub(crate) fn claim_record(t: StoredClaim) -> QueryResult<ClaimRecord> {
+    let status = ClaimStatus::parse(&t.status).ok_or_else(|| {
         diesel::result::Error::DeserializationError(
-            format!("unknown claim status {:?}", t.4).into(),
+            format!("unknown claim status {:?}", t.status).into(),
         )
     })?;
     Ok(ClaimRecord {
-        group: t.0,
-        key: t.1,
-        message_type: t.2,
-        tenant: t.3,
+        group: t.consumer_group,
+        key: t.message_key,
+        message_type: t.message_type,
+        tenant: t.tenant,
         status,
-        attempts: t.5,
-        starts: t.6,
-        next_attempt_at: t.7,
-        last_error: t.8,
-        has_payload: t.9,
-        first_seen_at: t.10,
-        updated_at: t.11,
+        attempts: t.attempts,
+        starts: t.starts,
+        next_attempt_at: t.next_attempt_at,
+        last_error: t.last_error,
+        has_payload: t.has_payload,
+        first_seen_at: t.first_seen_at,
+        updated_at: t.updated_at,
     })
 }
 
@@ -263,33 +282,34 @@ pub(crate) fn stored_reason(
 
 /// A stored dead letter, or a deserialization error naming the row and what of it
 /// cannot be read (an unknown reason, headers that are not a JSON object of strings).
-pub(crate) fn dead_letter(t: DeadLetterTuple) -> QueryResult<DeadLetter> {
+pub(crate) fn dead_letter(t: StoredDeadLetter) -> QueryResult<DeadLetter> {
     let unreadable = |problem: String| {
         diesel::result::Error::DeserializationError(
-            format!("dead letter {}: {problem}", t.0).into(),
+            format!("dead letter {}: {problem}", t.id).into(),
         )
     };
-    let reason = stored_reason(format_args!("dead letter {}", t.0), &t.8)?;
-    let headers = serde_json::from_str(&t.6).map_err(|err| {
+    let reason = stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
+    let headers = serde_json::from_str(&t.headers).map_err(|err| {
         unreadable(format!(
             "headers {:?} are not a JSON object of strings: {err}",
-            t.6
+            t.headers
         ))
     })?;
     Ok(DeadLetter {
-        id: t.0,
-        group: t.1,
-        key: t.2,
-        message_type: t.3,
-        tenant: t.4,
-        payload: t.5,
-        payload_cut: payload_cut(t.12, t.13.as_deref()).map_err(unreadable)?,
+        payload_cut: payload_cut(t.payload_length, t.payload_sha256.as_deref())
+            .map_err(unreadable)?,
+        id: t.id,
+        group: t.consumer_group,
+        key: t.message_key,
+        message_type: t.message_type,
+        tenant: t.tenant,
+        payload: t.payload,
         headers,
-        attempts: t.7,
+        attempts: t.attempts,
         reason,
-        last_error: t.9,
-        dead_lettered_at: t.10,
-        replayed_at: t.11,
+        last_error: t.last_error,
+        dead_lettered_at: t.dead_lettered_at,
+        replayed_at: t.replayed_at,
     })
 }
 
@@ -307,53 +327,57 @@ pub struct NewOutbox<'a> {
     pub available_at: DateTime<Utc>,
 }
 
-pub(crate) type OutboxTuple = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    Vec<u8>,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    i32,
-);
+/// An outbox row as leasing reads it back, before its key and headers are checked.
+#[derive(Queryable, Selectable)]
+#[diesel(table_name = outbox_messages)]
+pub(crate) struct StoredOutbox {
+    pub(crate) id: i64,
+    pub(crate) message_key: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) message_type: String,
+    pub(crate) tenant: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) attempts: i32,
+}
 
 /// A stored row as a message, or why it cannot be one (it is recorded against the
 /// row, never failing the lease).
-fn outbox_row(t: OutboxTuple) -> std::result::Result<OutboxRow, UnreadableRow> {
+fn outbox_row(t: StoredOutbox) -> std::result::Result<OutboxRow, UnreadableRow> {
     let unreadable = |error: String| UnreadableRow {
-        id: t.0,
-        attempts: t.10,
+        id: t.id,
+        attempts: t.attempts,
         error: format!("unreadable row: {error}"),
     };
-    let message_key = MessageKey::new(t.1.clone()).map_err(|err| unreadable(err.to_string()))?;
-    let headers = serde_json::from_str(&t.7)
+    let message_key =
+        MessageKey::new(t.message_key.clone()).map_err(|err| unreadable(err.to_string()))?;
+    let headers = serde_json::from_str(&t.headers)
         .map_err(|err| unreadable(format!("headers are not a JSON object of strings: {err}")))?;
     Ok(OutboxRow {
-        id: t.0,
+        id: t.id,
         message: OutboxMessage {
             message_key,
-            exchange: t.2,
-            routing_key: t.3,
-            message_type: t.4,
-            payload: t.6,
+            exchange: t.exchange,
+            routing_key: t.routing_key,
+            message_type: t.message_type,
+            payload: t.payload,
             headers,
-            tenant: t.5,
-            ordering_key: t.8,
+            tenant: t.tenant,
+            ordering_key: t.ordering_key,
             // Consumed by leasing: a leased row is due, whenever it was first due.
             not_before: None,
         },
-        attempts: t.10,
-        created_at: t.9,
+        attempts: t.attempts,
+        created_at: t.created_at,
     })
 }
 
-/// Sorts decoded tuples into readable rows and unreadable ones.
+/// Sorts decoded rows into readable rows and unreadable ones.
 pub(crate) fn decode_into(
-    t: OutboxTuple,
+    t: StoredOutbox,
     rows: &mut Vec<OutboxRow>,
     unreadable: &mut Vec<UnreadableRow>,
 ) {
@@ -389,30 +413,34 @@ pub struct DeadOutboxRow {
     pub dead_at: DateTime<Utc>,
 }
 
-pub(crate) type DeadTuple = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    i32,
-    Option<String>,
-    Option<DateTime<Utc>>,
-);
+/// A dead outbox row as it is read back (`outbox_fates`: `dead_at` is past the 16
+/// columns of `outbox_messages`).
+#[derive(Queryable, Selectable)]
+#[diesel(table_name = outbox_fates)]
+pub(crate) struct StoredDeadOutbox {
+    pub(crate) id: i64,
+    pub(crate) message_key: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) message_type: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) dead_at: Option<DateTime<Utc>>,
+}
 
-pub(crate) fn dead_row(t: DeadTuple) -> DeadOutboxRow {
+pub(crate) fn dead_row(t: StoredDeadOutbox) -> DeadOutboxRow {
     DeadOutboxRow {
-        id: t.0,
-        message_key: t.1,
-        exchange: t.2,
-        routing_key: t.3,
-        message_type: t.4,
-        ordering_key: t.5,
-        attempts: t.6,
-        last_error: t.7,
+        id: t.id,
+        message_key: t.message_key,
+        exchange: t.exchange,
+        routing_key: t.routing_key,
+        message_type: t.message_type,
+        ordering_key: t.ordering_key,
+        attempts: t.attempts,
+        last_error: t.last_error,
         // Selected with dead_at IS NOT NULL.
-        dead_at: t.8.unwrap_or(DateTime::<Utc>::MIN_UTC),
+        dead_at: t.dead_at.unwrap_or(DateTime::<Utc>::MIN_UTC),
     }
 }
 

@@ -65,7 +65,11 @@ pub trait ClaimOps: Sized {
         last_error: &str,
         now: DateTime<Utc>,
     ) -> QueryResult<Option<i32>>;
+}
 
+/// The claim reads that are the same diesel DSL on both backends, implemented once
+/// for every connection type that runs them (`dsl.rs`).
+pub trait SharedClaimOps: Sized {
     /// Reads one claim.
     fn read_claim(conn: &mut Self, key: &ClaimKey) -> QueryResult<Option<ClaimRecord>>;
 
@@ -93,7 +97,11 @@ pub trait OutboxOps: Sized {
         now: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> QueryResult<Vec<i64>>;
+}
 
+/// The outbox statements that are the same diesel DSL on both backends, implemented
+/// once for every connection type that runs them (`dsl.rs`).
+pub trait SharedOutboxOps: Sized {
     /// Reads rows by id, in id order; rows that cannot be read are returned apart.
     fn load_outbox(
         conn: &mut Self,

@@ -503,9 +503,12 @@ pub(crate) fn verify_on<C: IdempotencyConnection>(conn: &mut C) -> Result<()> {
 }
 
 /// The statements of [`IdempotencyOps`], written once and expanded per backend with
-/// its timestamp type and its SQL (placeholders differ).
+/// its SQL (placeholders differ). A macro still: the statements are `sql_query`s with
+/// borrowed binds, whose `QueryFragment` impls require diesel's private
+/// `DieselReserveSpecialization` of the backend, so a generic function could bound
+/// them only by each statement's full type (see `dsl.rs`).
 macro_rules! idempotency_ops {
-    ($conn:ty, $ts:ty, $sql:ident) => {
+    ($conn:ty, $sql:ident) => {
         #[derive(diesel::QueryableByName)]
         struct Row {
             #[diesel(sql_type = diesel::sql_types::Text)]
@@ -518,15 +521,15 @@ macro_rules! idempotency_ops {
             status: String,
             #[diesel(sql_type = diesel::sql_types::Binary)]
             lease_token: Vec<u8>,
-            #[diesel(sql_type = $ts)]
+            #[diesel(sql_type = crate::schema::sql_types::StoreTime)]
             lease_until: chrono::DateTime<chrono::Utc>,
-            #[diesel(sql_type = diesel::sql_types::Nullable<$ts>)]
+            #[diesel(sql_type = diesel::sql_types::Nullable<crate::schema::sql_types::StoreTime>)]
             committed_at: Option<chrono::DateTime<chrono::Utc>>,
             #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Binary>)]
             response: Option<Vec<u8>>,
-            #[diesel(sql_type = $ts)]
+            #[diesel(sql_type = crate::schema::sql_types::StoreTime)]
             created_at: chrono::DateTime<chrono::Utc>,
-            #[diesel(sql_type = $ts)]
+            #[diesel(sql_type = crate::schema::sql_types::StoreTime)]
             updated_at: chrono::DateTime<chrono::Utc>,
         }
 
@@ -553,8 +556,10 @@ macro_rules! idempotency_ops {
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
                     .bind::<Binary, _>(fingerprint)
-                    .bind::<$ts, _>(lease_until)
-                    .bind::<$ts, _>(now)
+                    .bind::<crate::schema::sql_types::StoreTime, _>(crate::schema::Stamp(
+                        lease_until,
+                    ))
+                    .bind::<crate::schema::sql_types::StoreTime, _>(crate::schema::Stamp(now))
                     .bind::<Binary, _>(token)
                     .get_result(conn)
                     .optional()?;
@@ -600,7 +605,7 @@ macro_rules! idempotency_ops {
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
                     .bind::<Binary, _>(token)
-                    .bind::<$ts, _>(now)
+                    .bind::<crate::schema::sql_types::StoreTime, _>(crate::schema::Stamp(now))
                     .execute(conn)
             }
 
@@ -621,7 +626,7 @@ macro_rules! idempotency_ops {
                     .bind::<Binary, _>(token)
                     .bind::<Text, _>(status)
                     .bind::<Nullable<Binary>, _>(response)
-                    .bind::<$ts, _>(now)
+                    .bind::<crate::schema::sql_types::StoreTime, _>(crate::schema::Stamp(now))
                     .execute(conn)
             }
 
@@ -638,7 +643,7 @@ macro_rules! idempotency_ops {
                     .bind::<Text, _>(caller)
                     .bind::<Text, _>(key)
                     .bind::<Binary, _>(token)
-                    .bind::<$ts, _>(now)
+                    .bind::<crate::schema::sql_types::StoreTime, _>(crate::schema::Stamp(now))
                     .execute(conn)
             }
 

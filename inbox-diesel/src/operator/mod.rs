@@ -87,6 +87,7 @@ mod fingerprint;
 mod gauges;
 mod halts;
 pub(crate) mod ops;
+mod shared;
 pub(crate) mod tables;
 mod types;
 mod writes;
@@ -101,7 +102,7 @@ use std::time::Duration;
 use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
-use crate::{ClaimRecord, ClaimStatus, Error, PurgeTarget, Result, Store};
+use crate::{ClaimRecord, ClaimStatus, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
@@ -381,30 +382,7 @@ impl<C: OperatorConnection> Operator<C> {
     /// Every claim of a message key, one per consumer group.
     pub fn claims_for_key(&self, key: &str) -> Result<Vec<ClaimRecord>> {
         let mut conn = self.connection()?;
-        C::op_claims_by_key(&mut conn, key)?
-            .into_iter()
-            .map(|t| {
-                let status = ClaimStatus::parse(&t.4).ok_or_else(|| {
-                    Error::Database(diesel::result::Error::DeserializationError(
-                        format!("unknown claim status {:?}", t.4).into(),
-                    ))
-                })?;
-                Ok(ClaimRecord {
-                    group: t.0,
-                    key: t.1,
-                    message_type: t.2,
-                    tenant: t.3,
-                    status,
-                    attempts: t.5,
-                    starts: t.6,
-                    next_attempt_at: t.7,
-                    last_error: t.8,
-                    has_payload: t.9,
-                    first_seen_at: t.10,
-                    updated_at: t.11,
-                })
-            })
-            .collect()
+        Ok(C::op_claims_by_key(&mut conn, key)?)
     }
 
     /// Claims by status per group, retries due and waiting, the oldest pending retry,

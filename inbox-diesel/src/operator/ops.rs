@@ -1,11 +1,16 @@
-//! The operator's statements, written once as diesel DSL and expanded by each backend
-//! (`pg/operator.rs`, `sqlite/operator.rs`), like `dsl.rs`'s claim and outbox
-//! statements; the catalog reads of the schema check are each backend's own.
+//! The operator's statements, written once as diesel DSL: most are plain functions
+//! generic over the connection (`shared.rs`, [`SharedOperatorOps`]); the ones a
+//! generic function cannot bound readably stay in `operator_ops!`, expanded by each
+//! backend (`pg/operator.rs`, `sqlite/operator.rs`): the filters' boxed queries
+//! (`op_entries`, `op_redrivable`) and the upserts (`op_next_sequence`,
+//! `op_record_canary`); see `shared.rs` for why. The catalog reads of the schema
+//! check are each backend's own.
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
 use inbox_core::DeadLetterReason;
 
+use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
@@ -69,22 +74,6 @@ pub struct Redrivable {
     pub updated_at: DateTime<Utc>,
 }
 
-/// A claim row, as `ClaimRecord` is built from.
-pub(crate) type ClaimTuple = (
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    i32,
-    i32,
-    Option<DateTime<Utc>>,
-    Option<String>,
-    bool,
-    DateTime<Utc>,
-    DateTime<Utc>,
-);
-
 /// What `stats` reads, raw.
 #[derive(Default)]
 pub struct RawStats {
@@ -99,7 +88,7 @@ pub struct RawStats {
 }
 
 /// The operator statements every backend runs, on its own connection type.
-pub trait OperatorOps: StoreConnection {
+pub trait OperatorOps: StoreConnection + SharedOperatorOps {
     /// Dead letters matching `filter` (the failure group aside), newest first.
     #[doc(hidden)]
     fn op_entries(
@@ -109,68 +98,10 @@ pub trait OperatorOps: StoreConnection {
         offset: i64,
     ) -> QueryResult<Vec<EntryTuple>>;
 
-    /// One dead letter with its payload.
-    #[doc(hidden)]
-    fn op_letter(conn: &mut Self, id: i64) -> QueryResult<Option<Letter>>;
-
-    /// One dead letter, and its payload (with a cut payload's length and SHA-256).
-    #[doc(hidden)]
-    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>>;
-
-    /// Whether a letter of (group, key) older than `before` (by id) was replayed.
-    #[doc(hidden)]
-    fn op_replayed_before(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        before: i64,
-    ) -> QueryResult<bool>;
-
-    /// The first and last time a (group, key) was dead-lettered.
-    #[doc(hidden)]
-    fn op_failure_span(conn: &mut Self, group: &str, key: &str) -> QueryResult<FailureSpan>;
-
-    /// The guarded reset of a dead claim: only a `dead` claim of this payload digest
-    /// becomes a due `failed` one with no attempts or starts; returns rows touched.
-    #[doc(hidden)]
-    fn op_reset_dead_claim(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        digest: &[u8],
-        payload: &[u8],
-        now: DateTime<Utc>,
-    ) -> QueryResult<usize>;
-
-    /// A claim's status and digest.
-    #[doc(hidden)]
-    fn op_claim_state(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-    ) -> QueryResult<Option<(String, Vec<u8>)>>;
-
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
     #[doc(hidden)]
     fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32>;
-
-    /// Inserts a replay row; returns its id.
-    #[doc(hidden)]
-    fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64>;
-
-    /// Counts a replay against a dead letter, only if it is neither discarded, nor
-    /// replayed, nor resolved by a rebuild; returns rows touched (the guard).
-    #[doc(hidden)]
-    fn op_mark_replayed(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
-
-    /// Discards a dead letter not discarded yet; returns rows touched.
-    #[doc(hidden)]
-    fn op_discard(conn: &mut Self, id: i64, now: DateTime<Utc>) -> QueryResult<usize>;
-
-    /// Every claim of a message key, by group.
-    #[doc(hidden)]
-    fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>>;
 
     /// Failed claims with a payload, due and unchanged since `cutoff`.
     #[doc(hidden)]
@@ -182,20 +113,6 @@ pub trait OperatorOps: StoreConnection {
         limit: i64,
     ) -> QueryResult<Vec<Redrivable>>;
 
-    /// Marks a redriven claim (guarded by its `updated_at` as read): rows touched.
-    #[doc(hidden)]
-    fn op_touch_redriven(
-        conn: &mut Self,
-        group: &str,
-        key: &str,
-        read_at: DateTime<Utc>,
-        now: DateTime<Utc>,
-    ) -> QueryResult<usize>;
-
-    /// The figures of `stats`.
-    #[doc(hidden)]
-    fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats>;
-
     /// Records an arrival of a canary message.
     #[doc(hidden)]
     fn op_record_canary(
@@ -205,17 +122,13 @@ pub trait OperatorOps: StoreConnection {
         sent_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> QueryResult<()>;
-
-    /// A run's arrivals: (seq, sent_at, arrived_at, arrivals).
-    #[doc(hidden)]
-    fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>>;
 }
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
 macro_rules! operator_ops {
-    ($conn:ty, $schema:ident) => {
+    ($conn:ty) => {
         impl OperatorOps for $conn {
             fn op_entries(
                 conn: &mut Self,
@@ -223,7 +136,7 @@ macro_rules! operator_ops {
                 limit: Option<i64>,
                 offset: i64,
             ) -> QueryResult<Vec<EntryTuple>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
+                use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters.into_boxed();
                 if let Some(g) = &filter.consumer_group {
                     q = q.filter(consumer_group.eq(g.clone()));
@@ -239,10 +152,14 @@ macro_rules! operator_ops {
                 }
                 // Within the years the stores hold: "since 10,000 years ago" is all.
                 if let Some(since) = filter.since {
-                    q = q.filter(dead_lettered_at.ge(inbox_core::stored_time(since)));
+                    q = q.filter(
+                        dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
+                    );
                 }
                 if let Some(until) = filter.until {
-                    q = q.filter(dead_lettered_at.lt(inbox_core::stored_time(until)));
+                    q = q.filter(
+                        dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
+                    );
                 }
                 q = match filter.status {
                     None => q.filter(discarded_at.is_null()),
@@ -287,173 +204,8 @@ macro_rules! operator_ops {
                 q.load(conn)
             }
 
-            fn op_letter(conn: &mut Self, letter: i64) -> QueryResult<Option<Letter>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                let row: Option<(
-                    i64,
-                    String,
-                    String,
-                    String,
-                    Option<String>,
-                    Vec<u8>,
-                    String,
-                    String,
-                    Option<DateTime<Utc>>,
-                    Option<DateTime<Utc>>,
-                )> = op_dead_letters
-                    .find(letter)
-                    .select((
-                        id,
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        payload,
-                        headers,
-                        reason,
-                        discarded_at,
-                        resolved_at,
-                    ))
-                    .first(conn)
-                    .optional()?;
-                row.map(|r| {
-                    Ok(Letter {
-                        reason: crate::rows::stored_reason(
-                            format_args!("dead letter {}", r.0),
-                            &r.7,
-                        )?,
-                        id: r.0,
-                        group: r.1,
-                        key: r.2,
-                        message_type: r.3,
-                        tenant: r.4,
-                        payload: r.5,
-                        headers: r.6,
-                        discarded: r.8.is_some(),
-                        resolved: r.9.is_some(),
-                    })
-                })
-                .transpose()
-            }
-
-            fn op_replayed_before(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                before: i64,
-            ) -> QueryResult<bool> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                diesel::select(diesel::dsl::exists(
-                    op_dead_letters
-                        .filter(consumer_group.eq(group))
-                        .filter(message_key.eq(key))
-                        .filter(id.lt(before))
-                        .filter(replayed_at.is_not_null()),
-                ))
-                .get_result(conn)
-            }
-
-            fn op_entry(
-                conn: &mut Self,
-                letter: i64,
-            ) -> QueryResult<Option<(EntryTuple, StoredPayload)>> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                let entry: Option<EntryTuple> = op_dead_letters
-                    .find(letter)
-                    .select((
-                        id,
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        headers,
-                        attempts,
-                        reason,
-                        last_error,
-                        dead_lettered_at,
-                        replayed_at,
-                        replay_count,
-                        discarded_at,
-                        resolved_at,
-                    ))
-                    .first(conn)
-                    .optional()?;
-                let Some(entry) = entry else {
-                    return Ok(None);
-                };
-                use crate::operator::tables::$schema::op_letter_payloads::dsl as p;
-                let body: StoredPayload = p::op_letter_payloads
-                    .find(letter)
-                    .select((p::payload, p::payload_length, p::payload_sha256))
-                    .first(conn)?;
-                Ok(Some((entry, body)))
-            }
-
-            fn op_failure_span(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-            ) -> QueryResult<FailureSpan> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                // No MIN/MAX: diesel has no ordering aggregates for SQLite's timestamps.
-                let first = op_dead_letters
-                    .filter(consumer_group.eq(group))
-                    .filter(message_key.eq(key))
-                    .order(dead_lettered_at)
-                    .select(dead_lettered_at)
-                    .first(conn)
-                    .optional()?;
-                let last = op_dead_letters
-                    .filter(consumer_group.eq(group))
-                    .filter(message_key.eq(key))
-                    .order(dead_lettered_at.desc())
-                    .select(dead_lettered_at)
-                    .first(conn)
-                    .optional()?;
-                Ok((first, last))
-            }
-
-            fn op_reset_dead_claim(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                digest: &[u8],
-                body: &[u8],
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
-                diesel::update(
-                    inbox_claims
-                        .find((group, key))
-                        .filter(status.eq(crate::ClaimStatus::Dead.as_str()))
-                        .filter(payload_digest.eq(digest)),
-                )
-                .set((
-                    status.eq(crate::ClaimStatus::Failed.as_str()),
-                    attempts.eq(0),
-                    starts.eq(0),
-                    next_attempt_at.eq(Some(now)),
-                    payload.eq(Some(body)),
-                    updated_at.eq(now),
-                ))
-                .execute(conn)
-            }
-
-            fn op_claim_state(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-            ) -> QueryResult<Option<(String, Vec<u8>)>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
-                inbox_claims
-                    .find((group, key))
-                    .select((status, payload_digest))
-                    .first(conn)
-                    .optional()
-            }
-
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {
-                use crate::operator::tables::$schema::inbox_replay_sequences::dsl::*;
+                use crate::operator::tables::inbox_replay_sequences::dsl::*;
                 // One row per key, raised under its row lock: two replays of one key
                 // (in two groups) take two numbers, and a purge of the outbox rows
                 // that carried the earlier ones leaves the counter where it was.
@@ -466,72 +218,6 @@ macro_rules! operator_ops {
                     .get_result(conn)
             }
 
-            fn op_insert_replay(conn: &mut Self, row: &NewReplay<'_>) -> QueryResult<i64> {
-                use crate::operator::tables::$schema::op_outbox::dsl::*;
-                diesel::insert_into(op_outbox)
-                    .values((
-                        message_key.eq(row.key),
-                        exchange.eq(""),
-                        routing_key.eq(row.routing_key),
-                        message_type.eq(row.message_type),
-                        tenant.eq(row.tenant),
-                        payload.eq(row.payload),
-                        headers.eq(row.headers),
-                        created_at.eq(row.now),
-                        available_at.eq(row.now),
-                        attempts.eq(0),
-                        replay_seq.eq(row.sequence),
-                    ))
-                    .returning(id)
-                    .get_result(conn)
-            }
-
-            fn op_mark_replayed(
-                conn: &mut Self,
-                letter: i64,
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                diesel::update(
-                    op_dead_letters
-                        .find(letter)
-                        .filter(discarded_at.is_null())
-                        .filter(replayed_at.is_null())
-                        .filter(resolved_at.is_null()),
-                )
-                .set((replay_count.eq(replay_count + 1), replayed_at.eq(Some(now))))
-                .execute(conn)
-            }
-
-            fn op_discard(conn: &mut Self, letter: i64, now: DateTime<Utc>) -> QueryResult<usize> {
-                use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                diesel::update(op_dead_letters.find(letter).filter(discarded_at.is_null()))
-                    .set(discarded_at.eq(Some(now)))
-                    .execute(conn)
-            }
-
-            fn op_claims_by_key(conn: &mut Self, key: &str) -> QueryResult<Vec<ClaimTuple>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
-                inbox_claims
-                    .filter(message_key.eq(key))
-                    .order(consumer_group)
-                    .select((
-                        consumer_group,
-                        message_key,
-                        message_type,
-                        tenant,
-                        status,
-                        attempts,
-                        starts,
-                        next_attempt_at,
-                        last_error,
-                        payload.is_not_null(),
-                        first_seen_at,
-                        updated_at,
-                    ))
-                    .load(conn)
-            }
-
             fn op_redrivable(
                 conn: &mut Self,
                 group: Option<&str>,
@@ -539,12 +225,12 @@ macro_rules! operator_ops {
                 cutoff: DateTime<Utc>,
                 limit: i64,
             ) -> QueryResult<Vec<Redrivable>> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
+                use crate::schema::inbox_claims::dsl::*;
                 let mut q = inbox_claims
                     .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
                     .filter(payload.is_not_null())
-                    .filter(next_attempt_at.le(cutoff))
-                    .filter(updated_at.le(cutoff))
+                    .filter(next_attempt_at.le(crate::schema::Stamp(cutoff)))
+                    .filter(updated_at.le(crate::schema::Stamp(cutoff)))
                     .into_boxed();
                 if let Some(g) = group {
                     q = q.filter(consumer_group.eq(g.to_owned()));
@@ -586,118 +272,6 @@ macro_rules! operator_ops {
                     .collect())
             }
 
-            fn op_touch_redriven(
-                conn: &mut Self,
-                group: &str,
-                key: &str,
-                read_at: DateTime<Utc>,
-                now: DateTime<Utc>,
-            ) -> QueryResult<usize> {
-                use crate::schema::$schema::inbox_claims::dsl::*;
-                diesel::update(
-                    inbox_claims
-                        .find((group, key))
-                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(updated_at.eq(read_at))
-                        .filter(payload.is_not_null()),
-                )
-                .set((next_attempt_at.eq(Some(now)), updated_at.eq(now)))
-                .execute(conn)
-            }
-
-            fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats> {
-                use diesel::dsl::count_star;
-                let mut stats = RawStats::default();
-                {
-                    use crate::schema::$schema::inbox_claims::dsl::*;
-                    stats.claims = inbox_claims
-                        .group_by((consumer_group, status))
-                        .select((consumer_group, status, count_star()))
-                        .order((consumer_group, status))
-                        .load(conn)?;
-                    stats.due = inbox_claims
-                        .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                        .filter(next_attempt_at.le(now))
-                        .group_by(consumer_group)
-                        .select((consumer_group, count_star()))
-                        .load(conn)?;
-                    let failing: Vec<String> = stats
-                        .claims
-                        .iter()
-                        .filter(|(_, s, _)| s == crate::ClaimStatus::Failed.as_str())
-                        .map(|(g, _, _)| g.clone())
-                        .collect();
-                    for group in failing {
-                        // Per group, by the failed-claims index (no MIN on SQLite's
-                        // timestamps in diesel).
-                        let oldest: Option<Option<DateTime<Utc>>> = inbox_claims
-                            .filter(status.eq(crate::ClaimStatus::Failed.as_str()))
-                            .filter(consumer_group.eq(&group))
-                            .filter(next_attempt_at.is_not_null())
-                            .order(next_attempt_at)
-                            .select(next_attempt_at)
-                            .first(conn)
-                            .optional()?;
-                        stats.oldest_retry.push((group, oldest.flatten()));
-                    }
-                    let unfinished: Vec<String> = stats
-                        .claims
-                        .iter()
-                        .filter(|(_, s, _)| {
-                            s == crate::ClaimStatus::Failed.as_str()
-                                || s == crate::ClaimStatus::Started.as_str()
-                        })
-                        .map(|(g, _, _)| g.clone())
-                        .collect();
-                    for group in unfinished {
-                        let oldest: Option<DateTime<Utc>> = inbox_claims
-                            .filter(status.eq_any([
-                                crate::ClaimStatus::Failed.as_str(),
-                                crate::ClaimStatus::Started.as_str(),
-                            ]))
-                            .filter(consumer_group.eq(&group))
-                            .order(first_seen_at)
-                            .select(first_seen_at)
-                            .first(conn)
-                            .optional()?;
-                        if !stats.oldest_unprocessed.iter().any(|(g, _)| *g == group) {
-                            stats.oldest_unprocessed.push((group, oldest));
-                        }
-                    }
-                }
-                {
-                    use crate::operator::tables::$schema::op_dead_letters::dsl::*;
-                    stats.letters = op_dead_letters
-                        .filter(discarded_at.is_null())
-                        .filter(replayed_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .group_by((consumer_group, reason))
-                        .select((consumer_group, reason, count_star()))
-                        .order((consumer_group, reason))
-                        .load(conn)?;
-                }
-                {
-                    use crate::operator::tables::$schema::op_outbox::dsl::*;
-                    let live = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_null());
-                    stats.backlog = live.select(count_star()).first(conn)?;
-                    stats.oldest_unpublished = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_null())
-                        .order(created_at)
-                        .select(created_at)
-                        .first(conn)
-                        .optional()?;
-                    stats.dead_outbox = op_outbox
-                        .filter(published_at.is_null())
-                        .filter(dead_at.is_not_null())
-                        .select(count_star())
-                        .first(conn)?;
-                }
-                Ok(stats)
-            }
-
             fn op_record_canary(
                 conn: &mut Self,
                 run: &str,
@@ -705,13 +279,13 @@ macro_rules! operator_ops {
                 sent: DateTime<Utc>,
                 now: DateTime<Utc>,
             ) -> QueryResult<()> {
-                use crate::operator::tables::$schema::inbox_canary::dsl::*;
+                use crate::operator::tables::inbox_canary::dsl::*;
                 diesel::insert_into(inbox_canary)
                     .values((
                         run_id.eq(run),
                         seq.eq(number),
-                        sent_at.eq(sent),
-                        arrived_at.eq(now),
+                        sent_at.eq(crate::schema::Stamp(sent)),
+                        arrived_at.eq(crate::schema::Stamp(now)),
                         arrivals.eq(1),
                     ))
                     .on_conflict((run_id, seq))
@@ -719,15 +293,6 @@ macro_rules! operator_ops {
                     .set(arrivals.eq(arrivals + 1))
                     .execute(conn)
                     .map(|_| ())
-            }
-
-            fn op_canary_arrivals(conn: &mut Self, run: &str) -> QueryResult<Vec<CanaryRow>> {
-                use crate::operator::tables::$schema::inbox_canary::dsl::*;
-                inbox_canary
-                    .filter(run_id.eq(run))
-                    .order(seq)
-                    .select((seq, sent_at, arrived_at, arrivals))
-                    .load(conn)
             }
         }
     };

@@ -217,5 +217,5 @@ impl ClaimOps for PgConnection {
         claim(conn, group, rows, now, knobs)
     }
 
-    crate::dsl::claim_dsl!(pg, diesel::sql_types::Timestamptz);
+    crate::dsl::claim_dsl!();
 }

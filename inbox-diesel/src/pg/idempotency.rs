@@ -50,4 +50,4 @@ mod sql {
     pub(super) const TOKEN_TYPE: &str = "bytea";
 }
 
-crate::idempotency::idempotency_ops!(PgConnection, diesel::sql_types::Timestamptz, sql);
+crate::idempotency::idempotency_ops!(PgConnection, sql);

@@ -128,7 +128,7 @@ fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
     Ok(())
 }
 
-crate::halts::halt_ops!(PgConnection, pg);
+crate::halts::halt_ops!(PgConnection);
 
 impl Sealed for PgConnection {
     const BACKEND: Backend = Backend::Postgres;

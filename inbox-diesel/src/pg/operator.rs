@@ -6,10 +6,7 @@ use diesel::result::QueryResult;
 
 use chrono::{DateTime, Utc};
 
-use crate::operator::ops::{
-    CanaryRow, ClaimTuple, EntryTuple, FailureSpan, Letter, NewReplay, OperatorOps, RawStats,
-    Redrivable, StoredPayload,
-};
+use crate::operator::ops::{EntryTuple, OperatorOps, Redrivable};
 use crate::operator::{DeadLetterFilter, LetterStatus};
 
-crate::operator::operator_ops!(diesel::PgConnection, pg);
+crate::operator::operator_ops!(diesel::PgConnection);

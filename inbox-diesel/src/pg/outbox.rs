@@ -1,12 +1,15 @@
 //! PostgreSQL's outbox statements: the ordering lock an enqueue takes, leasing (SKIP
 //! LOCKED, in id order, which is commit order per ordering key) and the NOTIFY that
-//! wakes relays; the rest is the shared DSL.
+//! wakes relays, and the insert's `ON CONFLICT`; the rest is the shared DSL.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Text};
 use diesel::{PgConnection, QueryResult};
 
+use crate::dsl::new_outbox_row;
+use crate::rows::NewOutbox;
+use crate::schema::outbox_messages;
 use crate::statements::OutboxOps;
 use crate::{ORDERING_LOCK_CLASS, OUTBOX_CHANNEL};
 
@@ -89,5 +92,11 @@ impl OutboxOps for PgConnection {
         Ok(ids.into_iter().map(|r| r.id).collect())
     }
 
-    crate::dsl::outbox_dsl!(pg);
+    fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>> {
+        new_outbox_row(row)
+            .on_conflict_do_nothing()
+            .returning(outbox_messages::id)
+            .get_result(conn)
+            .optional()
+    }
 }

@@ -7,9 +7,11 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Bool, Text, Timestamptz};
 use diesel::PgConnection;
 
-use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease};
+use crate::rebuild::ops::{
+    rebuild_dsl, release, take_over, CoverClaims, Covered, RebuildOps, RunLease,
+};
 
-rebuild_dsl!(PgConnection, pg);
+rebuild_dsl!(PgConnection);
 
 #[derive(QueryableByName)]
 struct Got {
@@ -94,7 +96,7 @@ impl RebuildOps for PgConnection {
             recorded: recorded as u64,
             ..Covered::default()
         };
-        shared_take_over(conn, c, c.keys, &mut out)?;
+        take_over(conn, c, c.keys, &mut out)?;
         Ok(out)
     }
 
@@ -103,6 +105,6 @@ impl RebuildOps for PgConnection {
     }
 
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
-        shared_release(conn, projection, runner)
+        release(conn, projection, runner)
     }
 }

@@ -15,6 +15,10 @@
 //!   transaction-level advisory lock per table lets one purge of a kind run at a
 //!   time: a second one (another instance) finds it held and stops at once instead
 //!   of scanning behind the first.
+//!
+//! The statements' texts are built at compile time by `concat!`, which takes only
+//! literals: `purge_sql!`/`count_sql!` and `for_target!` are the macros that do
+//! it, so each target's table, timestamp and rows are written once.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;

@@ -46,4 +46,4 @@ mod sql {
     pub(super) const TOKEN_TYPE: &str = "blob";
 }
 
-crate::idempotency::idempotency_ops!(SqliteConnection, diesel::sql_types::TimestamptzSqlite, sql);
+crate::idempotency::idempotency_ops!(SqliteConnection, sql);

@@ -33,7 +33,7 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 
 impl StoreConnection for SqliteConnection {}
 
-crate::halts::halt_ops!(SqliteConnection, sqlite);
+crate::halts::halt_ops!(SqliteConnection);
 
 impl Sealed for SqliteConnection {
     const BACKEND: Backend = Backend::Sqlite;

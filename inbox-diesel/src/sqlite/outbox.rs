@@ -7,6 +7,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::{QueryResult, SqliteConnection};
 
+use crate::dsl::new_outbox_row;
+use crate::rows::NewOutbox;
+use crate::schema::outbox_messages;
 use crate::statements::OutboxOps;
 
 /// One writer at a time, so ids are handed out in commit order: id order is
@@ -61,5 +64,11 @@ impl OutboxOps for SqliteConnection {
         Ok(ids.into_iter().map(|r| r.id).collect())
     }
 
-    crate::dsl::outbox_dsl!(sqlite);
+    fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>> {
+        new_outbox_row(row)
+            .on_conflict_do_nothing()
+            .returning(outbox_messages::id)
+            .get_result(conn)
+            .optional()
+    }
 }

@@ -9,9 +9,11 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::SqliteConnection;
 
-use crate::rebuild::ops::{rebuild_dsl, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST};
+use crate::rebuild::ops::{
+    rebuild_dsl, release, take_over, CoverClaims, Covered, RebuildOps, RunLease, NO_DIGEST,
+};
 
-rebuild_dsl!(SqliteConnection, sqlite);
+rebuild_dsl!(SqliteConnection);
 
 /// Keys per statement of the take-over (SQLite binds at most 32,766 parameters).
 const CHUNK: usize = 500;
@@ -32,7 +34,7 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn cover(conn: &mut Self, c: &CoverClaims<'_>) -> QueryResult<Covered> {
-        use crate::rebuild::ops::tables::sqlite::covered_claims::dsl::*;
+        use crate::rebuild::ops::tables::covered_claims::dsl::*;
         use crate::ClaimStatus;
         let mut out = Covered::default();
         for chunk in c.keys.chunks(CHUNK) {
@@ -48,15 +50,15 @@ impl RebuildOps for SqliteConnection {
                         status.eq(ClaimStatus::Done.as_str()),
                         attempts.eq(0),
                         starts.eq(0),
-                        first_seen_at.eq(c.now),
-                        updated_at.eq(c.now),
-                        covered_at.eq(Some(c.now)),
+                        first_seen_at.eq(crate::schema::Stamp(c.now)),
+                        updated_at.eq(crate::schema::Stamp(c.now)),
+                        covered_at.eq(Some(crate::schema::Stamp(c.now))),
                     ))
                     .on_conflict((consumer_group, message_key))
                     .do_nothing()
                     .execute(conn)? as u64;
             }
-            shared_take_over(conn, c, chunk, &mut out)?;
+            take_over(conn, c, chunk, &mut out)?;
         }
         Ok(out)
     }
@@ -66,6 +68,6 @@ impl RebuildOps for SqliteConnection {
     }
 
     fn release_run(conn: &mut Self, projection: &str, runner: &str) -> QueryResult<()> {
-        shared_release(conn, projection, runner)
+        release(conn, projection, runner)
     }
 }

@@ -6,6 +6,10 @@
 //! batch is an immediate transaction, so two purges (or a purge and a consumer) take
 //! turns batch by batch, and a row deleted by one is not there for the other; there
 //! are no row locks to skip and no dead rows left in the index.
+//!
+//! The statements' texts are built at compile time by `concat!`, which takes only
+//! literals: `purge_sql!`/`count_sql!` and `for_target!` are the macros that do
+//! it, so each target's table, timestamp and rows are written once.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
