@@ -87,6 +87,7 @@ mod fingerprint;
 mod gauges;
 mod halts;
 pub(crate) mod ops;
+mod records;
 mod shared;
 pub(crate) mod tables;
 mod types;

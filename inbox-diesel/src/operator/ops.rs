@@ -8,84 +8,13 @@
 
 use chrono::{DateTime, Utc};
 use diesel::result::QueryResult;
-use inbox_core::DeadLetterReason;
 
 use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
-/// A dead letter without its payload.
-pub(crate) type EntryTuple = (
-    i64,
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    i32,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    Option<DateTime<Utc>>,
-    i32,
-    Option<DateTime<Utc>>,
-    Option<DateTime<Utc>>,
-);
-
-/// A letter's payload, and a cut payload's whole length and SHA-256.
-pub(crate) type StoredPayload = (Vec<u8>, Option<i64>, Option<Vec<u8>>);
-
-/// The first and last time a key was dead-lettered in a group.
-pub(crate) type FailureSpan = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
-
-/// A dead letter as a replay needs it.
-pub struct Letter {
-    pub id: i64,
-    pub group: String,
-    pub key: String,
-    pub message_type: String,
-    pub tenant: Option<String>,
-    pub payload: Vec<u8>,
-    pub headers: String,
-    pub reason: DeadLetterReason,
-    pub discarded: bool,
-    pub resolved: bool,
-}
-
-/// An outbox row addressed to one group.
-pub struct NewReplay<'a> {
-    pub key: &'a str,
-    pub routing_key: &'a str,
-    pub message_type: &'a str,
-    pub tenant: Option<&'a str>,
-    pub payload: &'a [u8],
-    pub headers: &'a str,
-    pub sequence: i32,
-    pub now: DateTime<Utc>,
-}
-
-/// A failed claim that may be redriven.
-pub struct Redrivable {
-    pub group: String,
-    pub key: String,
-    pub message_type: String,
-    pub tenant: Option<String>,
-    pub payload: Vec<u8>,
-    pub updated_at: DateTime<Utc>,
-}
-
-/// What `stats` reads, raw.
-#[derive(Default)]
-pub struct RawStats {
-    pub claims: Vec<(String, String, i64)>,
-    pub due: Vec<(String, i64)>,
-    pub oldest_retry: Vec<(String, Option<DateTime<Utc>>)>,
-    pub oldest_unprocessed: Vec<(String, Option<DateTime<Utc>>)>,
-    pub letters: Vec<(String, String, i64)>,
-    pub backlog: i64,
-    pub oldest_unpublished: Option<DateTime<Utc>>,
-    pub dead_outbox: i64,
-}
+pub(crate) use super::records::EntryTuple;
+pub(crate) use super::records::{Letter, NewReplay, Redrivable};
 
 /// The operator statements every backend runs, on its own connection type.
 pub trait OperatorOps: StoreConnection + SharedOperatorOps {
@@ -123,9 +52,6 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         now: DateTime<Utc>,
     ) -> QueryResult<()>;
 }
-
-/// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
-pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
 macro_rules! operator_ops {
     ($conn:ty) => {

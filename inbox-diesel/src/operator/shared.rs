@@ -22,7 +22,9 @@ use diesel::prelude::*;
 use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
 
-use super::ops::{CanaryRow, EntryTuple, FailureSpan, Letter, NewReplay, RawStats, StoredPayload};
+use super::records::{
+    CanaryRow, EntryTuple, FailureSpan, Letter, NewReplay, RawStats, StoredPayload,
+};
 use crate::dsl::claim_columns;
 use crate::operator::tables::{
     inbox_canary as cn, op_dead_letters as dl, op_letter_payloads as lp, op_outbox as ob,
