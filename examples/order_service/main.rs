@@ -157,18 +157,15 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
         }
         _ => {}
     }
-    let url = cli
+    let store = cli
         .inbox
-        .database_url
-        .as_deref()
-        .ok_or("set DATABASE_URL (postgres://...)")?;
-    let store = Store::<PgConnection>::builder(url)
+        .store_builder::<PgConnection>()?
         .projection(CustomerTotals)
         .build()?;
     store.connection()?.batch_execute(
         "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, customer TEXT NOT NULL, cents BIGINT NOT NULL);
          CREATE TABLE IF NOT EXISTS customer_totals (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)")?;
-    let topology = Topology::new("shop")?.prefix(&cli.inbox.prefix)?;
+    let topology = cli.inbox.topology("shop")?;
     match cli.command {
         Command::Place { customer, cents } => store.connection()?.transaction(|c| {
             let o: Order =

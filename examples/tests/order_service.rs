@@ -129,9 +129,12 @@ fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_command
         .env("INBOX_METRICS_ADDR", "127.0.0.1:0")
         .env_remove("RUST_MIN_STACK")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null()) // never read: a full pipe would stall the service
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Its log, read as it comes (a full pipe would stall the service).
+    let stderr = BufReader::new(service.stderr.take().unwrap());
+    let log = std::thread::spawn(move || stderr.lines().map_while(Result::ok).collect::<Vec<_>>());
     let mut stdout = BufReader::new(service.stdout.take().unwrap());
     let mut line = String::new();
     stdout.read_line(&mut line).unwrap();
@@ -163,6 +166,20 @@ fn orders_are_totalled_once_healed_by_a_rebuild_and_seen_by_the_operator_command
         .unwrap()
         .success());
     let status = service.wait().unwrap();
+    let log = log.join().unwrap();
+    assert!(
+        log.iter()
+            .any(|l| l.contains("topology declared; consuming and relaying")),
+        "the service says what it consumes: {log:#?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("RUST_MIN_STACK")),
+        "service::init gave lapin's thread its stack: {log:#?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("ERROR")),
+        "a clean run and shutdown log no error: {log:#?}"
+    );
     assert!(
         status.success(),
         "the service stops cleanly on SIGTERM: {status}"

@@ -65,6 +65,10 @@ pub enum FrameStack {
     /// Other threads were running, so the environment was left as it was (the
     /// consumer warns at its start when the stack is too small).
     ThreadsRunning,
+    /// The thread count could not be read (a system other than Linux, or no
+    /// `/proc`), so the environment was left as it was: set `RUST_MIN_STACK` before
+    /// the program starts.
+    Unverified,
 }
 
 /// Sets `RUST_MIN_STACK` to [`frame_parse_stack`] when it asks for less, so that
@@ -73,20 +77,25 @@ pub enum FrameStack {
 /// Call it first thing in `main`, before any thread exists (a tokio runtime, a
 /// connection pool, ...): the standard library reads the variable once, at the
 /// first thread spawned without an explicit size, and keeps that figure for the
-/// process. On Linux it counts the process's threads (`/proc/self/status`) and, with
-/// more than one, changes nothing and returns [`FrameStack::ThreadsRunning`]; on
-/// other systems it trusts the caller. `inbox_cli::service::init` calls it.
+/// process. It counts the process's threads (`/proc/self/status`, Linux) and, with
+/// more than one, changes nothing and returns [`FrameStack::ThreadsRunning`]; where
+/// it cannot count them it changes nothing either ([`FrameStack::Unverified`]).
+/// The value is read as the standard library reads it, untrimmed: `"58720256\n"` does
+/// not parse there (it falls back to 2 MiB), so here it counts as lower and is
+/// replaced. Child processes inherit the variable. `inbox_cli::service::init` calls it.
 pub fn reserve_frame_stack() -> FrameStack {
     let need = frame_parse_stack();
     let set = std::env::var("RUST_MIN_STACK").ok();
     if set
-        .and_then(|v| v.trim().parse::<usize>().ok())
+        .and_then(|v| v.parse::<usize>().ok())
         .is_some_and(|v| v >= need)
     {
         return FrameStack::Kept;
     }
-    if threads_running() != Some(1) && cfg!(target_os = "linux") {
-        return FrameStack::ThreadsRunning;
+    match threads_running() {
+        Some(1) => {}
+        Some(_) => return FrameStack::ThreadsRunning,
+        None => return FrameStack::Unverified,
     }
     std::env::set_var("RUST_MIN_STACK", need.to_string());
     FrameStack::Set
@@ -105,7 +114,8 @@ fn threads_running() -> Option<usize> {
 /// unreadable or below [`frame_parse_stack`]; whether it warned.
 pub(crate) fn warn_on_small_stack(rust_min_stack: Option<&str>) -> bool {
     let need = frame_parse_stack();
-    let set = rust_min_stack.and_then(|v| v.trim().parse::<usize>().ok());
+    // Untrimmed, as the standard library reads it.
+    let set = rust_min_stack.and_then(|v| v.parse::<usize>().ok());
     if set.is_some_and(|set| set >= need) {
         return false;
     }
@@ -143,8 +153,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(target_os = "linux")]
-    fn with_threads_running_the_environment_is_left_alone() {
+    fn with_threads_running_or_uncounted_the_environment_is_left_alone() {
         let before = std::env::var_os("RUST_MIN_STACK");
         let outcome = reserve_frame_stack();
         if before
@@ -154,8 +163,10 @@ mod tests {
             .is_some_and(|v| v >= frame_parse_stack())
         {
             assert_eq!(outcome, FrameStack::Kept);
-        } else {
+        } else if cfg!(target_os = "linux") {
             assert_eq!(outcome, FrameStack::ThreadsRunning);
+        } else {
+            assert_eq!(outcome, FrameStack::Unverified);
         }
         assert_eq!(std::env::var_os("RUST_MIN_STACK"), before);
     }
@@ -168,5 +179,8 @@ mod tests {
         assert!(warn_on_small_stack(Some("lots")));
         assert!(!warn_on_small_stack(Some(&need.to_string())));
         assert!(!warn_on_small_stack(Some(&(need * 2).to_string())));
+        // The standard library does not trim: a trailing newline leaves 2 MiB.
+        assert!(warn_on_small_stack(Some(&format!("{need}\n"))));
+        assert!(warn_on_small_stack(Some(&format!(" {need}"))));
     }
 }

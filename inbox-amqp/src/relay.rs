@@ -360,9 +360,12 @@ impl<O: OutboxStore> Relay<O> {
             .failures(s.retry_after, s.max_attempts);
         let mut publisher = AmqpPublisher::new(conn, channel);
         let mut rounds: u64 = 0;
-        // Store failures in a row: the pause before the next lease doubles with each,
-        // from the connection's `backoff_min` to its `backoff_max`.
-        let mut store_failures: u32 = 0;
+        // After a failed store call (a lease, a mark, a record of failures), the next
+        // round waits a jittered pause whose ceiling doubles with each failure in a
+        // row, from the connection's `backoff_min` to its `backoff_max`; a clean round
+        // resets it. Relays of a restarted database then come back apart.
+        let (min, max) = (s.connection.backoff_min, s.connection.backoff_max);
+        let mut store_backoff = min;
         while !shutdown.is_cancelled() {
             rounds += 1;
             if rounds % 64 == 1 {
@@ -387,31 +390,20 @@ impl<O: OutboxStore> Relay<O> {
                 Ok(report) => report,
                 // A database outage is not the broker's: wait and lease again.
                 Err(err) => {
-                    let pause = store_pause(
-                        s.connection.backoff_min,
-                        s.connection.backoff_max,
-                        store_failures,
-                    );
-                    store_failures = store_failures.saturating_add(1);
-                    tracing::error!(
-                        error = %ErrorChain(&err),
-                        failures = store_failures,
-                        retry_in = ?pause,
-                        "leasing failed"
-                    );
-                    tokio::select! {
-                        () = tokio::time::sleep(pause) => {}
-                        () = shutdown.cancelled() => {}
-                    }
+                    tracing::error!(error = %ErrorChain(&err), "leasing failed");
+                    crate::connect::pause(shutdown, &mut store_backoff, max).await;
                     continue;
                 }
             };
-            store_failures = 0;
             if report.leased == 0 {
                 self.idle(shutdown).await;
                 continue;
             }
-            self.account(&report, &publisher).await;
+            if self.account(&report, &publisher) {
+                crate::connect::pause(shutdown, &mut store_backoff, max).await;
+            } else {
+                store_backoff = min;
+            }
             if let Some(reason) = report.lost {
                 return Err(SessionEnd::Lost(reason));
             }
@@ -436,21 +428,21 @@ impl<O: OutboxStore> Relay<O> {
         }
     }
 
-    /// Counts, logs and measures what a non-empty round did.
-    async fn account(&self, report: &RoundReport, publisher: &AmqpPublisher) {
+    /// Counts, logs and measures what a non-empty round did; whether a store call of
+    /// the round failed (marking or recording), which the caller backs off from.
+    fn account(&self, report: &RoundReport, publisher: &AmqpPublisher) -> bool {
         let stats = &self.stats;
         stats.batches.fetch_add(1, Ordering::Relaxed);
         if report.expired {
             stats.expired_leases.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("lease expired before publishing");
-            return;
+            return false;
         }
         let (marked, confirmed) = (report.marked, report.confirmed);
         if let Some(err) = &report.mark_error {
             // The rows stay leased; when the lease expires they are published again
             // and the consumers' inboxes absorb the copies.
             tracing::error!(error = %ErrorChain(&err), "marking published rows failed");
-            tokio::time::sleep(self.settings.connection.backoff_min).await;
         } else if marked < confirmed {
             tracing::warn!(
                 marked,
@@ -486,6 +478,7 @@ impl<O: OutboxStore> Relay<O> {
         metrics::counter!(inbox_core::metrics::OUTBOX_REJECTED_TOTAL).increment(rejected);
         metrics::counter!(inbox_core::metrics::OUTBOX_RETRIED_TOTAL).increment(retried);
         metrics::counter!(inbox_core::metrics::OUTBOX_DEAD_TOTAL).increment(dead);
+        report.mark_error.is_some() || report.record_error.is_some()
     }
 }
 
@@ -538,24 +531,8 @@ fn random_u64() -> u64 {
     hasher.finish()
 }
 
-/// The pause after `failures` failed leases in a row (0 for the first): `min`
-/// doubled per failure, at most `max`.
-fn store_pause(min: Duration, max: Duration, failures: u32) -> Duration {
-    min.saturating_mul(2u32.saturating_pow(failures.min(31)))
-        .min(max)
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn failed_leases_pause_longer_each_time_up_to_the_maximum() {
-        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
-        let pauses: Vec<u128> = (0..9)
-            .map(|n| super::store_pause(min, max, n).as_millis())
-            .collect();
-        assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
-        assert_eq!(super::store_pause(min, max, u32::MAX), max);
-    }
 
     use super::*;
     use crate::connect::config_error;

@@ -8,9 +8,14 @@
 //! nor relaying with a dead consumer.
 //!
 //! Before either starts, it declares the consumer's topology once (on a connection of
-//! its own, closed after), so the first outbox rows of a fresh deployment find their
-//! queues bound instead of coming back unroutable; a broker that refuses that
-//! connection or declaration fails `serve` at once, as it would fail the consumer.
+//! its own, closed after, with the consumer's connect timeout, name and CA), so the
+//! first outbox rows of a fresh deployment addressed to this process's own consumer
+//! groups find their queues bound instead of coming back unroutable (rows for another
+//! service's groups wait for that service to declare them); a broker that refuses
+//! that connection or declaration fails `serve` at once, as it would fail the
+//! consumer, and a shutdown during it ends `serve` with `Ok`.
+
+use std::sync::atomic::Ordering;
 
 use inbox_core::{GroupHalts, InboxStore, OutboxStore};
 use tokio_util::sync::CancellationToken;
@@ -18,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{Consumer, Relay, Result};
 
 /// Runs `consumer` and `relay` until `shutdown` is cancelled or either fails (see the
-/// module docs); the first error, the consumer's when both fail.
+/// module docs); the error of the one that failed first.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -41,7 +46,7 @@ where
     S: InboxStore + GroupHalts,
     O: OutboxStore,
 {
-    consumer.declare_topology().await?;
+    consumer.declare_topology(&shutdown).await?;
     let topology = consumer.topology();
     let queues: Vec<String> = topology.groups().map(|g| topology.queue(g)).collect();
     tracing::info!(
@@ -51,14 +56,20 @@ where
     );
     // Cancelled by the caller's token, or by whichever of the two fails first.
     let stop = shutdown.child_token();
-    let ended = |result: Result<()>, stop: &CancellationToken| {
+    // Which failed first (1 the consumer, 2 the relay): its error is the one returned.
+    let first = std::sync::atomic::AtomicU8::new(0);
+    let ended = |who: u8, result: Result<()>| {
         if result.is_err() {
+            let _ = first.compare_exchange(0, who, Ordering::SeqCst, Ordering::SeqCst);
             stop.cancel();
         }
         result
     };
-    let consumed = async { ended(consumer.run(stop.clone()).await, &stop) };
-    let relayed = async { ended(relay.run(stop.clone()).await, &stop) };
+    let consumed = async { ended(1, consumer.run(stop.clone()).await) };
+    let relayed = async { ended(2, relay.run(stop.clone()).await) };
     let (consumed, relayed) = tokio::join!(consumed, relayed);
-    consumed.and(relayed)
+    match (first.load(Ordering::SeqCst), consumed, relayed) {
+        (2, _, Err(err)) => Err(err),
+        (_, consumed, relayed) => consumed.and(relayed),
+    }
 }

@@ -86,6 +86,37 @@ pub struct GlobalArgs {
     pub json: bool,
 }
 
+impl GlobalArgs {
+    /// A builder of a store on `--database-url` (`DATABASE_URL`) in `--schema`
+    /// (`INBOX_SCHEMA`), the database the commands open: for a binary's own store
+    /// (add its handlers and projections, then `build`), so that it and the mounted
+    /// commands agree. No URL is `InvalidSetting { setting: "database_url" }`.
+    pub fn store_builder<C: inbox_diesel::StoreConnection>(
+        &self,
+    ) -> Result<inbox_diesel::StoreBuilder<C>, inbox_diesel::Error> {
+        let url = self
+            .database_url
+            .as_deref()
+            .filter(|url| !url.trim().is_empty())
+            .ok_or_else(|| inbox_diesel::Error::InvalidSetting {
+                setting: "database_url",
+                expected: "a database URL (--database-url or DATABASE_URL)",
+                found: "nothing".to_owned(),
+            })?;
+        let builder = inbox_diesel::Store::<C>::builder(url);
+        Ok(match &self.schema {
+            Some(schema) => builder.schema(schema.clone()),
+            None => builder,
+        })
+    }
+
+    /// `Topology::new(exchange)` with `--prefix` (`INBOX_PREFIX`): the names the
+    /// commands check, for a binary's own consumer and producer.
+    pub fn topology(&self, exchange: &str) -> Result<inbox_amqp::Topology, inbox_amqp::Error> {
+        inbox_amqp::Topology::new(exchange)?.prefix(self.prefix.clone())
+    }
+}
+
 /// The operator subcommands. Mount them with `#[command(flatten)]` in your own
 /// `Subcommand` enum, or as one variant with `#[command(subcommand)]`.
 #[derive(Clone, Debug, Subcommand)]
@@ -338,4 +369,42 @@ fn parse_reason(text: &str) -> Result<DeadLetterReason, String> {
         let known: Vec<&str> = DeadLetterReason::ALL.iter().map(|r| r.as_str()).collect();
         format!("expected one of {}", known.join(", "))
     })
+}
+
+#[cfg(test)]
+mod global_args_tests {
+    use diesel::SqliteConnection;
+
+    use super::GlobalArgs;
+
+    #[test]
+    fn a_binarys_own_store_and_topology_come_from_the_commands_options() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("app.db").display());
+        let global = GlobalArgs {
+            database_url: Some(url),
+            prefix: "staging.".to_owned(),
+            ..GlobalArgs::default()
+        };
+        let store = global.store_builder::<SqliteConnection>().unwrap().build();
+        assert!(store.is_ok(), "{:?}", store.err());
+        let topology = global.topology("shop").unwrap();
+        assert_eq!(topology.exchange(), "staging.shop");
+    }
+
+    #[test]
+    fn without_a_database_url_the_store_builder_says_which_option() {
+        for url in [None, Some("  ".to_owned())] {
+            let global = GlobalArgs {
+                database_url: url,
+                ..GlobalArgs::default()
+            };
+            match global.store_builder::<SqliteConnection>() {
+                Err(inbox_diesel::Error::InvalidSetting { setting, .. }) => {
+                    assert_eq!(setting, "database_url")
+                }
+                other => panic!("expected InvalidSetting, got {:?}", other.err()),
+            }
+        }
+    }
 }

@@ -54,20 +54,29 @@ pub struct Process {
 
 /// Prepares the process for a consumer: the stack lapin's frame parser needs
 /// ([`inbox_amqp::reserve_frame_stack`]: set while the process has one thread, left
-/// alone, and reported in [`Process::frame_stack`], when it has more), then a log
+/// alone, and reported in [`Process::frame_stack`], when it has more or they cannot be
+/// counted), then a log
 /// subscriber on stderr ([`crate::logging::install`] with [`SERVICE_LOG_FILTER`]:
 /// `RUST_LOG`, `INBOX_LOG_FORMAT=json`), unless one is installed already.
 ///
 /// Call it first thing in a synchronous `main`, before a runtime or a pool exists.
-/// When it finds threads running it says so on stderr once.
+/// When other threads run, or their number cannot be read (not Linux), it leaves
+/// `RUST_MIN_STACK` alone and says so on stderr.
 pub fn init() -> Process {
     let frame_stack = inbox_amqp::reserve_frame_stack();
     let logging = crate::logging::install(SERVICE_LOG_FILTER);
-    if frame_stack == FrameStack::ThreadsRunning {
-        eprintln!(
+    let need = inbox_amqp::frame_parse_stack();
+    match frame_stack {
+        FrameStack::ThreadsRunning => eprintln!(
             "inbox_cli::service::init ran after other threads started, so RUST_MIN_STACK \
-             was left as it was; call it first thing in main"
-        );
+             was left as it was; call it first thing in main, or set RUST_MIN_STACK={need}"
+        ),
+        FrameStack::Unverified => eprintln!(
+            "inbox_cli::service::init cannot count this process's threads here, so \
+             RUST_MIN_STACK was left as it was; set RUST_MIN_STACK={need} before the \
+             program starts"
+        ),
+        _ => {}
     }
     Process {
         frame_stack,

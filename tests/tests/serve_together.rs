@@ -1,8 +1,9 @@
 //! `inbox_amqp::serve`: the consumer and the relay of one process end together. A
 //! relay that cannot start stops the consumer (the process exits instead of consuming
 //! while nothing publishes its outbox or an operator's replays), and the caller's
-//! shutdown stops both. A relay whose store keeps failing backs off (doubling pauses,
-//! up to the connection's `backoff_max`) instead of leasing again every 100 ms. The topology is declared before the relay starts, so the
+//! shutdown stops both. A relay whose store keeps failing backs off (jittered pauses
+//! under a ceiling doubling up to the connection's `backoff_max`) instead of leasing
+//! again every 100 ms. The topology is declared before the relay starts, so the
 //! outbox rows of a fresh deployment are routed the first time (a check of the
 //! outcome: the race it prevents, the relay publishing before the consumer has
 //! declared its queues, does not happen reliably enough here to fail without it).
@@ -78,10 +79,11 @@ fn refused_url() -> String {
 #[test]
 fn a_relay_that_cannot_start_stops_the_consumer() {
     let Some(scene) = Scene::new() else { return };
+    let refused = refused_url();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let ended = runtime.block_on(async {
         let consumer = Consumer::new(&scene.amqp, scene.store.clone(), scene.topology.clone());
-        let relay = Relay::new(refused_url(), scene.store.clone());
+        let relay = Relay::new(refused.clone(), scene.store.clone());
         let shutdown = CancellationToken::new();
         tokio::time::timeout(
             Duration::from_secs(60),
@@ -91,10 +93,46 @@ fn a_relay_that_cannot_start_stops_the_consumer() {
     });
     let ended = ended.expect("serve still running 60 s after its relay failed");
     let err = ended.expect_err("the relay's failure is serve's");
+    let port = refused.rsplit(':').next().unwrap().trim_end_matches("/%2f");
     assert!(
-        matches!(err, inbox_amqp::Error::Connect { .. }),
-        "the relay's connect error: {err:?}"
+        matches!(&err, inbox_amqp::Error::Connect { url, .. } if url.contains(&format!(":{port}"))),
+        "the relay's connect error, to its refused port {port}: {err:?}"
     );
+}
+
+/// The scene's store, whose recorded halts answer after two seconds.
+struct SlowHalts(Arc<Store<SqliteConnection>>);
+
+impl inbox_core::InboxStore for SlowHalts {
+    fn process_batch(
+        &self,
+        group: &inbox_core::ConsumerGroup,
+        batch: &[inbox_core::Envelope],
+    ) -> inbox_core::Result<Vec<inbox_core::Decision>> {
+        self.0.process_batch(group, batch)
+    }
+    fn routes(&self) -> Vec<(inbox_core::ConsumerGroup, String)> {
+        self.0.routes()
+    }
+    fn dead_letter(
+        &self,
+        group: &inbox_core::ConsumerGroup,
+        envelope: &inbox_core::Envelope,
+        reason: inbox_core::DeadLetterReason,
+        detail: &str,
+    ) -> inbox_core::Result<inbox_core::DeadLetterOutcome> {
+        self.0.dead_letter(group, envelope, reason, detail)
+    }
+}
+
+impl inbox_core::GroupHalts for SlowHalts {
+    fn record_halt(&self, cause: &inbox_core::ClaimInvariantViolated) -> inbox_core::Result<()> {
+        self.0.record_halt(cause)
+    }
+    fn halted_groups(&self) -> inbox_core::Result<Vec<inbox_core::ClaimInvariantViolated>> {
+        std::thread::sleep(Duration::from_secs(2));
+        self.0.halted_groups()
+    }
 }
 
 #[derive(diesel::QueryableByName)]
@@ -131,7 +169,10 @@ fn a_fresh_deployments_first_rows_are_routed_the_first_time() {
     }
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let rows = runtime.block_on(async {
-        let consumer = Consumer::new(&scene.amqp, scene.store.clone(), scene.topology.clone());
+        // The consumer reads its halts before it connects: two seconds here, while
+        // the relay, connected at once, publishes the five rows.
+        let slow = Arc::new(SlowHalts(scene.store.clone()));
+        let consumer = Consumer::new(&scene.amqp, slow, scene.topology.clone());
         let relay = Relay::new(&scene.amqp, scene.store.clone());
         let shutdown = CancellationToken::new();
         let serving = tokio::spawn(inbox_amqp::serve(consumer, relay, shutdown.clone()));
@@ -171,15 +212,22 @@ fn the_callers_shutdown_stops_both() {
             tokio::time::sleep(Duration::from_secs(2)).await;
             stop.cancel();
         });
-        tokio::time::timeout(
+        let started = std::time::Instant::now();
+        let ended = tokio::time::timeout(
             Duration::from_secs(60),
             inbox_amqp::serve(consumer, relay, shutdown),
         )
-        .await
+        .await;
+        (ended, started.elapsed())
     });
+    let (ended, ran) = ended;
     ended
         .expect("serve still running 58 s after its shutdown")
         .expect("a clean shutdown");
+    assert!(
+        ran >= Duration::from_secs(2),
+        "serve ran until its shutdown, not {ran:?}"
+    );
 }
 
 /// An outbox whose every lease fails, counting the tries.
@@ -217,11 +265,12 @@ fn a_relay_whose_store_keeps_failing_backs_off() {
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(10), running)
             .await
-            .expect("the relay stops at once, also while it pauses")
+            .expect("the relay stops after its shutdown")
             .unwrap()
             .unwrap();
     });
-    // 100, 200, 400, 800, 1600 ms: at most 6 leases in 3 s (30 without the backoff).
+    // Jittered pauses under a ceiling doubling from 100 ms (at most 5 s): about 7
+    // leases in 3 s, and never near the 30 or more of a fixed 100 ms pause.
     let tries = store.0.load(std::sync::atomic::Ordering::SeqCst);
-    assert!((1..=7).contains(&tries), "{tries} leases in 3 s");
+    assert!((1..=15).contains(&tries), "{tries} leases in 3 s");
 }

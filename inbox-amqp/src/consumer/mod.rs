@@ -175,13 +175,26 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
     }
 
     /// Declares its topology once, on a connection of its own closed after (what
-    /// [`serve`](crate::serve) does before the relay starts).
-    pub(crate) async fn declare_topology(&self) -> Result<()> {
-        let settings = &self.shared.settings.connection;
-        let conn = crate::connect(&self.url, settings.ca_cert.as_deref()).await?;
-        let declared = self.shared.topology.declare(&conn).await;
-        crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
-        declared
+    /// [`serve`](crate::serve) does before the relay starts), with the settings'
+    /// connect timeout, name and CA; `Ok` at once when `shutdown` is cancelled first.
+    pub(crate) async fn declare_topology(&self, shutdown: &CancellationToken) -> Result<()> {
+        let settings = &self.shared.settings;
+        settings.check()?;
+        let c = &settings.connection;
+        let tls = crate::tls::Tls::for_url(&self.url, c.ca_cert.as_deref())?;
+        let name = c.connection_name.as_deref();
+        let declare = async {
+            let conn =
+                crate::connect::open(&self.url, name, c.connect_timeout, Some(FRAME_MAX), &tls)
+                    .await?;
+            let declared = self.shared.topology.declare(&conn).await;
+            crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
+            declared
+        };
+        tokio::select! {
+            declared = declare => declared,
+            () = shutdown.cancelled() => Ok(()),
+        }
     }
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
