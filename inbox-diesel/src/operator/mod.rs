@@ -124,36 +124,37 @@ pub use types::{
     ReplayOutcome, ReplayTarget,
 };
 
-use ops::{EntryTuple, NewReplay};
+use ops::{EntryRow, NewReplay};
 
 /// A listed letter, or a deserialization error for a reason this version does not know.
-pub(super) fn entry(t: EntryTuple) -> diesel::QueryResult<DeadLetterEntry> {
-    let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.0), &t.7)?;
-    let headers: BTreeMap<String, String> = serde_json::from_str(&t.5).unwrap_or_default();
-    let signature = fingerprint::signature(reason.as_str(), &t.3, t.8.as_deref());
-    let status = if t.12.is_some() {
+pub(super) fn entry(t: EntryRow) -> diesel::QueryResult<DeadLetterEntry> {
+    let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
+    let headers: BTreeMap<String, String> = serde_json::from_str(&t.headers).unwrap_or_default();
+    let signature =
+        fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
+    let status = if t.discarded_at.is_some() {
         LetterStatus::Discarded
-    } else if t.13.is_some() {
+    } else if t.resolved_at.is_some() {
         LetterStatus::Resolved
-    } else if t.10.is_some() {
+    } else if t.replayed_at.is_some() {
         LetterStatus::Replayed
     } else {
         LetterStatus::Pending
     };
     Ok(DeadLetterEntry {
-        id: t.0,
-        consumer_group: t.1,
-        message_key: t.2,
-        message_type: t.3,
-        tenant: t.4,
-        attempts: t.6,
+        id: t.id,
+        consumer_group: t.consumer_group,
+        message_key: t.message_key,
+        message_type: t.message_type,
+        tenant: t.tenant,
+        attempts: t.attempts,
         reason,
-        last_error: t.8,
-        dead_lettered_at: t.9,
-        replayed_at: t.10,
-        replay_count: t.11,
-        discarded_at: t.12,
-        resolved_at: t.13,
+        last_error: t.last_error,
+        dead_lettered_at: t.dead_lettered_at,
+        replayed_at: t.replayed_at,
+        replay_count: t.replay_count,
+        discarded_at: t.discarded_at,
+        resolved_at: t.resolved_at,
         failure_group: signature.fingerprint,
         status,
         delivered_by_replay: headers
@@ -292,7 +293,7 @@ impl<C: OperatorConnection> Operator<C> {
                     format!("dead letter {id}: {problem}").into(),
                 )
             })?;
-        let headers = serde_json::from_str(&tuple.5).unwrap_or_default();
+        let headers = serde_json::from_str(&tuple.headers).unwrap_or_default();
         let entry = confirm_replay::<C>(&mut conn, entry(tuple)?)?;
         let (first, last) =
             C::op_failure_span(&mut conn, &entry.consumer_group, &entry.message_key)?;
@@ -321,8 +322,10 @@ impl<C: OperatorConnection> Operator<C> {
         let rows = C::op_entries(&mut conn, filter, None, 0)?;
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
         for t in rows {
-            let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.0), &t.7)?;
-            let sig = fingerprint::signature(reason.as_str(), &t.3, t.8.as_deref());
+            let reason =
+                crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
+            let sig =
+                fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
             if filter
                 .failure_group
                 .as_ref()
@@ -336,21 +339,21 @@ impl<C: OperatorConnection> Operator<C> {
                         fingerprint: sig.fingerprint.clone(),
                         replayable: reason.replay_refusal().is_none(),
                         reason,
-                        message_type: t.3.clone(),
+                        message_type: t.message_type.clone(),
                         kind: sig.kind.clone(),
                         signature: sig.line.clone(),
                         count: 0,
                         consumer_groups: Vec::new(),
-                        first_seen: t.9,
-                        last_seen: t.9,
+                        first_seen: t.dead_lettered_at,
+                        last_seen: t.dead_lettered_at,
                     },
                     BTreeSet::new(),
                 )
             });
             group.count += 1;
-            group.first_seen = group.first_seen.min(t.9);
-            group.last_seen = group.last_seen.max(t.9);
-            members.insert(t.1);
+            group.first_seen = group.first_seen.min(t.dead_lettered_at);
+            group.last_seen = group.last_seen.max(t.dead_lettered_at);
+            members.insert(t.consumer_group);
         }
         let mut out: Vec<FailureGroup> = groups
             .into_values()

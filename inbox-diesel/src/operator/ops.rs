@@ -13,8 +13,7 @@ use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
-pub(crate) use super::records::EntryTuple;
-pub(crate) use super::records::{Letter, NewReplay, Redrivable};
+pub(crate) use super::records::{EntryRow, Letter, NewReplay, Redrivable};
 
 /// The operator statements every backend runs, on its own connection type.
 pub trait OperatorOps: StoreConnection + SharedOperatorOps {
@@ -25,7 +24,7 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         filter: &DeadLetterFilter,
         limit: Option<i64>,
         offset: i64,
-    ) -> QueryResult<Vec<EntryTuple>>;
+    ) -> QueryResult<Vec<EntryRow>>;
 
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
@@ -61,7 +60,7 @@ macro_rules! operator_ops {
                 filter: &DeadLetterFilter,
                 limit: Option<i64>,
                 offset: i64,
-            ) -> QueryResult<Vec<EntryTuple>> {
+            ) -> QueryResult<Vec<EntryRow>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters.into_boxed();
                 if let Some(g) = &filter.consumer_group {

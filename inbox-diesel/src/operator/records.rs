@@ -4,23 +4,25 @@
 use chrono::{DateTime, Utc};
 use inbox_core::DeadLetterReason;
 
-/// A dead letter without its payload.
-pub(crate) type EntryTuple = (
-    i64,
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    i32,
-    String,
-    Option<String>,
-    DateTime<Utc>,
-    Option<DateTime<Utc>>,
-    i32,
-    Option<DateTime<Utc>>,
-    Option<DateTime<Utc>>,
-);
+/// A dead letter without its payload, as the operator's letters view reads it (the
+/// fields in the view's column order: rows are read by position).
+#[derive(diesel::Queryable)]
+pub struct EntryRow {
+    pub id: i64,
+    pub consumer_group: String,
+    pub message_key: String,
+    pub message_type: String,
+    pub tenant: Option<String>,
+    pub headers: String,
+    pub attempts: i32,
+    pub reason: String,
+    pub last_error: Option<String>,
+    pub dead_lettered_at: DateTime<Utc>,
+    pub replayed_at: Option<DateTime<Utc>>,
+    pub replay_count: i32,
+    pub discarded_at: Option<DateTime<Utc>>,
+    pub resolved_at: Option<DateTime<Utc>>,
+}
 
 /// A letter's payload, and a cut payload's whole length and SHA-256.
 pub(crate) type StoredPayload = (Vec<u8>, Option<i64>, Option<Vec<u8>>);

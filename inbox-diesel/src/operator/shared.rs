@@ -23,7 +23,7 @@ use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
 
 use super::records::{
-    CanaryRow, EntryTuple, FailureSpan, Letter, NewReplay, RawStats, StoredPayload,
+    CanaryRow, EntryRow, FailureSpan, Letter, NewReplay, RawStats, StoredPayload,
 };
 use crate::dsl::claim_columns;
 use crate::operator::tables::{
@@ -56,7 +56,7 @@ pub trait SharedOperatorOps: Sized {
 
     /// One dead letter, and its payload (with a cut payload's length and SHA-256).
     #[doc(hidden)]
-    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>>;
+    fn op_entry(conn: &mut Self, id: i64) -> QueryResult<Option<(EntryRow, StoredPayload)>>;
 
     /// Whether a letter of (group, key) older than `before` (by id) was replayed.
     #[doc(hidden)]
@@ -131,7 +131,7 @@ impl<C> SharedOperatorOps for C
 where
     C: Connection + LoadConnection,
     letter: LoadQuery<'static, C, LetterRow>,
-    entry: LoadQuery<'static, C, EntryTuple>,
+    entry: LoadQuery<'static, C, EntryRow>,
     payload_of: LoadQuery<'static, C, StoredPayload>,
     replayed_before: LoadQuery<'static, C, bool>,
     first_failure: LoadQuery<'static, C, DateTime<Utc>>,
@@ -172,7 +172,7 @@ where
         .transpose()
     }
 
-    fn op_entry(conn: &mut C, id: i64) -> QueryResult<Option<(EntryTuple, StoredPayload)>> {
+    fn op_entry(conn: &mut C, id: i64) -> QueryResult<Option<(EntryRow, StoredPayload)>> {
         let Some(found) = entry(id).get_result(conn).optional()? else {
             return Ok(None);
         };
