@@ -39,6 +39,8 @@ impl Pings {
 }
 
 struct Scene {
+    // Dropped first: the retry tiers carry no expiry, so the test deletes them.
+    _delete: inbox_test_support::amqp::DeleteOnDrop,
     _db: SqliteFixture,
     store: Arc<Store<SqliteConnection>>,
     topology: Topology,
@@ -59,7 +61,13 @@ impl Scene {
             .prefix(prefix)
             .unwrap()
             .queue_expires(Duration::from_secs(60));
+        let routes = inbox_core::InboxStore::routes(&store);
+        let delete = inbox_test_support::amqp::DeleteOnDrop::new(
+            amqp.clone(),
+            topology.clone().with_routes(routes),
+        );
         Some(Self {
+            _delete: delete,
             _db: db,
             store: Arc::new(store),
             topology,
