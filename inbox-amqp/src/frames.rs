@@ -85,11 +85,7 @@ pub enum FrameStack {
 /// replaced. Child processes inherit the variable. `inbox_cli::service::init` calls it.
 pub fn reserve_frame_stack() -> FrameStack {
     let need = frame_parse_stack();
-    let set = std::env::var("RUST_MIN_STACK").ok();
-    if set
-        .and_then(|v| v.parse::<usize>().ok())
-        .is_some_and(|v| v >= need)
-    {
+    if suffices(std::env::var("RUST_MIN_STACK").ok().as_deref()) {
         return FrameStack::Kept;
     }
     match threads_running() {
@@ -99,6 +95,14 @@ pub fn reserve_frame_stack() -> FrameStack {
     }
     std::env::set_var("RUST_MIN_STACK", need.to_string());
     FrameStack::Set
+}
+
+/// Whether a `RUST_MIN_STACK` value gives at least [`frame_parse_stack`] bytes, read
+/// as the standard library reads it: untrimmed, so `"58720256\n"` gives 2 MiB there.
+fn suffices(rust_min_stack: Option<&str>) -> bool {
+    rust_min_stack
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|v| v >= frame_parse_stack())
 }
 
 /// The process's thread count, where the system tells it.
@@ -114,9 +118,7 @@ fn threads_running() -> Option<usize> {
 /// unreadable or below [`frame_parse_stack`]; whether it warned.
 pub(crate) fn warn_on_small_stack(rust_min_stack: Option<&str>) -> bool {
     let need = frame_parse_stack();
-    // Untrimmed, as the standard library reads it.
-    let set = rust_min_stack.and_then(|v| v.parse::<usize>().ok());
-    if set.is_some_and(|set| set >= need) {
+    if suffices(rust_min_stack) {
         return false;
     }
     tracing::warn!(

@@ -2,11 +2,13 @@
 //! and [`serve`] to consume and relay until ctrl-c or SIGTERM.
 //!
 //! ```no_run
+//! use diesel::PgConnection;
 //! use inbox_cli::service;
-//! # fn store() -> inbox_diesel::Store<diesel::PgConnection> { unimplemented!() }
+//! use inbox_diesel::Store;
 //! fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     let _process = service::init(); // before any thread: the stack, the logs
-//!     let store = store(); // built here, off any async runtime
+//!     // Built here, off any async runtime (add its handlers before `build`).
+//!     let store = Store::<PgConnection>::builder("postgres://postgres@127.0.0.1/test").build()?;
 //!     let amqp = service::amqp_url(); // AMQP_URL, else a local RabbitMQ
 //!     service::serve(&amqp, store, inbox_amqp::Topology::new("shop")?)?;
 //!     Ok(())
