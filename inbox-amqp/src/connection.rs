@@ -15,8 +15,9 @@ use crate::Result;
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConnectionSettings {
-    /// The first ceiling of the wait before reconnecting (default 100 ms); a consumer
-    /// also waits after a store failure. Each wait is random in `[0, ceiling]` (full
+    /// The first ceiling of the wait before reconnecting (default 100 ms); a consumer,
+    /// and a relay, also wait after a store failure (the relay's ceiling grows with
+    /// each failed lease, mark or record in a row and falls back after a clean round). Each wait is random in `[0, ceiling]` (full
     /// jitter), the ceiling doubling after each failure, so clients that lost one
     /// broker together do not reconnect together.
     pub backoff_min: Duration,
