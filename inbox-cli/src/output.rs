@@ -1,4 +1,5 @@
-//! Human tables and the JSON documents (field names are a contract: see the README).
+//! Human tables, and the printing of the JSON documents (their field names are a
+//! contract, defined once in `inbox_diesel::operator::json`: see the README).
 //!
 //! Every value a publisher controls (a key, type, tenant, header, error, payload) and
 //! every stored text is shown through [`inbox_core::display::escape`]: control
@@ -13,11 +14,8 @@ use std::io;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use inbox_core::display::{escape, is_escaped};
-use inbox_diesel::operator::{
-    DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
-};
-use inbox_diesel::ClaimRecord;
-use serde_json::{json, Value};
+use inbox_diesel::operator::{DeadLetterDetails, HaltedGroup, OperatorStats};
+use serde_json::Value;
 
 use crate::failure::{failed, Outcome};
 
@@ -115,12 +113,6 @@ pub(crate) fn time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
 }
 
-fn time_json(t: Option<DateTime<Utc>>) -> Value {
-    t.map_or(Value::Null, |t| {
-        Value::String(t.to_rfc3339_opts(SecondsFormat::Micros, true))
-    })
-}
-
 /// The first line of an error, at most 80 characters.
 pub(crate) fn first_line(text: Option<&str>) -> String {
     let line = text.unwrap_or_default().lines().next().unwrap_or_default();
@@ -132,26 +124,6 @@ pub(crate) fn first_line(text: Option<&str>) -> String {
     }
 }
 
-pub(crate) fn entry_json(e: &DeadLetterEntry) -> Value {
-    json!({
-        "id": e.id,
-        "consumer_group": e.consumer_group,
-        "message_key": e.message_key,
-        "message_type": e.message_type,
-        "tenant": e.tenant,
-        "reason": e.reason.as_str(),
-        "attempts": e.attempts,
-        "last_error": e.last_error,
-        "dead_lettered_at": time_json(Some(e.dead_lettered_at)),
-        "replay_count": e.replay_count,
-        "replayed_at": time_json(e.replayed_at),
-        "discarded_at": time_json(e.discarded_at),
-        "failure_group": e.failure_group,
-        "status": e.status.as_str(),
-        "delivered_by_replay": e.delivered_by_replay,
-    })
-}
-
 fn hex(bytes: &[u8]) -> String {
     bytes
         .iter()
@@ -159,38 +131,6 @@ fn hex(bytes: &[u8]) -> String {
             let _ = write!(s, "{b:02x}");
             s
         })
-}
-
-pub(crate) fn details_json(d: &DeadLetterDetails) -> Value {
-    let mut v = entry_json(&d.entry);
-    let text = std::str::from_utf8(&d.payload).ok();
-    if let Value::Object(map) = &mut v {
-        map.insert("payload".into(), json!(text));
-        map.insert("payload_hex".into(), json!(hex(&d.payload)));
-        map.insert(
-            "payload_cut".into(),
-            json!(d
-                .payload_cut
-                .map(|c| json!({"length": c.length, "sha256": hex(&c.sha256)}))),
-        );
-        map.insert("headers".into(), json!(d.headers));
-        map.insert(
-            "traceparent".into(),
-            json!(d.headers.get(inbox_core::TRACEPARENT_HEADER)),
-        );
-        map.insert(
-            "first_failure_at".into(),
-            time_json(Some(d.first_failure_at)),
-        );
-        map.insert("last_failure_at".into(), time_json(Some(d.last_failure_at)));
-        map.insert(
-            "claim_status".into(),
-            json!(d.claim_status.map(|s| s.as_str())),
-        );
-        map.insert("replayable".into(), json!(d.replay_refusal.is_none()));
-        map.insert("replay_refusal".into(), json!(d.replay_refusal));
-    }
-    v
 }
 
 pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
@@ -268,77 +208,6 @@ pub(crate) fn details_text(d: &DeadLetterDetails) -> String {
     out
 }
 
-pub(crate) fn group_json(g: &FailureGroup) -> Value {
-    json!({
-        "fingerprint": g.fingerprint,
-        "reason": g.reason.as_str(),
-        "message_type": g.message_type,
-        "kind": g.kind,
-        "signature": g.signature,
-        "count": g.count,
-        "consumer_groups": g.consumer_groups,
-        "first_seen": time_json(Some(g.first_seen)),
-        "last_seen": time_json(Some(g.last_seen)),
-        "replayable": g.replayable,
-    })
-}
-
-pub(crate) fn claim_json(c: &ClaimRecord) -> Value {
-    json!({
-        "consumer_group": c.group,
-        "message_key": c.key,
-        "message_type": c.message_type,
-        "tenant": c.tenant,
-        "status": c.status.as_str(),
-        "attempts": c.attempts,
-        "starts": c.starts,
-        "next_attempt_at": time_json(c.next_attempt_at),
-        "last_error": c.last_error,
-        "has_payload": c.has_payload,
-        "first_seen_at": time_json(Some(c.first_seen_at)),
-        "updated_at": time_json(Some(c.updated_at)),
-    })
-}
-
-pub(crate) fn stats_json(s: &OperatorStats) -> Value {
-    let groups: Vec<Value> = s
-        .groups
-        .iter()
-        .map(|g| {
-            json!({
-                "consumer_group": g.consumer_group,
-                "started": g.started,
-                "done": g.done,
-                "failed": g.failed,
-                "dead": g.dead,
-                "retries_due": g.retries_due,
-                "retries_waiting": g.retries_waiting,
-                "oldest_pending_retry": time_json(g.oldest_pending_retry),
-                "oldest_unprocessed_at": time_json(g.oldest_unprocessed_at),
-            })
-        })
-        .collect();
-    let letters: Vec<Value> = s
-        .dead_letters
-        .iter()
-        .map(
-            |l| json!({ "consumer_group": l.consumer_group, "reason": l.reason.as_str(), "count": l.count }),
-        )
-        .collect();
-    let halted: Vec<Value> = s.halted.iter().map(halt_json).collect();
-    json!({
-        "at": time_json(Some(s.at)),
-        "groups": groups,
-        "halted": halted,
-        "dead_letters": letters,
-        "outbox": {
-            "backlog": s.outbox_backlog,
-            "oldest_unpublished_age_seconds": s.oldest_unpublished_age.map(|d| d.as_secs_f64()),
-            "dead": s.dead_outbox_rows,
-        },
-    })
-}
-
 pub(crate) fn stats_text(s: &OperatorStats) -> String {
     let mut claims = Table::new([
         "GROUP",
@@ -388,15 +257,6 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
         s.outbox_backlog,
         s.dead_outbox_rows
     )
-}
-
-pub(crate) fn halt_json(h: &HaltedGroup) -> Value {
-    json!({
-        "consumer_group": h.consumer_group,
-        "message_key": h.message_key,
-        "detail": h.detail,
-        "halted_at": time_json(Some(h.halted_at)),
-    })
 }
 
 pub(crate) fn halts_text(halted: &[HaltedGroup]) -> String {

@@ -1,5 +1,6 @@
 //! `claims`: a key's claims, and redriving failed claims.
 
+use inbox_diesel::operator::json;
 use std::io::Write;
 
 use inbox_diesel::operator::Operator;
@@ -32,7 +33,7 @@ pub(crate) fn claims<C: OperatorConnection>(
                 .filter(|c| consumer_group.as_ref().is_none_or(|g| *g == c.group))
                 .collect();
             if global.json {
-                let rows: Vec<Value> = claims.iter().map(output::claim_json).collect();
+                let rows: Vec<Value> = claims.iter().map(json::claim).collect();
                 print_json(out, &json!({ "claims": rows }))?;
             } else {
                 let mut table = Table::new([

@@ -1,5 +1,6 @@
 //! `dead-letters`: list, show, failure groups, replay and discard.
 
+use inbox_diesel::operator::json;
 use std::io::Write;
 
 use inbox_diesel::operator::Operator;
@@ -62,7 +63,7 @@ pub(crate) fn dead_letters<C: OperatorConnection>(
                 .map_err(failed)?
                 .ok_or_else(|| Failure::new(exit::NOT_FOUND, format!("no dead letter {id}")))?;
             if json {
-                return print_json(out, &output::details_json(&details));
+                return print_json(out, &json::dead_letter_details(&details));
             }
             print(out, output::details_text(&details))
         }
@@ -100,7 +101,7 @@ fn list<C: OperatorConnection>(
         .list_dead_letters(&f, offset, limit)
         .map_err(failed)?;
     if json {
-        let rows: Vec<Value> = letters.iter().map(output::entry_json).collect();
+        let rows: Vec<Value> = letters.iter().map(json::dead_letter).collect();
         return print_json(
             out,
             &json!({ "dead_letters": rows, "offset": offset, "limit": limit }),
@@ -150,7 +151,7 @@ fn groups<C: OperatorConnection>(
     let f = filter(store, args, StatusArg::Pending)?;
     let groups = Operator::new(store).failure_groups(&f).map_err(failed)?;
     if json {
-        let rows: Vec<Value> = groups.iter().map(output::group_json).collect();
+        let rows: Vec<Value> = groups.iter().map(json::failure_group).collect();
         return print_json(out, &json!({ "failure_groups": rows }));
     }
     let mut table = Table::new([
@@ -199,15 +200,7 @@ fn replay_many<C: OperatorConnection>(
         .replay_dead_letters(&f, limit, target)
         .map_err(failed)?;
     if json {
-        return print_json(
-            out,
-            &json!({
-                "matched": report.matched,
-                "replayed": report.affected,
-                "refused": report.refused,
-                "skipped": report.skipped,
-            }),
-        );
+        return print_json(out, &json::bulk_replay(&report));
     }
     print(
         out,
@@ -235,7 +228,7 @@ fn discard_one<C: OperatorConnection>(
         _ => "not_found",
     };
     if json {
-        print_json(out, &json!({ "id": id, "outcome": name }))?;
+        print_json(out, &json::discard_outcome(id, outcome))?;
     } else {
         print(
             out,
@@ -264,14 +257,7 @@ fn discard_many<C: OperatorConnection>(
         .discard_dead_letters(&f, limit)
         .map_err(failed)?;
     if json {
-        return print_json(
-            out,
-            &json!({
-                "matched": report.matched,
-                "discarded": report.affected,
-                "skipped": report.skipped,
-            }),
-        );
+        return print_json(out, &json::bulk_discard(&report));
     }
     print(
         out,
@@ -313,17 +299,15 @@ fn replay_one<C: OperatorConnection>(
     let outcome = Operator::new(store)
         .replay_dead_letter(id, target)
         .map_err(failed)?;
-    let (value, text, failure) = match &outcome {
+    let (text, failure) = match &outcome {
         ReplayOutcome::Replayed {
             sequence,
             outbox_id,
         } => (
-            json!({ "id": id, "outcome": "replayed", "sequence": sequence, "outbox_id": outbox_id }),
             format!("dead letter {id}: replayed (replay {sequence}, outbox row {outbox_id})\n"),
             None,
         ),
         ReplayOutcome::Refused { reason, advice } => (
-            json!({ "id": id, "outcome": "refused", "reason": reason.as_str(), "advice": advice }),
             format!("dead letter {id}: refused ({reason}): {advice}\n"),
             Some(Failure::new(
                 exit::REFUSED,
@@ -333,7 +317,6 @@ fn replay_one<C: OperatorConnection>(
         ReplayOutcome::ClaimNotDead { status } => {
             let status = status.map_or("none", |s| s.as_str());
             (
-                json!({ "id": id, "outcome": "claim_not_dead", "claim_status": status }),
                 format!(
                     "dead letter {id}: nothing enqueued: its claim is {status}, not dead (replayed already?)\n"
                 ),
@@ -341,7 +324,6 @@ fn replay_one<C: OperatorConnection>(
             )
         }
         ReplayOutcome::Discarded => (
-            json!({ "id": id, "outcome": "discarded" }),
             format!("dead letter {id}: discarded, not replayed\n"),
             Some(Failure::new(
                 exit::REFUSED,
@@ -349,7 +331,6 @@ fn replay_one<C: OperatorConnection>(
             )),
         ),
         _ => (
-            json!({ "id": id, "outcome": "not_found" }),
             format!("no dead letter {id}\n"),
             Some(Failure::new(
                 exit::NOT_FOUND,
@@ -358,7 +339,7 @@ fn replay_one<C: OperatorConnection>(
         ),
     };
     if global.json {
-        print_json(out, &value)?;
+        print_json(out, &json::replay_outcome(id, &outcome))?;
     } else {
         print(out, text)?;
     }

@@ -1,5 +1,6 @@
 //! `groups` (halted groups, resume) and `stats`.
 
+use inbox_diesel::operator::json;
 use std::io::Write;
 
 use inbox_core::ConsumerGroup;
@@ -23,7 +24,7 @@ pub(crate) fn groups<C: OperatorConnection>(
         GroupCommand::List => {
             let halted = Operator::new(store).list_halted_groups().map_err(failed)?;
             if global.json {
-                let rows: Vec<Value> = halted.iter().map(output::halt_json).collect();
+                let rows: Vec<Value> = halted.iter().map(json::halted_group).collect();
                 return print_json(out, &json!({ "halted": rows }));
             }
             print(out, output::halts_text(&halted))
@@ -64,7 +65,7 @@ pub(crate) fn stats<C: OperatorConnection>(
 ) -> Outcome {
     let s = Operator::new(store).operator_stats().map_err(failed)?;
     if global.json {
-        return print_json(out, &output::stats_json(&s));
+        return print_json(out, &json::stats(&s));
     }
     print(out, output::stats_text(&s))
 }

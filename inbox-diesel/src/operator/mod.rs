@@ -86,6 +86,7 @@ mod catalog;
 mod fingerprint;
 mod gauges;
 mod halts;
+pub mod json;
 pub(crate) mod ops;
 mod records;
 mod shared;
