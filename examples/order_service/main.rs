@@ -37,9 +37,26 @@ impl CustomerTotals {
         o: OrderPlaced,
         _: &MessageContext<'_>,
     ) -> Result<(), HandlerError> {
+        // An order that would pass its customer's credit limit is refused for good:
+        // dead-lettered at once, replayable once the limit is raised.
+        let over = sql_query("SELECT l.cents FROM credit_limits l LEFT JOIN customer_totals t USING (customer) WHERE l.customer = $1 AND COALESCE(t.cents, 0) + $2 > l.cents")
+            .bind::<Text, _>(&o.customer).bind::<BigInt, _>(o.cents).get_result::<Limit>(c).optional()?;
+        if let Some(Limit { cents }) = over {
+            let why = format!(
+                "order {} would take {} past the credit limit of {cents} cents",
+                o.order_id, o.customer
+            );
+            return Err(HandlerError::permanent(why));
+        }
         add(c, &o.customer, o.cents)?;
         Ok(())
     }
+}
+
+#[derive(QueryableByName)]
+struct Limit {
+    #[diesel(sql_type = BigInt)]
+    cents: i64,
 }
 
 fn add(conn: &mut PgConnection, customer: &str, cents: i64) -> QueryResult<usize> {
@@ -139,6 +156,8 @@ struct Cli {
 enum Command {
     /// Place an order: the order row and its message commit together.
     Place { customer: String, cents: i64 },
+    /// Set a customer's credit limit: orders past it are dead-lettered.
+    Limit { customer: String, cents: i64 },
     /// Consume and relay until ctrl-c or SIGTERM.
     Run,
     #[command(flatten)]
@@ -164,7 +183,8 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
         .build()?;
     store.connection()?.batch_execute(
         "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, customer TEXT NOT NULL, cents BIGINT NOT NULL);
-         CREATE TABLE IF NOT EXISTS customer_totals (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)")?;
+         CREATE TABLE IF NOT EXISTS customer_totals (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL);
+         CREATE TABLE IF NOT EXISTS credit_limits (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)")?;
     let topology = cli.inbox.topology("shop")?;
     match cli.command {
         Command::Place { customer, cents } => store.connection()?.transaction(|c| {
@@ -187,8 +207,15 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
             println!("order {id} placed");
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
         })?,
+        Command::Limit { customer, cents } => {
+            sql_query("INSERT INTO credit_limits VALUES ($1, $2) ON CONFLICT (customer) DO UPDATE SET cents = $2")
+                .bind::<Text, _>(&customer).bind::<BigInt, _>(cents).execute(&mut store.connection()?)?;
+            println!("credit limit of {customer}: {cents} cents");
+        }
         _ => {
             inbox_examples::scrape::spawn_from_env("order_service")?; // INBOX_METRICS_ADDR
+            let operator = inbox_outbox::store::operator::Operator::new(&store); // INBOX_WEB_ADDR: /ops
+            inbox_examples::console::spawn_from_env("order_service", operator, &cli.inbox.prefix)?;
             service::serve(&service::amqp_url(), store, topology)?;
         }
     }

@@ -1,6 +1,7 @@
 //! The usage-billing projection the examples run: `usage.recorded` events folded into
 //! `daily_usage(user_id, day, total)`, on PostgreSQL or SQLite with the same handler.
 
+pub mod console;
 pub mod credit;
 pub mod metered;
 pub mod ops;
