@@ -142,6 +142,53 @@ pub enum Command {
     /// consumer with the canary handler) and reports arrivals, losses, doubles and
     /// latency; exits 6 on any loss or double.
     Selftest(SelftestArgs),
+    /// Serves the web console (inbox-web) on --listen until ctrl-c or SIGTERM; a
+    /// non-loopback address needs INBOX_WEB_TOKEN.
+    #[cfg(feature = "web")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "web")))]
+    Web(WebArgs),
+}
+
+/// `web`. Its `Debug` never shows the token.
+#[cfg(feature = "web")]
+#[cfg_attr(docsrs, doc(cfg(feature = "web")))]
+#[derive(Clone, Args)]
+pub struct WebArgs {
+    /// The address to listen on (`host:port`).
+    #[arg(long, env = "INBOX_WEB_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// The access token a browser presents on the login form (or a script as
+    /// `Authorization: Bearer`); required on a non-loopback address.
+    #[arg(long, env = "INBOX_WEB_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Refuse every action; show no action button.
+    #[arg(long)]
+    pub read_only: bool,
+    /// The request header a proxy in front sets to the user's name (logged with every
+    /// action).
+    #[arg(long)]
+    pub identity_header: Option<String>,
+    /// An origin besides the request's own host that actions are accepted from (a
+    /// proxy's public name, `https://ops.example.com`); repeatable.
+    #[arg(long)]
+    pub allow_origin: Vec<String>,
+    /// Mark the session cookie `Secure` (served over HTTPS by a proxy in front).
+    #[arg(long)]
+    pub secure_cookie: bool,
+}
+
+#[cfg(feature = "web")]
+impl std::fmt::Debug for WebArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebArgs")
+            .field("listen", &self.listen)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("read_only", &self.read_only)
+            .field("identity_header", &self.identity_header)
+            .field("allow_origin", &self.allow_origin)
+            .field("secure_cookie", &self.secure_cookie)
+            .finish()
+    }
 }
 
 /// `selftest`. Its `Debug` shows the broker URL with its password replaced by `***`.

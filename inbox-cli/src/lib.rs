@@ -62,6 +62,8 @@ pub use args::{
     ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,
     SelftestArgs, StatusArg, VerifyArgs,
 };
+#[cfg(feature = "web")]
+pub use args::WebArgs;
 pub use failure::Failure;
 pub use run::{run, run_with};
 

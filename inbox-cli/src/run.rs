@@ -173,6 +173,8 @@ fn on_store<C: OperatorConnection>(
         Command::Stats => groups::stats(global, &store, out),
         Command::Purge(args) => purge::purge(global, &store, args, out),
         Command::Selftest(args) => selftest::run(global, &store, args, out),
+        #[cfg(feature = "web")]
+        Command::Web(args) => crate::commands::web::serve(&store, target, args, out),
         Command::Verify(_) => Ok(()),
     }
 }

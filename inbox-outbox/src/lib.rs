@@ -10,6 +10,7 @@
 //! | `operator` | `store::operator`: dead letters, replay, discard, redrive, stats, halts, canaries | off |
 //! | `rebuild` | `store::rebuild`: projection rebuilds and audits | off |
 //! | `idempotency` | `store::idempotency`: idempotency keys of requests | off |
+//! | `web` | [`web`]: the operator web console, an axum `Router` to mount (and `inbox web` with `cli`) | off |
 //! | `rustls` | `amqps://` URLs | off |
 //!
 //! The store ([`store`], inbox-diesel) runs on PostgreSQL and SQLite; [`diesel`] is
@@ -75,6 +76,12 @@ pub use inbox_amqp as amqp;
 #[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 #[doc(inline)]
 pub use inbox_cli as cli;
+
+/// The operator web console, to mount in your service (the `inbox-web` crate).
+#[cfg(feature = "web")]
+#[cfg_attr(docsrs, doc(cfg(feature = "web")))]
+#[doc(inline)]
+pub use inbox_web as web;
 
 /// What most applications use, in one `use inbox_outbox::prelude::*;`.
 pub mod prelude {

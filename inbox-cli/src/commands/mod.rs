@@ -7,6 +7,8 @@ pub(crate) mod groups;
 pub(crate) mod purge;
 pub(crate) mod selftest;
 pub(crate) mod verify;
+#[cfg(feature = "web")]
+pub(crate) mod web;
 
 use std::time::Duration;
 
