@@ -45,6 +45,8 @@ mod guides {
     mod metrics {}
     #[doc = include_str!("../../docs/tracing.md")]
     mod tracing_guide {}
+    #[doc = include_str!("../../docs/console.md")]
+    mod console_guide {}
 }
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at
