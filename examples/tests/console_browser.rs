@@ -323,8 +323,26 @@ impl Browser {
             .unwrap()
     }
 
-    async fn h1(&self) -> String {
-        self.text("h1").await
+    /// Waits until the page's title (`h1`) is `title`: a click on a link or a submit
+    /// button returns before the next page has necessarily replaced this one.
+    async fn arrive(&self, title: impl AsRef<str>) {
+        let title = title.as_ref();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let seen = match self.client.find(Locator::Css("h1")).await {
+                Ok(h1) => h1.text().await.ok(),
+                Err(_) => None,
+            };
+            if seen.as_deref() == Some(title) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "expected the page {title:?}, found {seen:?} at {}",
+                self.path().await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     async fn click(&self, css: &str) {
@@ -504,7 +522,7 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     // Not logged in: every page sends the browser to the login form.
     b.goto("").await;
     assert_eq!(b.path().await, "/ops/login");
-    assert_eq!(b.h1().await, "Log in");
+    b.arrive("Log in").await;
     b.shot("login").await;
     b.client
         .find(Locator::Id("token"))
@@ -514,15 +532,15 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
         .await
         .unwrap();
     b.click("#login").await;
+    b.arrive("Overview").await;
     assert_eq!(b.path().await, "/ops", "the login lands on the overview");
-    assert_eq!(b.h1().await, "Overview");
     assert_eq!(b.text("#pending-letters").await, "1");
     assert!(b.text("#groups").await.contains(GROUP));
     b.shot("overview").await;
 
     // The failure group: its row shows the error's signature.
     b.nav("Failure groups").await;
-    assert_eq!(b.h1().await, "Failure groups");
+    b.arrive("Failure groups").await;
     let rows = b
         .client
         .find_all(Locator::Css("#failure-groups tr"))
@@ -551,12 +569,9 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
         .unwrap();
 
     // Its letters, and the letter.
-    assert!(
-        b.path().await.starts_with("/ops/letters?failure_group="),
-        "{}",
-        b.path().await
-    );
-    assert_eq!(b.h1().await, "Dead letters");
+    b.arrive("Dead letters").await;
+    let path = b.path().await;
+    assert!(path.starts_with("/ops/letters?failure_group="), "{path}");
     b.shot("letters").await;
     b.client
         .find(Locator::XPath(&format!(
@@ -567,8 +582,8 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
         .click()
         .await
         .unwrap();
+    b.arrive(format!("Dead letter {id}")).await;
     assert_eq!(b.path().await, format!("/ops/letters/{id}"));
-    assert_eq!(b.h1().await, format!("Dead letter {id}"));
     let payload = b.text("#payload").await;
     assert!(
         payload.contains(r#""customer": "ada""#) && payload.contains(r#""cents": 700"#),
@@ -585,12 +600,12 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     // The cause fixed, the letter replayed from the page.
     scene.run(&["limit", "ada", "100000"]);
     b.click("#replay").await;
-    assert_eq!(b.h1().await, "Confirm");
+    b.arrive("Confirm").await;
     let what = b.text("#confirm-what").await;
     assert!(what.contains(&format!("Replay dead letter {id}")), "{what}");
     b.shot("confirm").await;
     b.click("#confirm").await;
-    assert_eq!(b.h1().await, "Result");
+    b.arrive("Result").await;
     let notice = b.text("#notice").await;
     assert!(
         notice.contains(&format!("Dead letter {id} replayed")),
@@ -608,15 +623,16 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     assert_eq!(b.text("#status").await, "replayed");
     if b.client.find(Locator::Id("replay")).await.is_ok() {
         b.click("#replay").await;
+        b.arrive("Confirm").await;
         b.click("#confirm").await;
     } else {
         // No button once replayed: the confirmation page's form, submitted again.
         b.client.back().await.unwrap();
         b.client.back().await.unwrap();
-        assert_eq!(b.h1().await, "Confirm");
+        b.arrive("Confirm").await;
         b.click("#confirm").await;
     }
-    assert_eq!(b.h1().await, "Result");
+    b.arrive("Result").await;
     let notice = b.text("#notice").await;
     assert!(
         notice.starts_with("Refused") && notice.contains("not dead"),
@@ -639,22 +655,22 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
         .click()
         .await
         .unwrap();
-    assert_eq!(b.h1().await, "Claims");
+    b.arrive("Claims").await;
     let claims = b.text("#claims").await;
     assert!(
         claims.contains(GROUP) && claims.contains("done"),
         "the order's claim is done: {claims}"
     );
-    assert!(b.path().await.contains("/ops/claims?key="), "{key}");
+    assert_eq!(b.path().await, format!("/ops/claims?key={key}"));
     b.shot("claims").await;
     b.nav("Halted groups").await;
-    assert_eq!(b.h1().await, "Halted consumer groups");
+    b.arrive("Halted consumer groups").await;
     assert!(b.text("main").await.contains("No group is halted."));
     b.shot("halts").await;
     b.nav("Outbox").await;
-    assert_eq!(b.h1().await, "Outbox");
+    b.arrive("Outbox").await;
     b.shot("outbox").await;
     b.nav("Rebuilds").await;
-    assert_eq!(b.h1().await, "Rebuilds");
+    b.arrive("Rebuilds").await;
     b.shot("rebuilds").await;
 }
