@@ -7,7 +7,8 @@
 //! page is refused and counts nothing.
 //!
 //! Every page is saved as a PNG under `<CARGO_TARGET_TMPDIR>/console-screenshots/`
-//! (the path is printed). Without `chromium` and `chromedriver` the test prints a
+//! (the path is printed). Chromium and chromedriver are looked up on `PATH` (or
+//! named by `CHROMIUM` and `CHROMEDRIVER`); without them the test prints a
 //! `skipped:` line and returns, unless `INBOX_REQUIRE_SERVICES=1` (CI installs them:
 //! `.ci/services`). It leaves nothing behind: the service, chromedriver and its
 //! Chromium are stopped, its schema dropped, its queues deleted.
@@ -227,7 +228,10 @@ fn browser() -> Option<(PathBuf, PathBuf)> {
                 .collect();
             inbox_test_support::services::machine_lacks(
                 "Chromium and chromedriver",
-                &format!("{} not found on PATH", missing.join(" and ")),
+                &format!(
+                    "{} not found on PATH (or where CHROMIUM / CHROMEDRIVER say)",
+                    missing.join(" and ")
+                ),
                 "install the Debian packages chromium and chromium-driver (.ci/services does)",
             );
             None
@@ -519,6 +523,15 @@ async fn connect(port: u16, chromium: &Path, profile: &Path) -> Client {
 
 /// The engineer's path through the console.
 async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
+    log_in(b, token).await;
+    find_the_letter(b, id).await;
+    replay_once(b, scene, id).await;
+    replay_again(b, scene, id).await;
+    look_around(b, id, key).await;
+}
+
+/// The login form, then the overview.
+async fn log_in(b: &Browser, token: &str) {
     // Not logged in: every page sends the browser to the login form.
     b.goto("").await;
     assert_eq!(b.path().await, "/ops/login");
@@ -537,7 +550,10 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     assert_eq!(b.text("#pending-letters").await, "1");
     assert!(b.text("#groups").await.contains(GROUP));
     b.shot("overview").await;
+}
 
+/// From the failure groups to the letter: its payload and its error.
+async fn find_the_letter(b: &Browser, id: i64) {
     // The failure group: its row shows the error's signature.
     b.nav("Failure groups").await;
     b.arrive("Failure groups").await;
@@ -596,7 +612,10 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     );
     assert_eq!(b.text("#status").await, "pending");
     b.shot("letter").await;
+}
 
+/// The cause fixed, the letter replayed from its page and applied once.
+async fn replay_once(b: &Browser, scene: &Scene, id: i64) {
     // The cause fixed, the letter replayed from the page.
     scene.run(&["limit", "ada", "100000"]);
     b.click("#replay").await;
@@ -617,7 +636,10 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
     scene.wait_for_total(1300);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(scene.total(), Some(1300), "the replay counts once");
+}
 
+/// A second replay from the page: refused, nothing counted.
+async fn replay_again(b: &Browser, scene: &Scene, id: i64) {
     // A second replay from the page: the claim is done, nothing is enqueued.
     b.goto(&format!("/letters/{id}")).await;
     assert_eq!(b.text("#status").await, "replayed");
@@ -645,7 +667,10 @@ async fn browse(b: &Browser, scene: &Scene, id: i64, key: &str, token: &str) {
         Some(1300),
         "the refused replay counts nothing"
     );
+}
 
+/// The other pages: the claim of the order's key, halted groups, outbox, rebuilds.
+async fn look_around(b: &Browser, id: i64, key: &str) {
     // The other pages, as the engineer looks around.
     b.goto(&format!("/letters/{id}")).await;
     b.client
