@@ -47,6 +47,8 @@
 //!   only that module touches.
 //! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
 //!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
+//!   `fingerprint`: a dead letter's failure group, stored on every letter, and the
+//!   backfill of letters written before the column existed;
 //!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
 //!   the one table set of both backends and its timestamp type.
 #![forbid(unsafe_code)]
@@ -59,6 +61,7 @@ mod backend;
 mod batch;
 mod dsl;
 mod error;
+mod fingerprint;
 mod halts;
 #[cfg(feature = "idempotency")]
 #[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]

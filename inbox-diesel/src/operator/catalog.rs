@@ -1,12 +1,13 @@
 //! What `verify_schema` checks of the operator migration's objects: outbox rows unique
 //! by exactly (message_key, replay_seq), and nothing unique on less (the key alone
 //! would refuse a replay, which keeps the original key); the dead-letter columns
-//! replays and discards write; the canary and group-halt tables; the replay
+//! replays and discards write, and the stored failure group with its index (and the
+//! activity counts' indexes); the canary and group-halt tables; the replay
 //! sequences' counters. Each table is read by the backend's one catalog read and
 //! checked by the rules of `verify` every table shares.
 
 use crate::backend::StoreConnection;
-use crate::verify::{check_key, require_columns, Key};
+use crate::verify::{check_key, require_columns, require_index, Key, ReadIndex};
 use crate::{Result, SchemaPart};
 
 /// The outbox's key once replays exist: a replay of a message is another row with
@@ -35,16 +36,31 @@ const REQUIRED: &[(&str, &[&str])] = &[
             "discarded_at",
             "payload_length",
             "payload_sha256",
+            "failure_group",
         ],
     ),
 ];
 
+/// The indexes the operator's reads stand on, by table: the failure groups' filter
+/// and grouping, the activity counts' ranges per group.
+const INDEXES: &[(&str, ReadIndex)] = &[(
+    "inbox_dead_letters",
+    ReadIndex {
+        name: "inbox_dead_letters_failure_group",
+        columns: &["failure_group", "dead_lettered_at", "id"],
+        partial: false,
+    },
+)];
+
 /// Refuses a schema whose outbox cannot hold replays exactly once, or whose operator
-/// tables or dead-letter columns are missing.
+/// tables, dead-letter columns or read indexes are missing.
 pub(crate) fn check<C: StoreConnection>(conn: &mut C) -> Result<()> {
     check_key(&C::catalog(conn, "outbox_messages")?, OUTBOX)?;
     for (table, columns) in REQUIRED {
         require_columns(&C::catalog(conn, table)?, SchemaPart::Operator, columns)?;
+    }
+    for (table, index) in INDEXES {
+        require_index(&C::catalog(conn, table)?, SchemaPart::Operator, *index)?;
     }
     Ok(())
 }

@@ -83,7 +83,6 @@
 
 mod canary;
 mod catalog;
-mod fingerprint;
 mod gauges;
 mod halts;
 pub(crate) mod ops;
@@ -103,6 +102,7 @@ use std::time::Duration;
 use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
+use crate::fingerprint;
 use crate::{ClaimRecord, ClaimStatus, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
@@ -130,8 +130,12 @@ use ops::{EntryRow, NewReplay};
 pub(super) fn entry(t: EntryRow) -> diesel::QueryResult<DeadLetterEntry> {
     let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
     let headers: BTreeMap<String, String> = serde_json::from_str(&t.headers).unwrap_or_default();
-    let signature =
-        fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
+    // Stored with the letter; a letter the backfill has not reached yet (written by
+    // an older binary) is fingerprinted here.
+    let failure_group = t.failure_group.unwrap_or_else(|| {
+        fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref())
+            .fingerprint
+    });
     let status = if t.discarded_at.is_some() {
         LetterStatus::Discarded
     } else if t.resolved_at.is_some() {
@@ -155,12 +159,55 @@ pub(super) fn entry(t: EntryRow) -> diesel::QueryResult<DeadLetterEntry> {
         replay_count: t.replay_count,
         discarded_at: t.discarded_at,
         resolved_at: t.resolved_at,
-        failure_group: signature.fingerprint,
+        failure_group,
         status,
         delivered_by_replay: headers
             .get(REPLAY_SEQUENCE_HEADER)
             .and_then(|s| s.parse().ok()),
     })
+}
+
+/// The longest [`FailureGroup::sample_error`], in characters.
+pub const SAMPLE_ERROR_CHARS: usize = 500;
+
+/// A failure group of one letter (its newest), from its reason, message type and
+/// error: fingerprint, kind, signature and sample error computed here.
+fn failure_group(sample: &ops::FailureSample) -> diesel::QueryResult<FailureGroup> {
+    let (reason, message_type, last_error, at, group) = sample;
+    let reason = crate::rows::stored_reason(format_args!("dead letters of {group}"), reason)?;
+    let sig = fingerprint::signature(reason.as_str(), message_type, last_error.as_deref());
+    Ok(FailureGroup {
+        fingerprint: sig.fingerprint,
+        replayable: reason.replay_refusal().is_none(),
+        reason,
+        message_type: message_type.clone(),
+        kind: sig.kind,
+        signature: sig.line,
+        count: 1,
+        consumer_groups: vec![group.clone()],
+        first_seen: *at,
+        last_seen: *at,
+        sample_error: last_error
+            .as_deref()
+            .map(|e| e.chars().take(SAMPLE_ERROR_CHARS).collect()),
+    })
+}
+
+/// The failure group's fingerprint of a failure: 16 lower-case hex digits over the
+/// reason (its stored name, `max_attempts`, ...), the message type, and the error's
+/// kind and first line with numbers and ids masked. Every dead letter stores it
+/// ([`DeadLetterEntry::failure_group`]); the same failure with other numbers has the
+/// same one.
+///
+/// ```
+/// use inbox_diesel::operator::failure_fingerprint;
+/// let a = failure_fingerprint("max_attempts", "usage.recorded", Some("row 17 locked"));
+/// let b = failure_fingerprint("max_attempts", "usage.recorded", Some("row 9 locked"));
+/// assert_eq!(a, b);
+/// assert_eq!(a.len(), 16);
+/// ```
+pub fn failure_fingerprint(reason: &str, message_type: &str, last_error: Option<&str>) -> String {
+    fingerprint::signature(reason, message_type, last_error).fingerprint
 }
 
 /// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
@@ -261,20 +308,12 @@ impl<C: OperatorConnection> Operator<C> {
         limit: usize,
     ) -> Result<Vec<DeadLetterEntry>> {
         let mut conn = self.connection()?;
-        let entries: Vec<DeadLetterEntry> = match &filter.failure_group {
-            None => C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
+        // The failure group is a stored, indexed column: filtered and paged in SQL.
+        let entries: Vec<DeadLetterEntry> =
+            C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
                 .into_iter()
                 .map(entry)
-                .collect::<diesel::QueryResult<_>>()?,
-            // The fingerprint is computed, not stored: filter after reading.
-            Some(fp) => C::op_entries(&mut conn, filter, None, 0)?
-                .into_iter()
-                .map(entry)
-                .filter(|e| e.as_ref().map_or(true, |e| e.failure_group == *fp))
-                .skip(offset)
-                .take(limit)
-                .collect::<diesel::QueryResult<_>>()?,
-        };
+                .collect::<diesel::QueryResult<_>>()?;
         entries
             .into_iter()
             .map(|e| confirm_replay::<C>(&mut conn, e))
@@ -317,48 +356,65 @@ impl<C: OperatorConnection> Operator<C> {
     }
 
     /// Failure groups of the letters matching `filter`, largest first.
+    ///
+    /// Counted in SQL by the stored fingerprint (`GROUP BY failure_group`, served by
+    /// its index), then one index read per group for its newest letter, whose
+    /// reason, message type and error give the group's `kind`, `signature` and
+    /// `sample_error`. Letters without a stored fingerprint (written by an older
+    /// binary since the last backfill) are read and fingerprinted here.
     pub fn failure_groups(&self, filter: &DeadLetterFilter) -> Result<Vec<FailureGroup>> {
         let mut conn = self.connection()?;
-        let rows = C::op_entries(&mut conn, filter, None, 0)?;
+        let counts = C::op_failure_counts(&mut conn, filter)?;
+        let mut members: BTreeMap<Option<String>, BTreeSet<String>> = BTreeMap::new();
+        for (print, group) in C::op_failure_members(&mut conn, filter)? {
+            members.entry(print).or_default().insert(group);
+        }
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
-        for t in rows {
-            let reason =
-                crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
-            let sig =
-                fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
-            if filter
-                .failure_group
-                .as_ref()
-                .is_some_and(|fp| *fp != sig.fingerprint)
-            {
+        for (print, count, first, last) in counts {
+            let Some(print) = print else {
+                // Not stored yet: fingerprinted letter by letter below.
                 continue;
+            };
+            let Some(sample) = C::op_failure_samples(&mut conn, filter, Some(&print), 1)?
+                .into_iter()
+                .next()
+            else {
+                // Deleted between the two reads (a purge): nothing left to show.
+                continue;
+            };
+            let mut group = failure_group(&sample)?;
+            group.fingerprint.clone_from(&print);
+            group.count = u64::try_from(count).unwrap_or(0);
+            group.first_seen = first.unwrap_or(sample.3);
+            group.last_seen = last.unwrap_or(sample.3);
+            let names = members.remove(&Some(print.clone())).unwrap_or_default();
+            groups.insert(print, (group, names));
+        }
+        if members.contains_key(&None) {
+            for letter in C::op_failure_samples(&mut conn, filter, None, i64::MAX)? {
+                let one = failure_group(&letter)?;
+                let (group, names) = groups.entry(one.fingerprint.clone()).or_insert_with(|| {
+                    (
+                        FailureGroup {
+                            count: 0,
+                            ..one.clone()
+                        },
+                        BTreeSet::new(),
+                    )
+                });
+                group.count += 1;
+                group.first_seen = group.first_seen.min(one.first_seen);
+                if one.last_seen > group.last_seen {
+                    group.last_seen = one.last_seen;
+                    group.sample_error = one.sample_error;
+                }
+                names.insert(letter.4);
             }
-            let (group, members) = groups.entry(sig.fingerprint.clone()).or_insert_with(|| {
-                (
-                    FailureGroup {
-                        fingerprint: sig.fingerprint.clone(),
-                        replayable: reason.replay_refusal().is_none(),
-                        reason,
-                        message_type: t.message_type.clone(),
-                        kind: sig.kind.clone(),
-                        signature: sig.line.clone(),
-                        count: 0,
-                        consumer_groups: Vec::new(),
-                        first_seen: t.dead_lettered_at,
-                        last_seen: t.dead_lettered_at,
-                    },
-                    BTreeSet::new(),
-                )
-            });
-            group.count += 1;
-            group.first_seen = group.first_seen.min(t.dead_lettered_at);
-            group.last_seen = group.last_seen.max(t.dead_lettered_at);
-            members.insert(t.consumer_group);
         }
         let mut out: Vec<FailureGroup> = groups
             .into_values()
-            .map(|(mut g, members)| {
-                g.consumer_groups = members.into_iter().collect();
+            .map(|(mut g, names)| {
+                g.consumer_groups = names.into_iter().collect();
                 g
             })
             .collect();

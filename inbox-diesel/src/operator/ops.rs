@@ -13,11 +13,13 @@ use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
-pub(crate) use super::records::{EntryRow, Letter, NewReplay, Redrivable};
+pub(crate) use super::records::{
+    EntryRow, FailureCount, FailureSample, Letter, NewReplay, Redrivable,
+};
 
 /// The operator statements every backend runs, on its own connection type.
 pub trait OperatorOps: StoreConnection + SharedOperatorOps {
-    /// Dead letters matching `filter` (the failure group aside), newest first.
+    /// Dead letters matching `filter`, newest first.
     #[doc(hidden)]
     fn op_entries(
         conn: &mut Self,
@@ -25,6 +27,33 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         limit: Option<i64>,
         offset: i64,
     ) -> QueryResult<Vec<EntryRow>>;
+
+    /// Failure groups of the letters matching `filter`: (fingerprint, letters,
+    /// oldest, newest), one row per stored fingerprint and one (`None`) for letters
+    /// the backfill has not reached.
+    #[doc(hidden)]
+    fn op_failure_counts(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+    ) -> QueryResult<Vec<FailureCount>>;
+
+    /// The distinct (fingerprint, consumer group) pairs of the letters matching
+    /// `filter`.
+    #[doc(hidden)]
+    fn op_failure_members(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+    ) -> QueryResult<Vec<(Option<String>, String)>>;
+
+    /// The newest letter matching `filter` of a failure group (`None`: the letters
+    /// without a stored one): its reason, message type, last error, time, group.
+    #[doc(hidden)]
+    fn op_failure_samples(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+        fingerprint: Option<&str>,
+        limit: i64,
+    ) -> QueryResult<Vec<FailureSample>>;
 
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
@@ -52,6 +81,58 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
     ) -> QueryResult<()>;
 }
 
+/// Narrows a boxed query of the letters view `$q` by a [`DeadLetterFilter`]: the one
+/// place its fields become SQL, for the list and the failure groups alike.
+macro_rules! letter_filter {
+    ($q:ident, $filter:expr) => {{
+        use crate::operator::tables::op_dead_letters as l;
+        let filter: &DeadLetterFilter = $filter;
+        if let Some(g) = &filter.consumer_group {
+            $q = $q.filter(l::consumer_group.eq(g.clone()));
+        }
+        if let Some(r) = filter.reason {
+            $q = $q.filter(l::reason.eq(r.as_str()));
+        }
+        if let Some(t) = &filter.message_type {
+            $q = $q.filter(l::message_type.eq(t.clone()));
+        }
+        if let Some(k) = &filter.message_key {
+            $q = $q.filter(l::message_key.eq(k.clone()));
+        }
+        if let Some(fp) = &filter.failure_group {
+            $q = $q.filter(l::failure_group.eq(fp.clone()));
+        }
+        // Within the years the stores hold: "since 10,000 years ago" is all.
+        if let Some(since) = filter.since {
+            $q = $q.filter(
+                l::dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
+            );
+        }
+        if let Some(until) = filter.until {
+            $q = $q.filter(
+                l::dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
+            );
+        }
+        $q = match filter.status {
+            None => $q.filter(l::discarded_at.is_null()),
+            Some(LetterStatus::Pending) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_null())
+                .filter(l::replayed_at.is_null()),
+            Some(LetterStatus::Replayed) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_null())
+                .filter(l::replayed_at.is_not_null()),
+            Some(LetterStatus::Resolved) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_not_null()),
+            Some(LetterStatus::Discarded) => $q.filter(l::discarded_at.is_not_null()),
+        };
+    }};
+}
+
+pub(crate) use letter_filter;
+
 macro_rules! operator_ops {
     ($conn:ty) => {
         impl OperatorOps for $conn {
@@ -63,44 +144,7 @@ macro_rules! operator_ops {
             ) -> QueryResult<Vec<EntryRow>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters.into_boxed();
-                if let Some(g) = &filter.consumer_group {
-                    q = q.filter(consumer_group.eq(g.clone()));
-                }
-                if let Some(r) = filter.reason {
-                    q = q.filter(reason.eq(r.as_str()));
-                }
-                if let Some(t) = &filter.message_type {
-                    q = q.filter(message_type.eq(t.clone()));
-                }
-                if let Some(k) = &filter.message_key {
-                    q = q.filter(message_key.eq(k.clone()));
-                }
-                // Within the years the stores hold: "since 10,000 years ago" is all.
-                if let Some(since) = filter.since {
-                    q = q.filter(
-                        dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
-                    );
-                }
-                if let Some(until) = filter.until {
-                    q = q.filter(
-                        dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
-                    );
-                }
-                q = match filter.status {
-                    None => q.filter(discarded_at.is_null()),
-                    Some(LetterStatus::Pending) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .filter(replayed_at.is_null()),
-                    Some(LetterStatus::Replayed) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .filter(replayed_at.is_not_null()),
-                    Some(LetterStatus::Resolved) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_not_null()),
-                    Some(LetterStatus::Discarded) => q.filter(discarded_at.is_not_null()),
-                };
+                crate::operator::ops::letter_filter!(q, filter);
                 let mut q = q
                     .order((dead_lettered_at.desc(), id.desc()))
                     .offset(offset)
@@ -119,6 +163,7 @@ macro_rules! operator_ops {
                         replay_count,
                         discarded_at,
                         resolved_at,
+                        failure_group,
                     ));
                 if let Some(limit) = limit {
                     q = q.limit(limit);
@@ -126,6 +171,63 @@ macro_rules! operator_ops {
                     // SQLite allows OFFSET only after a LIMIT.
                     q = q.limit(i64::MAX);
                 }
+                q.load(conn)
+            }
+
+            fn op_failure_counts(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+            ) -> QueryResult<Vec<FailureCount>> {
+                use crate::operator::tables::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters
+                    .group_by(failure_group)
+                    .select((
+                        failure_group,
+                        diesel::dsl::count_star(),
+                        diesel::dsl::min(dead_lettered_at),
+                        diesel::dsl::max(dead_lettered_at),
+                    ))
+                    .into_boxed();
+                crate::operator::ops::letter_filter!(q, filter);
+                q.load(conn)
+            }
+
+            fn op_failure_members(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+            ) -> QueryResult<Vec<(Option<String>, String)>> {
+                use crate::operator::tables::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters
+                    .select((failure_group, consumer_group))
+                    .distinct()
+                    .into_boxed();
+                crate::operator::ops::letter_filter!(q, filter);
+                q.load(conn)
+            }
+
+            fn op_failure_samples(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+                fingerprint: Option<&str>,
+                limit: i64,
+            ) -> QueryResult<Vec<FailureSample>> {
+                use crate::operator::tables::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters
+                    .select((
+                        reason,
+                        message_type,
+                        last_error,
+                        dead_lettered_at,
+                        consumer_group,
+                    ))
+                    .order((dead_lettered_at.desc(), id.desc()))
+                    .limit(limit)
+                    .into_boxed();
+                crate::operator::ops::letter_filter!(q, filter);
+                q = match fingerprint {
+                    Some(fp) => q.filter(failure_group.eq(fp.to_owned())),
+                    None => q.filter(failure_group.is_null()),
+                };
                 q.load(conn)
             }
 

@@ -22,6 +22,8 @@ pub struct EntryRow {
     pub replay_count: i32,
     pub discarded_at: Option<DateTime<Utc>>,
     pub resolved_at: Option<DateTime<Utc>>,
+    /// The stored fingerprint; `None` for a letter the backfill has not reached.
+    pub failure_group: Option<String>,
 }
 
 /// A letter's payload, and a cut payload's whole length and SHA-256.
@@ -81,3 +83,16 @@ pub struct RawStats {
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
+
+/// A failure group's figures as SQL counts them: (fingerprint, letters, oldest,
+/// newest); no fingerprint for letters the backfill has not reached.
+pub(crate) type FailureCount = (
+    Option<String>,
+    i64,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+);
+
+/// A failure group's newest letter: (reason, message type, last error,
+/// dead-lettered at, consumer group).
+pub(crate) type FailureSample = (String, String, Option<String>, DateTime<Utc>, String);

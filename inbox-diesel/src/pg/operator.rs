@@ -6,7 +6,7 @@ use diesel::result::QueryResult;
 
 use chrono::{DateTime, Utc};
 
-use crate::operator::ops::{EntryRow, OperatorOps, Redrivable};
+use crate::operator::ops::{EntryRow, FailureCount, FailureSample, OperatorOps, Redrivable};
 use crate::operator::{DeadLetterFilter, LetterStatus};
 
 crate::operator::operator_ops!(diesel::PgConnection);
