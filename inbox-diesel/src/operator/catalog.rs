@@ -8,7 +8,7 @@
 
 use crate::backend::StoreConnection;
 use crate::verify::{check_key, require_columns, require_index, Key, ReadIndex};
-use crate::{Result, SchemaPart};
+use crate::{Backend, Result, SchemaPart};
 
 /// The outbox's key once replays exist: a replay of a message is another row with
 /// the same message key and the next replay sequence. `id` is the database's own.
@@ -43,14 +43,42 @@ const REQUIRED: &[(&str, &[&str])] = &[
 
 /// The indexes the operator's reads stand on, by table: the failure groups' filter
 /// and grouping, the activity counts' ranges per group.
-const INDEXES: &[(&str, ReadIndex)] = &[(
-    "inbox_dead_letters",
-    ReadIndex {
-        name: "inbox_dead_letters_failure_group",
-        columns: &["failure_group", "dead_lettered_at", "id"],
-        partial: false,
-    },
-)];
+const INDEXES: &[(&str, ReadIndex)] = &[
+    (
+        "inbox_dead_letters",
+        ReadIndex {
+            name: "inbox_dead_letters_failure_group",
+            columns: &["failure_group", "dead_lettered_at", "id"],
+            partial: false,
+        },
+    ),
+    (
+        "inbox_dead_letters",
+        ReadIndex {
+            name: "inbox_dead_letters_by_group",
+            columns: &["consumer_group", "dead_lettered_at"],
+            partial: false,
+        },
+    ),
+];
+
+/// The activity counts' index of done claims per group: partial on PostgreSQL (the
+/// groups are found on the primary key), whole on SQLite, whose claim key starts
+/// with `message_key`, so the index also finds the groups.
+fn done_by_group(backend: Backend) -> ReadIndex {
+    match backend {
+        Backend::Postgres => ReadIndex {
+            name: "inbox_claims_done_by_group",
+            columns: &["consumer_group", "updated_at"],
+            partial: true,
+        },
+        Backend::Sqlite => ReadIndex {
+            name: "inbox_claims_done_by_group",
+            columns: &["consumer_group", "status", "updated_at"],
+            partial: false,
+        },
+    }
+}
 
 /// Refuses a schema whose outbox cannot hold replays exactly once, or whose operator
 /// tables, dead-letter columns or read indexes are missing.
@@ -62,5 +90,10 @@ pub(crate) fn check<C: StoreConnection>(conn: &mut C) -> Result<()> {
     for (table, index) in INDEXES {
         require_index(&C::catalog(conn, table)?, SchemaPart::Operator, *index)?;
     }
+    require_index(
+        &C::catalog(conn, "inbox_claims")?,
+        SchemaPart::Operator,
+        done_by_group(C::BACKEND),
+    )?;
     Ok(())
 }

@@ -81,6 +81,7 @@
 //! absorbs a second arrival), not its sequence, which only links a letter to the
 //! replay that delivered it (`delivered_by_replay`).
 
+mod activity;
 mod canary;
 mod catalog;
 mod gauges;
@@ -106,6 +107,9 @@ use crate::fingerprint;
 use crate::{ClaimRecord, ClaimStatus, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
+pub use activity::{
+    Activity, ActivityBucket, ActivityQuery, Count, GroupActivity, MAX_ACTIVITY_BUCKETS,
+};
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use ops::{operator_ops, OperatorOps};
 
@@ -509,6 +513,49 @@ impl<C: OperatorConnection> Operator<C> {
             dead_outbox_rows: count(raw.dead_outbox),
             halted,
             at: now,
+        })
+    }
+
+    /// Per consumer group (every group with claims or dead letters), claims that
+    /// reached `done` and messages dead-lettered per `query.interval` over
+    /// `query.buckets` intervals ending at the store clock's now, and in the last
+    /// hour and day. Every count is a bounded index range read: see
+    /// [`activity`](self#activity) below for the bound, and [`Count::at_least`]
+    /// for what a count that hit `query.cap` says.
+    ///
+    /// ```no_run
+    /// # fn demo(store: &inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
+    /// use inbox_diesel::operator::{ActivityQuery, Operator};
+    ///
+    /// let activity = Operator::new(store).activity(&ActivityQuery::default())?;
+    /// for g in &activity.groups {
+    ///     println!("{}: {} processed in the last hour", g.consumer_group, g.processed_last_hour.count);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: [`Error::InvalidSetting`](crate::Error::InvalidSetting) naming
+    /// `buckets`, `interval` or `cap` for a query outside
+    /// [`ActivityQuery::validate`]'s ranges.
+    pub fn activity(&self, query: &ActivityQuery) -> Result<Activity> {
+        query.validate()?;
+        let now = self.clock().now();
+        let window = activity::ScanWindow::new(now, query);
+        let mut conn = self.connection()?;
+        let mut groups = Vec::new();
+        for group in C::op_groups_present(&mut conn)? {
+            let processed =
+                C::op_activity_scan(&mut conn, activity::Tally::Processed, &group, &window)?;
+            let dead =
+                C::op_activity_scan(&mut conn, activity::Tally::DeadLettered, &group, &window)?;
+            groups.push(activity::group_activity(
+                group, query, &window, processed, dead,
+            ));
+        }
+        Ok(Activity {
+            at: now,
+            interval_secs: query.interval.as_secs(),
+            groups,
         })
     }
 

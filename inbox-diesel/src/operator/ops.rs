@@ -13,6 +13,7 @@ use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
+pub(crate) use super::activity::{ScanRow, ScanWindow, Tally};
 pub(crate) use super::records::{
     EntryRow, FailureCount, FailureSample, Letter, NewReplay, Redrivable,
 };
@@ -55,6 +56,20 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         limit: i64,
     ) -> QueryResult<Vec<FailureSample>>;
 
+    /// The consumer groups with claims or dead letters, by name (a loose index scan
+    /// of each table: one probe per group).
+    #[doc(hidden)]
+    fn op_groups_present(conn: &mut Self) -> QueryResult<Vec<String>>;
+
+    /// One group's bounded read of one tally (see `operator::activity`).
+    #[doc(hidden)]
+    fn op_activity_scan(
+        conn: &mut Self,
+        tally: Tally,
+        group: &str,
+        window: &ScanWindow,
+    ) -> QueryResult<Vec<ScanRow>>;
+
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
     #[doc(hidden)]
@@ -83,6 +98,26 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
 
 /// Narrows a boxed query of the letters view `$q` by a [`DeadLetterFilter`]: the one
 /// place its fields become SQL, for the list and the failure groups alike.
+/// The loose index scans that find the consumer groups, one per table: each step
+/// asks the index for the first group name after the last one found. The same SQL on
+/// both backends (a recursive CTE of scalar subqueries); each runs on an index whose
+/// first column is `consumer_group` (the claims' primary key on PostgreSQL,
+/// `inbox_claims_done_by_group` on SQLite; `inbox_dead_letters_by_group`).
+pub(crate) const GROUPS_PRESENT: &[&str] = &[
+    "WITH RECURSIVE g(name) AS ( \
+       SELECT (SELECT consumer_group FROM inbox_claims ORDER BY consumer_group LIMIT 1) \
+       UNION ALL \
+       SELECT (SELECT c.consumer_group FROM inbox_claims c WHERE c.consumer_group > g.name \
+               ORDER BY c.consumer_group LIMIT 1) FROM g WHERE g.name IS NOT NULL \
+     ) SELECT name FROM g WHERE name IS NOT NULL",
+    "WITH RECURSIVE g(name) AS ( \
+       SELECT (SELECT consumer_group FROM inbox_dead_letters ORDER BY consumer_group LIMIT 1) \
+       UNION ALL \
+       SELECT (SELECT d.consumer_group FROM inbox_dead_letters d WHERE d.consumer_group > g.name \
+               ORDER BY d.consumer_group LIMIT 1) FROM g WHERE g.name IS NOT NULL \
+     ) SELECT name FROM g WHERE name IS NOT NULL",
+];
+
 macro_rules! letter_filter {
     ($q:ident, $filter:expr) => {{
         use crate::operator::tables::op_dead_letters as l;
@@ -229,6 +264,30 @@ macro_rules! operator_ops {
                     None => q.filter(failure_group.is_null()),
                 };
                 q.load(conn)
+            }
+
+            fn op_groups_present(conn: &mut Self) -> QueryResult<Vec<String>> {
+                #[derive(diesel::QueryableByName)]
+                struct Name {
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    name: String,
+                }
+                let mut names = std::collections::BTreeSet::new();
+                for sql in crate::operator::ops::GROUPS_PRESENT {
+                    let found: Vec<Name> = diesel::sql_query(*sql).load(conn)?;
+                    names.extend(found.into_iter().map(|n| n.name));
+                }
+                Ok(names.into_iter().collect())
+            }
+
+            fn op_activity_scan(
+                conn: &mut Self,
+                tally: Tally,
+                group: &str,
+                window: &ScanWindow,
+            ) -> QueryResult<Vec<ScanRow>> {
+                // The backend's own statement (`pg/operator.rs`, `sqlite/operator.rs`).
+                activity_scan(conn, tally, group, window)
             }
 
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {

@@ -6,7 +6,74 @@ use diesel::result::QueryResult;
 
 use chrono::{DateTime, Utc};
 
-use crate::operator::ops::{EntryRow, FailureCount, FailureSample, OperatorOps, Redrivable};
+use crate::operator::ops::{
+    EntryRow, FailureCount, FailureSample, OperatorOps, Redrivable, ScanRow, ScanWindow, Tally,
+};
 use crate::operator::{DeadLetterFilter, LetterStatus};
 
 crate::operator::operator_ops!(diesel::PgConnection);
+
+/// One group's bounded read of one tally: the newest `cap` entries of its index range,
+/// bucketed here (`floor((now - at - 1 µs) / interval)` in whole microseconds: `extract`
+/// gives an exact numeric), one row per (bucket, last hour, last day).
+fn activity_scan(
+    conn: &mut diesel::PgConnection,
+    tally: Tally,
+    group: &str,
+    window: &ScanWindow,
+) -> QueryResult<Vec<ScanRow>> {
+    use crate::schema::sql_types::StoreTime;
+    use crate::schema::Stamp;
+    use diesel::sql_types::{BigInt, Bool, Text};
+
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        bucket: i64,
+        #[diesel(sql_type = Bool)]
+        in_hour: bool,
+        #[diesel(sql_type = Bool)]
+        in_day: bool,
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+        #[diesel(sql_type = StoreTime)]
+        oldest: DateTime<Utc>,
+    }
+    let range = match tally {
+        Tally::Processed => {
+            "SELECT updated_at AS at FROM inbox_claims \
+             WHERE consumer_group = $5 AND status = 'done' \
+             AND updated_at >= $6 AND updated_at < $1 \
+             ORDER BY updated_at DESC LIMIT $7"
+        }
+        Tally::DeadLettered => {
+            "SELECT dead_lettered_at AS at FROM inbox_dead_letters \
+             WHERE consumer_group = $5 \
+             AND dead_lettered_at >= $6 AND dead_lettered_at < $1 \
+             ORDER BY dead_lettered_at DESC LIMIT $7"
+        }
+    };
+    let rows: Vec<Row> = diesel::sql_query(format!(
+        "SELECT floor(((extract(epoch FROM $1) - extract(epoch FROM t.at)) * 1000000 - 1) / $2)::bigint \
+         AS bucket, t.at >= $3 AS in_hour, t.at >= $4 AS in_day, count(*) AS n, \
+         min(t.at) AS oldest FROM ({range}) t GROUP BY 1, 2, 3"
+    ))
+    .bind::<StoreTime, _>(Stamp(window.now))
+    .bind::<BigInt, _>(window.interval_us)
+    .bind::<StoreTime, _>(Stamp(window.hour))
+    .bind::<StoreTime, _>(Stamp(window.day))
+    .bind::<Text, _>(group)
+    .bind::<StoreTime, _>(Stamp(window.from))
+    .bind::<BigInt, _>(window.cap)
+    .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|r| ScanRow {
+            bucket: r.bucket,
+            in_hour: r.in_hour,
+            in_day: r.in_day,
+            count: r.n,
+            oldest: r.oldest,
+        })
+        .collect())
+}
