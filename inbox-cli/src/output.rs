@@ -14,7 +14,7 @@ use std::io;
 use chrono::{DateTime, SecondsFormat, Utc};
 use inbox_core::display::{escape, is_escaped};
 use inbox_diesel::operator::{
-    DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
+    Activity, Count, DeadLetterDetails, DeadLetterEntry, FailureGroup, HaltedGroup, OperatorStats,
 };
 use inbox_diesel::ClaimRecord;
 use serde_json::{json, Value};
@@ -280,6 +280,7 @@ pub(crate) fn group_json(g: &FailureGroup) -> Value {
         "first_seen": time_json(Some(g.first_seen)),
         "last_seen": time_json(Some(g.last_seen)),
         "replayable": g.replayable,
+        "sample_error": g.sample_error,
     })
 }
 
@@ -388,6 +389,36 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
         s.outbox_backlog,
         s.dead_outbox_rows
     )
+}
+
+/// A count as text: `N`, or `N+` when it is a lower bound (the read stopped at
+/// its cap).
+fn count_text(c: Count) -> String {
+    if c.at_least {
+        format!("{}+", c.count)
+    } else {
+        c.count.to_string()
+    }
+}
+
+/// One line per group: processed and dead-lettered in the last hour and day.
+pub(crate) fn activity_text(a: &Activity) -> String {
+    let mut out = String::from("activity (last hour / last day)\n");
+    if a.groups.is_empty() {
+        out.push_str("(none)\n");
+    }
+    for g in &a.groups {
+        let _ = writeln!(
+            out,
+            "{}: processed {} / {}, dead-lettered {} / {}",
+            one_line(&g.consumer_group),
+            count_text(g.processed_last_hour),
+            count_text(g.processed_last_day),
+            count_text(g.dead_lettered_last_hour),
+            count_text(g.dead_lettered_last_day),
+        );
+    }
+    out
 }
 
 pub(crate) fn halt_json(h: &HaltedGroup) -> Value {

@@ -13,9 +13,14 @@ use crate::operator::{DeadLetterFilter, LetterStatus};
 
 crate::operator::operator_ops!(diesel::PgConnection);
 
-/// One group's bounded read of one tally: the newest `cap` entries of its index range,
-/// bucketed here (`floor((now - at - 1 µs) / interval)` in whole microseconds: `extract`
-/// gives an exact numeric), one row per (bucket, last hour, last day).
+/// One group's bounded read of one tally: the newest `cap` entries of its index range
+/// (an index-only scan, backwards), bucketed here, one row per (bucket, last hour,
+/// last day). The bucket is `(now - at) in whole microseconds, less one, divided by
+/// the interval`, in integers: `date_part` gives the interval's seconds as a double,
+/// exact to the microsecond once multiplied back and rounded (any interval under
+/// 2^52 µs, 142 years). `extract`, exact as `numeric`, cost twice the read itself
+/// (measured: 110 ms against 28 ms for 100,000 entries); this costs about as much as
+/// the read.
 fn activity_scan(
     conn: &mut diesel::PgConnection,
     tally: Tally,
@@ -54,7 +59,7 @@ fn activity_scan(
         }
     };
     let rows: Vec<Row> = diesel::sql_query(format!(
-        "SELECT floor(((extract(epoch FROM $1) - extract(epoch FROM t.at)) * 1000000 - 1) / $2)::bigint \
+        "SELECT (round(date_part('epoch', $1 - t.at) * 1000000)::bigint - 1) / $2 \
          AS bucket, t.at >= $3 AS in_hour, t.at >= $4 AS in_day, count(*) AS n, \
          min(t.at) AS oldest FROM ({range}) t GROUP BY 1, 2, 3"
     ))
