@@ -205,6 +205,8 @@ fn scenario(db: &Db) {
     assert_eq!(groups[0]["signature"], "row <n> locked");
     assert_eq!(groups[0]["consumer_groups"][0], GROUP);
     assert_eq!(groups[0]["replayable"], true);
+    // The newest letter's error, unmasked.
+    assert_eq!(groups[0]["sample_error"], "row 6 locked");
     let fingerprint = groups[0]["fingerprint"].as_str().unwrap().to_owned();
     let human = stdout(&inbox(db, &["dead-letters", "groups"]));
     assert!(
@@ -320,8 +322,25 @@ fn scenario(db: &Db) {
     assert_eq!(stats["groups"][0]["failed"], 2);
     assert_eq!(stats["groups"][0]["done"], 1);
     assert_eq!(stats["dead_letters"][0]["reason"], "key_collision");
+    // The activity: one done claim and three dead letters, all within the hour.
+    let activity = &stats["activity"];
+    assert_eq!(activity["interval_secs"], 3600);
+    assert_eq!(activity["groups"].as_array().unwrap().len(), 1, "{activity}");
+    let g = &activity["groups"][0];
+    assert_eq!(g["consumer_group"], GROUP);
+    assert_eq!(g["buckets"].as_array().unwrap().len(), 24);
+    assert_eq!(g["buckets"][23]["processed"]["count"], 1);
+    assert_eq!(g["processed_last_hour"]["count"], 1);
+    assert_eq!(g["processed_last_hour"]["at_least"], false);
+    assert_eq!(g["dead_lettered_last_day"]["count"], 3);
     let human = stdout(&inbox(db, &["stats"]));
     assert!(human.contains("outbox: 2 unpublished"), "{human}");
+    assert!(
+        human.contains(&format!(
+            "activity (last hour / last day)\n{GROUP}: processed 1 / 1, dead-lettered 3 / 3\n"
+        )),
+        "{human}"
+    );
 
     // Discard, bulk with a limit.
     let discard = json(&inbox(
