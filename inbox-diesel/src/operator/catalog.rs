@@ -30,6 +30,19 @@ const REQUIRED: &[(&str, &[&str])] = &[
     ),
     ("inbox_replay_sequences", &["message_key", "last_seq"]),
     (
+        "inbox_rebuild_reports",
+        &[
+            "id",
+            "projection",
+            "kind",
+            "started_at",
+            "finished_at",
+            "outcome",
+            "error",
+            "drift_sample",
+        ],
+    ),
+    (
         "inbox_dead_letters",
         &[
             "replay_count",
@@ -44,6 +57,14 @@ const REQUIRED: &[(&str, &[&str])] = &[
 /// The indexes the operator's reads stand on, by table: the failure groups' filter
 /// and grouping, the activity counts' ranges per group.
 const INDEXES: &[(&str, ReadIndex)] = &[
+    (
+        "inbox_rebuild_reports",
+        ReadIndex {
+            name: "inbox_rebuild_reports_recent",
+            columns: &["projection", "id"],
+            partial: false,
+        },
+    ),
     (
         "inbox_dead_letters",
         ReadIndex {

@@ -107,6 +107,10 @@ use crate::fingerprint;
 use crate::{ClaimRecord, ClaimStatus, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
+pub use crate::reports::{
+    RebuildOutcome, RebuildReportKind, StoredRebuildReport, KEPT_REBUILD_REPORTS,
+    MAX_REPORT_ERROR_CHARS,
+};
 pub use activity::{
     Activity, ActivityBucket, ActivityQuery, Count, GroupActivity, MAX_ACTIVITY_BUCKETS,
 };
@@ -557,6 +561,23 @@ impl<C: OperatorConnection> Operator<C> {
             interval_secs: query.interval.as_secs(),
             groups,
         })
+    }
+
+    /// The stored reports of projection rebuilds and audits (see
+    /// [`Rebuilder`](crate::rebuild::Rebuilder), which records one when a run
+    /// finishes, ok or failed), newest first: `projection`'s, or every projection's,
+    /// at most `limit`. The table keeps a projection's newest
+    /// [`KEPT_REBUILD_REPORTS`]. Needs no rebuild hook and no `rebuild` feature.
+    pub fn rebuild_reports(
+        &self,
+        projection: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<StoredRebuildReport>> {
+        let mut conn = self.connection()?;
+        Ok(C::read_reports(&mut conn, projection, as_limit(limit))?
+            .into_iter()
+            .map(crate::reports::ReportRow::into_report)
+            .collect::<diesel::QueryResult<_>>()?)
     }
 
     /// Counts what a purge would delete: outbox rows published longer than

@@ -19,7 +19,7 @@ pub(crate) use super::records::{
 };
 
 /// The operator statements every backend runs, on its own connection type.
-pub trait OperatorOps: StoreConnection + SharedOperatorOps {
+pub trait OperatorOps: StoreConnection + SharedOperatorOps + crate::reports::ReportOps {
     /// Dead letters matching `filter`, newest first.
     #[doc(hidden)]
     fn op_entries(

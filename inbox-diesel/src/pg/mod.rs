@@ -129,6 +129,7 @@ fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
 }
 
 crate::halts::halt_ops!(PgConnection);
+crate::reports::report_ops!(PgConnection);
 
 impl Sealed for PgConnection {
     const BACKEND: Backend = Backend::Postgres;

@@ -34,6 +34,7 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 impl StoreConnection for SqliteConnection {}
 
 crate::halts::halt_ops!(SqliteConnection);
+crate::reports::report_ops!(SqliteConnection);
 
 impl Sealed for SqliteConnection {
     const BACKEND: Backend = Backend::Sqlite;
