@@ -1,6 +1,22 @@
 //! The operator API: dead letters listed, shown, grouped by failure, replayed through
 //! the outbox to their group alone, discarded; failed claims redriven; halted consumer
-//! groups listed and resumed; stats.
+//! groups listed and resumed; stats; activity per group; stored rebuild reports.
+//!
+//! # Reads that stay bounded
+//!
+//! A console renders these reads on every page, on stores of any size, so each is an
+//! index read:
+//!
+//! - [`Operator::list_dead_letters`] and [`Operator::failure_groups`] filter and group
+//!   by the fingerprint every letter stores (`failure_group`, indexed with
+//!   `dead_lettered_at` and `id`): the filter and its paging are SQL, the grouping a
+//!   `GROUP BY` with one index read per group for its newest letter
+//!   ([`FailureGroup::sample_error`]). Letters written before the column existed are
+//!   filled when a store is built (`fingerprint.rs`, the backfill).
+//! - [`Operator::activity`]: one bounded read per group and count, newest first, at
+//!   most `cap` index entries each (see [`ActivityQuery`]): at most
+//!   `2 x groups x cap` entries per call, whatever the buckets.
+//! - [`Operator::rebuild_reports`]: the newest reports by `(projection, id)`.
 //!
 //! # Every write decided by a guarded statement
 //!
@@ -523,9 +539,9 @@ impl<C: OperatorConnection> Operator<C> {
     /// Per consumer group (every group with claims or dead letters), claims that
     /// reached `done` and messages dead-lettered per `query.interval` over
     /// `query.buckets` intervals ending at the store clock's now, and in the last
-    /// hour and day. Every count is a bounded index range read: see
-    /// [`activity`](self#activity) below for the bound, and [`Count::at_least`]
-    /// for what a count that hit `query.cap` says.
+    /// hour and day. Every count is a bounded index range read (see
+    /// [`ActivityQuery`] for the bound, and [`Count::at_least`] for what a count
+    /// that hit `query.cap` says).
     ///
     /// ```no_run
     /// # fn demo(store: &inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
