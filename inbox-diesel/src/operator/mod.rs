@@ -197,23 +197,22 @@ pub const SAMPLE_ERROR_CHARS: usize = 500;
 /// A failure group of one letter (its newest), from its reason, message type and
 /// error: fingerprint, kind, signature and sample error computed here.
 fn failure_group(sample: &ops::FailureSample) -> diesel::QueryResult<FailureGroup> {
-    let (reason, message_type, last_error, at, group) = sample;
-    let reason = crate::rows::stored_reason(format_args!("dead letters of {group}"), reason)?;
-    let sig = fingerprint::signature(reason.as_str(), message_type, last_error.as_deref());
+    let reason =
+        crate::rows::stored_reason(format_args!("dead letter {}", sample.id), &sample.reason)?;
+    let last_error = sample.last_error.as_deref();
+    let sig = fingerprint::signature(reason.as_str(), &sample.message_type, last_error);
     Ok(FailureGroup {
         fingerprint: sig.fingerprint,
         replayable: reason.replay_refusal().is_none(),
         reason,
-        message_type: message_type.clone(),
+        message_type: sample.message_type.clone(),
         kind: sig.kind,
         signature: sig.line,
         count: 1,
-        consumer_groups: vec![group.clone()],
-        first_seen: *at,
-        last_seen: *at,
-        sample_error: last_error
-            .as_deref()
-            .map(|e| e.chars().take(SAMPLE_ERROR_CHARS).collect()),
+        consumer_groups: vec![sample.consumer_group.clone()],
+        first_seen: sample.dead_lettered_at,
+        last_seen: sample.dead_lettered_at,
+        sample_error: last_error.map(|e| e.chars().take(SAMPLE_ERROR_CHARS).collect()),
     })
 }
 
@@ -394,28 +393,45 @@ impl<C: OperatorConnection> Operator<C> {
             members.entry(print).or_default().insert(group);
         }
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
-        for (print, count, first, last) in counts {
+        for (print, reason, count, first, last) in counts {
             let Some(print) = print else {
                 // Not stored yet: fingerprinted letter by letter below.
                 continue;
             };
-            let Some(sample) = C::op_failure_samples(&mut conn, filter, Some(&print), 1)?
-                .into_iter()
-                .next()
+            let Some(sample) =
+                C::op_failure_samples(&mut conn, filter, Some(&print), Some(&reason), 1)?
+                    .into_iter()
+                    .next()
             else {
                 // Deleted between the two reads (a purge): nothing left to show.
                 continue;
             };
-            let mut group = failure_group(&sample)?;
-            group.fingerprint.clone_from(&print);
-            group.count = u64::try_from(count).unwrap_or(0);
-            group.first_seen = first.unwrap_or(sample.3);
-            group.last_seen = last.unwrap_or(sample.3);
-            let names = members.remove(&Some(print.clone())).unwrap_or_default();
-            groups.insert(print, (group, names));
+            // Parsed for every stored reason: one this version does not know fails.
+            let mut one = failure_group(&sample)?;
+            one.fingerprint.clone_from(&print);
+            one.count = u64::try_from(count).unwrap_or(0);
+            one.first_seen = first.unwrap_or(sample.dead_lettered_at);
+            one.last_seen = last.unwrap_or(sample.dead_lettered_at);
+            match groups.get_mut(&print) {
+                // The same fingerprint under another reason: edited behind the
+                // store's back. One group; the newest letter is its sample.
+                Some((group, _)) => {
+                    group.count += one.count;
+                    group.first_seen = group.first_seen.min(one.first_seen);
+                    if one.last_seen > group.last_seen {
+                        one.count = group.count;
+                        one.first_seen = group.first_seen;
+                        *group = one;
+                    }
+                }
+                None => {
+                    let names = members.remove(&Some(print.clone())).unwrap_or_default();
+                    groups.insert(print, (one, names));
+                }
+            }
         }
         if members.contains_key(&None) {
-            for letter in C::op_failure_samples(&mut conn, filter, None, i64::MAX)? {
+            for letter in C::op_failure_samples(&mut conn, filter, None, None, i64::MAX)? {
                 let one = failure_group(&letter)?;
                 let (group, names) = groups.entry(one.fingerprint.clone()).or_insert_with(|| {
                     (
@@ -432,7 +448,7 @@ impl<C: OperatorConnection> Operator<C> {
                     group.last_seen = one.last_seen;
                     group.sample_error = one.sample_error;
                 }
-                names.insert(letter.4);
+                names.insert(letter.consumer_group);
             }
         }
         let mut out: Vec<FailureGroup> = groups

@@ -29,9 +29,9 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps + crate::reports::Rep
         offset: i64,
     ) -> QueryResult<Vec<EntryRow>>;
 
-    /// Failure groups of the letters matching `filter`: (fingerprint, letters,
-    /// oldest, newest), one row per stored fingerprint and one (`None`) for letters
-    /// the backfill has not reached.
+    /// Failure groups of the letters matching `filter`: (fingerprint, reason,
+    /// letters, oldest, newest), one row per stored fingerprint and reason, and
+    /// (`None`) for letters the backfill has not reached.
     #[doc(hidden)]
     fn op_failure_counts(
         conn: &mut Self,
@@ -46,13 +46,14 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps + crate::reports::Rep
         filter: &DeadLetterFilter,
     ) -> QueryResult<Vec<(Option<String>, String)>>;
 
-    /// The newest letter matching `filter` of a failure group (`None`: the letters
-    /// without a stored one): its reason, message type, last error, time, group.
+    /// The newest letters matching `filter` of a failure group (`None`: the letters
+    /// without a stored one), of one stored reason when given.
     #[doc(hidden)]
     fn op_failure_samples(
         conn: &mut Self,
         filter: &DeadLetterFilter,
         fingerprint: Option<&str>,
+        reason: Option<&str>,
         limit: i64,
     ) -> QueryResult<Vec<FailureSample>>;
 
@@ -215,9 +216,10 @@ macro_rules! operator_ops {
             ) -> QueryResult<Vec<FailureCount>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters
-                    .group_by(failure_group)
+                    .group_by((failure_group, reason))
                     .select((
                         failure_group,
+                        reason,
                         diesel::dsl::count_star(),
                         diesel::dsl::min(dead_lettered_at),
                         diesel::dsl::max(dead_lettered_at),
@@ -244,11 +246,13 @@ macro_rules! operator_ops {
                 conn: &mut Self,
                 filter: &DeadLetterFilter,
                 fingerprint: Option<&str>,
+                stored_reason: Option<&str>,
                 limit: i64,
             ) -> QueryResult<Vec<FailureSample>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters
                     .select((
+                        id,
                         reason,
                         message_type,
                         last_error,
@@ -263,6 +267,9 @@ macro_rules! operator_ops {
                     Some(fp) => q.filter(failure_group.eq(fp.to_owned())),
                     None => q.filter(failure_group.is_null()),
                 };
+                if let Some(r) = stored_reason {
+                    q = q.filter(reason.eq(r.to_owned()));
+                }
                 q.load(conn)
             }
 

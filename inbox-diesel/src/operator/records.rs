@@ -84,15 +84,26 @@ pub struct RawStats {
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
-/// A failure group's figures as SQL counts them: (fingerprint, letters, oldest,
-/// newest); no fingerprint for letters the backfill has not reached.
+/// A failure group's figures as SQL counts them, per stored fingerprint and reason:
+/// (fingerprint, reason, letters, oldest, newest); no fingerprint for letters the
+/// backfill has not reached. The reason is part of the fingerprint, so one row per
+/// fingerprint but for rows edited behind the store's back: grouping by it too keeps
+/// every stored reason read (an unknown one fails loudly).
 pub(crate) type FailureCount = (
     Option<String>,
+    String,
     i64,
     Option<DateTime<Utc>>,
     Option<DateTime<Utc>>,
 );
 
-/// A failure group's newest letter: (reason, message type, last error,
-/// dead-lettered at, consumer group).
-pub(crate) type FailureSample = (String, String, Option<String>, DateTime<Utc>, String);
+/// A failure group's newest letter (the fields in the statement's column order).
+#[derive(diesel::Queryable)]
+pub struct FailureSample {
+    pub id: i64,
+    pub reason: String,
+    pub message_type: String,
+    pub last_error: Option<String>,
+    pub dead_lettered_at: DateTime<Utc>,
+    pub consumer_group: String,
+}
