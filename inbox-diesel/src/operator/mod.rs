@@ -380,22 +380,35 @@ impl<C: OperatorConnection> Operator<C> {
 
     /// Failure groups of the letters matching `filter`, largest first.
     ///
-    /// Counted in SQL by the stored fingerprint (`GROUP BY failure_group`, served by
-    /// its index), then one index read per group for its newest letter, whose
+    /// Counted in SQL by the stored fingerprint (one scan: `GROUP BY failure_group,
+    /// reason, consumer_group`), then one index read per group for its newest
+    /// letter, whose
     /// reason, message type and error give the group's `kind`, `signature` and
     /// `sample_error`. Letters without a stored fingerprint (written by an older
     /// binary since the last backfill) are read and fingerprinted here.
     pub fn failure_groups(&self, filter: &DeadLetterFilter) -> Result<Vec<FailureGroup>> {
         let mut conn = self.connection()?;
-        let counts = C::op_failure_counts(&mut conn, filter)?;
-        let mut members: BTreeMap<Option<String>, BTreeSet<String>> = BTreeMap::new();
-        for (print, group) in C::op_failure_members(&mut conn, filter)? {
-            members.entry(print).or_default().insert(group);
+        // Per (fingerprint, reason): letters, oldest, newest, consumer groups.
+        type Counted = (
+            u64,
+            Option<chrono::DateTime<chrono::Utc>>,
+            Option<chrono::DateTime<chrono::Utc>>,
+            BTreeSet<String>,
+        );
+        let mut counted: BTreeMap<(Option<String>, String), Counted> = BTreeMap::new();
+        for (print, reason, group, n, first, last) in C::op_failure_counts(&mut conn, filter)? {
+            let c = counted.entry((print, reason)).or_default();
+            c.0 += u64::try_from(n).unwrap_or(0);
+            c.1 = c.1.into_iter().chain(first).min();
+            c.2 = c.2.into_iter().chain(last).max();
+            c.3.insert(group);
         }
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
-        for (print, reason, count, first, last) in counts {
+        let mut unstored = false;
+        for ((print, reason), (count, first, last, names)) in counted {
             let Some(print) = print else {
                 // Not stored yet: fingerprinted letter by letter below.
+                unstored = true;
                 continue;
             };
             let Some(sample) =
@@ -409,13 +422,14 @@ impl<C: OperatorConnection> Operator<C> {
             // Parsed for every stored reason: one this version does not know fails.
             let mut one = failure_group(&sample)?;
             one.fingerprint.clone_from(&print);
-            one.count = u64::try_from(count).unwrap_or(0);
+            one.count = count;
             one.first_seen = first.unwrap_or(sample.dead_lettered_at);
             one.last_seen = last.unwrap_or(sample.dead_lettered_at);
             match groups.get_mut(&print) {
                 // The same fingerprint under another reason: edited behind the
                 // store's back. One group; the newest letter is its sample.
-                Some((group, _)) => {
+                Some((group, members)) => {
+                    members.extend(names);
                     group.count += one.count;
                     group.first_seen = group.first_seen.min(one.first_seen);
                     if one.last_seen > group.last_seen {
@@ -425,12 +439,11 @@ impl<C: OperatorConnection> Operator<C> {
                     }
                 }
                 None => {
-                    let names = members.remove(&Some(print.clone())).unwrap_or_default();
                     groups.insert(print, (one, names));
                 }
             }
         }
-        if members.contains_key(&None) {
+        if unstored {
             for letter in C::op_failure_samples(&mut conn, filter, None, None, i64::MAX)? {
                 let one = failure_group(&letter)?;
                 let (group, names) = groups.entry(one.fingerprint.clone()).or_insert_with(|| {

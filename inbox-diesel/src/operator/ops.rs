@@ -29,22 +29,14 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps + crate::reports::Rep
         offset: i64,
     ) -> QueryResult<Vec<EntryRow>>;
 
-    /// Failure groups of the letters matching `filter`: (fingerprint, reason,
-    /// letters, oldest, newest), one row per stored fingerprint and reason, and
-    /// (`None`) for letters the backfill has not reached.
+    /// Failure groups of the letters matching `filter`, one row per stored
+    /// fingerprint (`None`: letters the backfill has not reached), reason and
+    /// consumer group (see [`FailureCount`]).
     #[doc(hidden)]
     fn op_failure_counts(
         conn: &mut Self,
         filter: &DeadLetterFilter,
     ) -> QueryResult<Vec<FailureCount>>;
-
-    /// The distinct (fingerprint, consumer group) pairs of the letters matching
-    /// `filter`.
-    #[doc(hidden)]
-    fn op_failure_members(
-        conn: &mut Self,
-        filter: &DeadLetterFilter,
-    ) -> QueryResult<Vec<(Option<String>, String)>>;
 
     /// The newest letters matching `filter` of a failure group (`None`: the letters
     /// without a stored one), of one stored reason when given.
@@ -216,27 +208,15 @@ macro_rules! operator_ops {
             ) -> QueryResult<Vec<FailureCount>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters
-                    .group_by((failure_group, reason))
+                    .group_by((failure_group, reason, consumer_group))
                     .select((
                         failure_group,
                         reason,
+                        consumer_group,
                         diesel::dsl::count_star(),
                         diesel::dsl::min(dead_lettered_at),
                         diesel::dsl::max(dead_lettered_at),
                     ))
-                    .into_boxed();
-                crate::operator::ops::letter_filter!(q, filter);
-                q.load(conn)
-            }
-
-            fn op_failure_members(
-                conn: &mut Self,
-                filter: &DeadLetterFilter,
-            ) -> QueryResult<Vec<(Option<String>, String)>> {
-                use crate::operator::tables::op_dead_letters::dsl::*;
-                let mut q = op_dead_letters
-                    .select((failure_group, consumer_group))
-                    .distinct()
                     .into_boxed();
                 crate::operator::ops::letter_filter!(q, filter);
                 q.load(conn)

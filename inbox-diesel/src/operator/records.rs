@@ -84,13 +84,15 @@ pub struct RawStats {
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 
-/// A failure group's figures as SQL counts them, per stored fingerprint and reason:
-/// (fingerprint, reason, letters, oldest, newest); no fingerprint for letters the
-/// backfill has not reached. The reason is part of the fingerprint, so one row per
-/// fingerprint but for rows edited behind the store's back: grouping by it too keeps
-/// every stored reason read (an unknown one fails loudly).
+/// A failure group's figures as SQL counts them, per stored fingerprint, reason and
+/// consumer group: (fingerprint, reason, consumer group, letters, oldest, newest); no
+/// fingerprint for letters the backfill has not reached. The reason is part of the
+/// fingerprint, so one reason per fingerprint but for rows edited behind the store's
+/// back: grouping by it too keeps every stored reason read (an unknown one fails
+/// loudly). The consumer group makes the same scan give the group's members.
 pub(crate) type FailureCount = (
     Option<String>,
+    String,
     String,
     i64,
     Option<DateTime<Utc>>,
