@@ -90,6 +90,7 @@ on_both_backends!(
     every_path_that_dead_letters_stores_the_fingerprint,
     the_backfill_fills_letters_written_without_a_fingerprint_once,
     filter_and_grouping_answer_as_a_recomputation_does,
+    verify_schema_refuses_a_store_without_the_operator_reads_objects,
 );
 
 fn every_path_that_dead_letters_stores_the_fingerprint<F: Fixture>(fx: &F)
@@ -596,4 +597,81 @@ fn postgres_filters_a_failure_group_through_its_index() {
             .any(|l| l.contains("inbox_dead_letters_failure_group")),
         "{plan:#?}"
     );
+}
+
+/// Each object the operator's bounded reads stand on is checked at startup: without
+/// it `verify_schema` refuses the store, naming what it expected.
+fn verify_schema_refuses_a_store_without_the_operator_reads_objects<F: Fixture>(fx: &F)
+where
+    F::Conn: RawLetters,
+{
+    use inbox_diesel::{Error, SchemaPart, SchemaProblem};
+    let sqlite = !std::any::type_name::<F::Conn>().contains("Pg");
+    let done_by_group = if sqlite {
+        "CREATE INDEX inbox_claims_done_by_group ON inbox_claims (consumer_group, status, updated_at)"
+    } else {
+        "CREATE INDEX inbox_claims_done_by_group ON inbox_claims (consumer_group, updated_at) WHERE status = 'done'"
+    };
+    let cases: [(&str, &str, SchemaProblem, &str); 5] = [
+        (
+            "DROP INDEX inbox_dead_letters_failure_group",
+            "CREATE INDEX inbox_dead_letters_failure_group ON inbox_dead_letters (failure_group, dead_lettered_at, id)",
+            SchemaProblem::MissingIndex,
+            "inbox_dead_letters_failure_group",
+        ),
+        (
+            "DROP INDEX inbox_dead_letters_by_group",
+            "CREATE INDEX inbox_dead_letters_by_group ON inbox_dead_letters (consumer_group, dead_lettered_at)",
+            SchemaProblem::MissingIndex,
+            "inbox_dead_letters_by_group",
+        ),
+        (
+            "DROP INDEX inbox_claims_done_by_group",
+            done_by_group,
+            SchemaProblem::MissingIndex,
+            "inbox_claims_done_by_group",
+        ),
+        (
+            "DROP INDEX inbox_rebuild_reports_recent",
+            "CREATE INDEX inbox_rebuild_reports_recent ON inbox_rebuild_reports (projection, id)",
+            SchemaProblem::MissingIndex,
+            "inbox_rebuild_reports_recent",
+        ),
+        (
+            "DROP INDEX inbox_dead_letters_failure_group; \
+             ALTER TABLE inbox_dead_letters DROP COLUMN failure_group",
+            "ALTER TABLE inbox_dead_letters ADD COLUMN failure_group TEXT; \
+             CREATE INDEX inbox_dead_letters_failure_group ON inbox_dead_letters (failure_group, dead_lettered_at, id)",
+            SchemaProblem::MissingColumn,
+            "failure_group",
+        ),
+    ];
+    let store = fx.open(fx.builder());
+    store.verify_schema().unwrap();
+    for (break_it, repair, problem, named) in cases {
+        fx.execute(break_it);
+        match store.verify_schema() {
+            Err(
+                err @ Error::SchemaMismatch {
+                    part: SchemaPart::Operator,
+                    ..
+                },
+            ) => {
+                let Error::SchemaMismatch { problem: found, .. } = &err else {
+                    unreachable!()
+                };
+                assert_eq!(*found, problem, "{err}");
+                assert!(err.to_string().contains(named), "{err}");
+            }
+            other => panic!("{break_it}: {other:?}"),
+        }
+        fx.execute(repair);
+        store.verify_schema().unwrap();
+    }
+    // An index on the columns under another name serves as well.
+    fx.execute(
+        "DROP INDEX inbox_dead_letters_by_group; \
+         CREATE INDEX letters_per_group ON inbox_dead_letters (consumer_group, dead_lettered_at, id)",
+    );
+    store.verify_schema().unwrap();
 }
