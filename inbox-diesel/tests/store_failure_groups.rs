@@ -91,6 +91,7 @@ on_both_backends!(
     the_backfill_fills_letters_written_without_a_fingerprint_once,
     filter_and_grouping_answer_as_a_recomputation_does,
     verify_schema_refuses_a_store_without_the_operator_reads_objects,
+    two_stores_built_at_once_backfill_every_letter_once,
 );
 
 fn every_path_that_dead_letters_stores_the_fingerprint<F: Fixture>(fx: &F)
@@ -674,4 +675,55 @@ where
          CREATE INDEX letters_per_group ON inbox_dead_letters (consumer_group, dead_lettered_at, id)",
     );
     store.verify_schema().unwrap();
+}
+
+/// Two stores built at once on letters without a fingerprint (PostgreSQL: the second
+/// waits for the first's migration lock; SQLite: their batches interleave, each in
+/// its own write transaction): both start, and every letter ends with its own
+/// fingerprint, none rewritten.
+fn two_stores_built_at_once_backfill_every_letter_once<F: Fixture + Sync>(fx: &F)
+where
+    F::Conn: RawLetters,
+{
+    let store = fx.open(fx.builder());
+    store
+        .dead_letter(
+            &group(GROUP),
+            &usage("first", 1),
+            DeadLetterReason::DeliveryLimit,
+            "limit",
+        )
+        .unwrap();
+    drop(store);
+    for _ in 0..12 {
+        copies_without_fingerprint(fx, 100, "order 9 of user 3 failed");
+    }
+    fx.execute("UPDATE inbox_dead_letters SET failure_group = 'ffffffffffffffff' WHERE message_key = 'first'");
+    let barrier = std::sync::Barrier::new(2);
+    std::thread::scope(|scope| {
+        let builds: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    fx.builder().build().map(drop)
+                })
+            })
+            .collect();
+        for build in builds {
+            build.join().unwrap().unwrap();
+        }
+    });
+    let letters = stored(fx);
+    assert_eq!(letters.len(), 1201);
+    for l in &letters[1..] {
+        assert_eq!(
+            l.failure_group.as_deref(),
+            Some(failure_fingerprint(&l.reason, &l.message_type, l.last_error.as_deref()).as_str()),
+            "{l:?}"
+        );
+    }
+    assert_eq!(
+        letters[0].failure_group.as_deref(),
+        Some("ffffffffffffffff")
+    );
 }
