@@ -133,6 +133,16 @@ pub enum Command {
     /// Claims by status per group, retries, dead letters, the outbox backlog, halted
     /// groups.
     Stats,
+    /// The stored reports of projection rebuilds and audits, newest first (a
+    /// projection keeps its newest 100).
+    RebuildReports {
+        /// Only this projection's.
+        #[arg(long)]
+        projection: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
     /// Checks the database schema and, with AMQP_URL, the broker topology.
     Verify(VerifyArgs),
     /// Deletes published outbox rows, done claims and discarded dead letters past

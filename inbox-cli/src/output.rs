@@ -14,7 +14,7 @@ use std::io;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use inbox_core::display::{escape, is_escaped};
-use inbox_diesel::operator::{DeadLetterDetails, HaltedGroup, OperatorStats};
+use inbox_diesel::operator::{Activity, Count, DeadLetterDetails, HaltedGroup, OperatorStats};
 use serde_json::Value;
 
 use crate::failure::{failed, Outcome};
@@ -257,6 +257,36 @@ pub(crate) fn stats_text(s: &OperatorStats) -> String {
         s.outbox_backlog,
         s.dead_outbox_rows
     )
+}
+
+/// A count as text: `N`, or `N+` when it is a lower bound (the read stopped at
+/// its cap).
+fn count_text(c: Count) -> String {
+    if c.at_least {
+        format!("{}+", c.count)
+    } else {
+        c.count.to_string()
+    }
+}
+
+/// One line per group: processed and dead-lettered in the last hour and day.
+pub(crate) fn activity_text(a: &Activity) -> String {
+    let mut out = String::from("activity (last hour / last day)\n");
+    if a.groups.is_empty() {
+        out.push_str("(none)\n");
+    }
+    for g in &a.groups {
+        let _ = writeln!(
+            out,
+            "{}: processed {} / {}, dead-lettered {} / {}",
+            one_line(&g.consumer_group),
+            count_text(g.processed_last_hour),
+            count_text(g.processed_last_day),
+            count_text(g.dead_lettered_last_hour),
+            count_text(g.dead_lettered_last_day),
+        );
+    }
+    out
 }
 
 pub(crate) fn halts_text(halted: &[HaltedGroup]) -> String {

@@ -11,7 +11,7 @@ use inbox_diesel::{Backend, Store};
 use serde_json::json;
 
 use crate::args::{Command, GlobalArgs};
-use crate::commands::{claims, dead_letters, groups, purge, selftest, verify};
+use crate::commands::{claims, dead_letters, groups, purge, reports, selftest, verify};
 use crate::exit;
 use crate::failure::{failed, Failure, Outcome};
 use crate::output::print_json;
@@ -171,6 +171,9 @@ fn on_store<C: OperatorConnection>(
         Command::Claims(cmd) => claims::claims(global, &store, &target, cmd, out),
         Command::Groups(cmd) => groups::groups(global, &store, cmd, out),
         Command::Stats => groups::stats(global, &store, out),
+        Command::RebuildReports { projection, limit } => {
+            reports::rebuild_reports(global, &store, projection.as_deref(), *limit, out)
+        }
         Command::Purge(args) => purge::purge(global, &store, args, out),
         Command::Selftest(args) => selftest::run(global, &store, args, out),
         #[cfg(feature = "web")]

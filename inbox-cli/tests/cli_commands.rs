@@ -205,6 +205,8 @@ fn scenario(db: &Db) {
     assert_eq!(groups[0]["signature"], "row <n> locked");
     assert_eq!(groups[0]["consumer_groups"][0], GROUP);
     assert_eq!(groups[0]["replayable"], true);
+    // The newest letter's error, unmasked.
+    assert_eq!(groups[0]["sample_error"], "row 6 locked");
     let fingerprint = groups[0]["fingerprint"].as_str().unwrap().to_owned();
     let human = stdout(&inbox(db, &["dead-letters", "groups"]));
     assert!(
@@ -320,8 +322,29 @@ fn scenario(db: &Db) {
     assert_eq!(stats["groups"][0]["failed"], 2);
     assert_eq!(stats["groups"][0]["done"], 1);
     assert_eq!(stats["dead_letters"][0]["reason"], "key_collision");
+    // The activity: one done claim and three dead letters, all within the hour.
+    let activity = &stats["activity"];
+    assert_eq!(activity["interval_secs"], 3600);
+    assert_eq!(
+        activity["groups"].as_array().unwrap().len(),
+        1,
+        "{activity}"
+    );
+    let g = &activity["groups"][0];
+    assert_eq!(g["consumer_group"], GROUP);
+    assert_eq!(g["buckets"].as_array().unwrap().len(), 24);
+    assert_eq!(g["buckets"][23]["processed"]["count"], 1);
+    assert_eq!(g["processed_last_hour"]["count"], 1);
+    assert_eq!(g["processed_last_hour"]["at_least"], false);
+    assert_eq!(g["dead_lettered_last_day"]["count"], 3);
     let human = stdout(&inbox(db, &["stats"]));
     assert!(human.contains("outbox: 2 unpublished"), "{human}");
+    assert!(
+        human.contains(&format!(
+            "activity (last hour / last day)\n{GROUP}: processed 1 / 1, dead-lettered 3 / 3\n"
+        )),
+        "{human}"
+    );
 
     // Discard, bulk with a limit.
     let discard = json(&inbox(
@@ -398,6 +421,111 @@ fn sqlite_session() {
     assert_eq!(code(&verify), 3);
     assert_eq!(json(&verify)["schema"], "error");
     assert_eq!(code(&inbox(&db, &["stats"])), 3);
+}
+
+/// `rebuild-reports`: the stored reports (written here as a rebuilder records them),
+/// newest first, by projection, limited; JSON and a table.
+fn rebuild_reports_are_listed<F: Fixture>(fx: &F, db: &Db) {
+    drop(fx.builder().build().unwrap());
+    for (projection, kind, outcome, error) in [
+        ("daily_usage", "audit", "ok", "NULL"),
+        (
+            "daily_usage",
+            "rebuild",
+            "failed",
+            "'rebuild hook of daily_usage failed'",
+        ),
+        ("monthly_usage", "rebuild", "ok", "NULL"),
+    ] {
+        fx.execute(&format!(
+            "INSERT INTO inbox_rebuild_reports (projection, kind, started_at, finished_at, \
+             outcome, error, partitions, rows_checked, rows_differing, rows_changed, \
+             extra_rows, events_covered, claims_recorded, claims_converted, \
+             dead_letters_resolved, largest_ratio, lock_waits, lock_timeouts, duration_ms, \
+             drift_sample) VALUES ('{projection}', '{kind}', '2026-03-01 12:00:00+00:00', \
+             '2026-03-01 12:00:01+00:00', '{outcome}', {error}, 2, 13, 3, 0, 1, 0, 0, 0, 0, \
+             2.4, 0, 0, 1000, '[{{\"partition\":\"2026-03-01\",\"row\":\"1\",\"projected\":24.0,\"recomputed\":10.0}}]')"
+        ));
+    }
+    let all = json(&inbox(db, &["--json", "rebuild-reports"]));
+    let all = all["rebuild_reports"].as_array().unwrap();
+    assert_eq!(all.len(), 3);
+    assert_eq!(all[0]["projection"], "monthly_usage");
+    let failed = &all[1];
+    assert_eq!(failed["kind"], "rebuild");
+    assert_eq!(failed["outcome"], "failed");
+    assert_eq!(failed["error"], "rebuild hook of daily_usage failed");
+    for field in [
+        "id",
+        "projection",
+        "kind",
+        "started_at",
+        "finished_at",
+        "outcome",
+        "error",
+        "partitions",
+        "rows_checked",
+        "rows_differing",
+        "rows_changed",
+        "extra_rows",
+        "events_covered",
+        "claims_recorded",
+        "claims_converted",
+        "dead_letters_resolved",
+        "largest_ratio",
+        "lock_waits",
+        "lock_timeouts",
+        "duration_ms",
+        "drift_sample",
+    ] {
+        assert!(failed.get(field).is_some(), "{field}: {failed}");
+    }
+    assert_eq!(failed["rows_checked"], 13);
+    assert_eq!(failed["largest_ratio"], 2.4);
+    assert_eq!(failed["drift_sample"][0]["recomputed"], 10.0);
+    let one = json(&inbox(
+        db,
+        &[
+            "--json",
+            "rebuild-reports",
+            "--projection",
+            "daily_usage",
+            "--limit",
+            "1",
+        ],
+    ));
+    let one = one["rebuild_reports"].as_array().unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0]["outcome"], "failed");
+    let human = inbox(db, &["rebuild-reports", "--projection", "daily_usage"]);
+    assert_eq!(code(&human), 0);
+    let human = stdout(&human);
+    assert!(human.starts_with("ID"), "{human}");
+    assert!(
+        human.contains("rebuild hook of daily_usage failed"),
+        "{human}"
+    );
+    assert!(human.ends_with("2 reports\n"), "{human}");
+}
+
+#[test]
+fn sqlite_rebuild_reports() {
+    let fx = SqliteFixture::new();
+    let db = Db {
+        url: format!("sqlite://{}", fx.path),
+        schema: None,
+    };
+    rebuild_reports_are_listed(&fx, &db);
+}
+
+#[test]
+fn postgres_rebuild_reports() {
+    let Some(fx) = PgFixture::new() else { return };
+    let db = Db {
+        url: fx.url().to_owned(),
+        schema: Some(fx.schema.clone()),
+    };
+    rebuild_reports_are_listed(&fx, &db);
 }
 
 #[test]

@@ -220,6 +220,11 @@ macro_rules! claim_dsl {
             dl: &$crate::rows::NewDeadLetter<'_>,
         ) -> diesel::QueryResult<()> {
             use $crate::schema::inbox_dead_letters::dsl::*;
+            // Every letter carries its failure group from the start: the operator's
+            // filter and grouping read the column, never the masking.
+            let fingerprint =
+                $crate::fingerprint::signature(dl.reason, dl.message_type, dl.last_error)
+                    .fingerprint;
             diesel::insert_into(inbox_dead_letters)
                 .values((
                     consumer_group.eq(dl.group),
@@ -234,6 +239,7 @@ macro_rules! claim_dsl {
                     dead_lettered_at.eq($crate::schema::Stamp(dl.now)),
                     payload_length.eq(dl.payload_length),
                     payload_sha256.eq(dl.payload_sha256),
+                    failure_group.eq(Some(fingerprint)),
                 ))
                 .execute(conn)
                 .map(|_| ())

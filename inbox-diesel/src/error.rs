@@ -219,6 +219,10 @@ pub enum SchemaProblem {
     /// Another unique index can reject a row the key allows (a claim; an outbox
     /// replay, which keeps its message key).
     ExtraUniqueIndex,
+    /// An index an operator read needs is missing or invalid (the failure groups',
+    /// the activity counts'): the read would scan the table instead of a bounded
+    /// index range.
+    MissingIndex,
     /// A column has another type than the store writes (an idempotency table whose
     /// lease tokens are still integers: a migration has not run).
     ColumnType,

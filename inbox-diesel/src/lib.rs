@@ -47,6 +47,9 @@
 //!   only that module touches.
 //! - `outbox`: [`enqueue`] and the store's [`inbox_core::OutboxStore`];
 //!   `retention`: [`Retention`]; `verify`: the schema check; `slot`: the crash slot;
+//!   `reports`: the stored rebuild and audit reports (written by `rebuild`, read by
+//!   `operator`); `fingerprint`: a dead letter's failure group, stored on every letter, and the
+//!   backfill of letters written before the column existed;
 //!   `pool`, `url`, `tls`, `error`, `schema`: connections, URLs, TLS set-up, errors,
 //!   the one table set of both backends and its timestamp type.
 #![forbid(unsafe_code)]
@@ -59,6 +62,7 @@ mod backend;
 mod batch;
 mod dsl;
 mod error;
+mod fingerprint;
 mod halts;
 #[cfg(feature = "idempotency")]
 #[cfg_attr(docsrs, doc(cfg(feature = "idempotency")))]
@@ -74,6 +78,7 @@ mod pool;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
 pub mod rebuild;
+mod reports;
 mod retention;
 mod rows;
 mod schema;

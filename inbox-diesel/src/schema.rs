@@ -25,6 +25,10 @@ pub(crate) mod sql_types {
     #[diesel(sqlite_type(name = "Text"))]
     pub struct StoreTime;
 
+    /// Ordered as time: `MIN`/`MAX` over it are the earliest and latest (on SQLite
+    /// the store's text, `%F %T%.f+00:00` in UTC, sorts as the times do).
+    impl diesel::sql_types::SqlOrd for StoreTime {}
+
     /// A [`DateTime<Utc>`] bound to a [`StoreTime`] column or parameter.
     ///
     /// A newtype because `AsExpression<StoreTime>` cannot be implemented for
@@ -141,6 +145,7 @@ diesel::table! {
         replayed_at -> Nullable<StoreTime>,
         payload_length -> Nullable<BigInt>,
         payload_sha256 -> Nullable<Binary>,
+        failure_group -> Nullable<Text>,
     }
 }
 

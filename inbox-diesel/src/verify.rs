@@ -185,6 +185,73 @@ pub(crate) fn require_columns(catalog: &Catalog, part: SchemaPart, columns: &[&s
     Ok(())
 }
 
+/// An index an operator read needs to stay an index range read (not a scan): its
+/// leading columns, in order, and whether it is partial (the predicate itself is
+/// not read from the catalog: a partial index with these columns is taken as the
+/// migration's).
+#[derive(Clone, Copy)]
+pub(crate) struct ReadIndex {
+    /// The migration's name for it, for the error.
+    pub name: &'static str,
+    /// Its leading columns, in order.
+    pub columns: &'static [&'static str],
+    /// Whether it is partial (`WHERE status = 'done'`).
+    pub partial: bool,
+}
+
+/// Refuses a table of `part` without a valid index whose leading columns are
+/// `index.columns` and whose partiality is `index.partial`: the error names the
+/// index expected and the table's indexes found.
+#[cfg_attr(not(feature = "operator"), allow(dead_code))]
+pub(crate) fn require_index(catalog: &Catalog, part: SchemaPart, index: ReadIndex) -> Result<()> {
+    let serves = |i: &IndexInfo| {
+        i.valid
+            && i.partial == index.partial
+            && i.columns.len() >= index.columns.len()
+            && i.columns
+                .iter()
+                .zip(index.columns)
+                .all(|(have, want)| have.as_deref() == Some(*want))
+    };
+    if catalog.indexes.iter().any(serves) {
+        return Ok(());
+    }
+    let found: Vec<String> = catalog
+        .indexes
+        .iter()
+        .map(|i| {
+            let cols: Vec<&str> = i
+                .columns
+                .iter()
+                .map(|c| c.as_deref().unwrap_or("<expression>"))
+                .collect();
+            format!(
+                "{}{}({}) [{}]",
+                if i.valid { "" } else { "invalid " },
+                if i.partial { "partial " } else { "" },
+                cols.join(", "),
+                i.name
+            )
+        })
+        .collect();
+    Err(Error::SchemaMismatch {
+        part,
+        problem: SchemaProblem::MissingIndex,
+        expected: format!(
+            "{}index {} on ({})",
+            if index.partial { "partial " } else { "" },
+            index.name,
+            index.columns.join(", ")
+        ),
+        found: if found.is_empty() {
+            "no index".to_owned()
+        } else {
+            format!("indexes {}", found.join(", "))
+        },
+        table: catalog.table.clone(),
+    })
+}
+
 /// The one rule for "a unique index enforces exactly this key", for every table that
 /// needs it (the claims', the idempotency keys'): the table exists, the key's
 /// columns are NOT NULL and compare bytes, one valid, non-deferrable unique index

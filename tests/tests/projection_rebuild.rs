@@ -770,7 +770,177 @@ inbox_test_support::on_both_backends!(
     a_projection_without_a_lock_is_refused_at_build,
     missing_rebuild_objects_are_reported,
     a_replay_before_or_after_a_rebuild_counts_its_event_once,
+    rebuilds_and_audits_leave_reports_ok_or_failed_and_bounded,
 );
+
+// ---------------------------------------------------------------------------------
+// Stored reports: every rebuild and audit leaves one, ok or failed, read through the
+// operator API; a projection keeps its newest 100; a report that cannot be stored
+// fails nothing.
+
+fn rebuilds_and_audits_leave_reports_ok_or_failed_and_bounded<F: Fixture>(fx: &F)
+where
+    F::Conn: UsageDb + Counts,
+{
+    use inbox_diesel::operator::{RebuildOutcome, RebuildReportKind, KEPT_REBUILD_REPORTS};
+
+    let gate = Arc::new(Gate::default());
+    let store = setup(fx.builder(), Gated::new(&gate));
+    let mut events = Vec::new();
+    for day in [days_ago(0), days_ago(1)] {
+        for user in 1..=3 {
+            events.push(write(&store, user, day, 10 + user));
+        }
+    }
+    deliver(&store, &events);
+    fx.execute(&format!(
+        "UPDATE daily_usage SET total = total * 2 WHERE user_id = 1 AND day = '{}'",
+        days_ago(0)
+    ));
+    let operator = Operator::new(&store);
+    assert!(operator.rebuild_reports(None, 10).unwrap().is_empty());
+
+    let rebuilder = Rebuilder::new(&store, PROJECTION).unwrap();
+    let audit = rebuilder.audit(2).unwrap();
+    let rebuilt = rebuilder.rebuild(2).unwrap();
+    let reports = operator.rebuild_reports(Some(PROJECTION), 10).unwrap();
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    // Newest first: the rebuild, then the audit, with the figures they returned.
+    let (r, a) = (&reports[0], &reports[1]);
+    assert!(r.id > a.id);
+    assert_eq!(
+        (r.kind, r.outcome, r.error.as_deref()),
+        (RebuildReportKind::Rebuild, RebuildOutcome::Ok, None)
+    );
+    assert_eq!(r.projection, PROJECTION);
+    assert_eq!(
+        (
+            r.partitions,
+            r.rows_checked,
+            r.rows_differing,
+            r.rows_changed,
+            r.extra_rows
+        ),
+        (
+            rebuilt.partitions,
+            rebuilt.rows_checked,
+            rebuilt.rows_differing,
+            rebuilt.rows_changed,
+            rebuilt.extra_rows
+        )
+    );
+    assert_eq!((r.partitions, r.rows_changed, r.events_covered), (2, 1, 6));
+    assert_eq!(
+        (
+            r.events_covered,
+            r.claims_recorded,
+            r.claims_converted,
+            r.dead_letters_resolved
+        ),
+        (
+            rebuilt.events_covered,
+            rebuilt.claims_recorded,
+            rebuilt.claims_converted,
+            rebuilt.dead_letters_resolved
+        )
+    );
+    assert_eq!(
+        (r.lock_waits, r.lock_timeouts, r.duration_ms),
+        (
+            rebuilt.lock_waits,
+            rebuilt.lock_timeouts,
+            rebuilt.duration_ms
+        )
+    );
+    assert_eq!(r.largest_ratio, rebuilt.largest_ratio);
+    assert_eq!(
+        r.drift_sample,
+        serde_json::to_value(&rebuilt.sample).unwrap()
+    );
+    assert!(r.started_at <= r.finished_at);
+    assert_eq!(
+        (a.kind, a.outcome),
+        (RebuildReportKind::Audit, RebuildOutcome::Ok)
+    );
+    assert_eq!(
+        (
+            a.partitions,
+            a.rows_checked,
+            a.rows_differing,
+            a.extra_rows,
+            a.largest_ratio
+        ),
+        (
+            audit.partitions,
+            audit.rows_checked,
+            audit.rows_differing,
+            audit.extra_rows,
+            audit.largest_ratio
+        )
+    );
+    assert_eq!(
+        (a.rows_differing, a.rows_changed, a.events_covered),
+        (1, 0, 0)
+    );
+    assert_eq!(a.drift_sample, serde_json::to_value(&audit.sample).unwrap());
+    assert_eq!(a.drift_sample.as_array().map(Vec::len), Some(1));
+
+    // A rebuild whose hook fails (its table is gone) leaves a failed report with its
+    // error, and still returns the error.
+    fx.execute("ALTER TABLE daily_usage RENAME TO daily_usage_away");
+    let err = rebuilder.rebuild(1).unwrap_err();
+    assert!(matches!(err, Error::RebuildHook { .. }), "{err:?}");
+    let failed = &operator.rebuild_reports(Some(PROJECTION), 1).unwrap()[0];
+    assert_eq!(
+        (failed.kind, failed.outcome),
+        (RebuildReportKind::Rebuild, RebuildOutcome::Failed)
+    );
+    let error = failed.error.as_deref().unwrap();
+    assert!(
+        error.contains(PROJECTION) && error.contains("daily_usage"),
+        "{error}"
+    );
+    assert_eq!(failed.partitions, 0);
+    fx.execute("ALTER TABLE daily_usage_away RENAME TO daily_usage");
+
+    // The bound: another projection's reports stay; this one keeps its newest 100.
+    fx.execute(
+        "INSERT INTO inbox_rebuild_reports (projection, kind, started_at, finished_at, outcome, \
+         partitions, rows_checked, rows_differing, rows_changed, extra_rows, events_covered, \
+         claims_recorded, claims_converted, dead_letters_resolved, lock_waits, lock_timeouts, \
+         duration_ms, drift_sample) SELECT 'other', kind, started_at, finished_at, outcome, \
+         partitions, rows_checked, rows_differing, rows_changed, extra_rows, events_covered, \
+         claims_recorded, claims_converted, dead_letters_resolved, lock_waits, lock_timeouts, \
+         duration_ms, drift_sample FROM inbox_rebuild_reports",
+    );
+    for _ in 0..KEPT_REBUILD_REPORTS {
+        rebuilder.audit(1).unwrap();
+    }
+    let count = |projection: &str| {
+        fx.connect().count(&format!(
+            "SELECT COUNT(*) AS n FROM inbox_rebuild_reports WHERE projection = '{projection}'"
+        ))
+    };
+    assert_eq!(count(PROJECTION), KEPT_REBUILD_REPORTS as i64);
+    assert_eq!(count("other"), 3);
+    let kept = operator.rebuild_reports(Some(PROJECTION), 1000).unwrap();
+    assert_eq!(kept.len(), KEPT_REBUILD_REPORTS);
+    assert!(
+        kept.iter().all(|k| k.kind == RebuildReportKind::Audit),
+        "the oldest went first"
+    );
+    assert_eq!(
+        operator.rebuild_reports(None, 1000).unwrap().len(),
+        KEPT_REBUILD_REPORTS + 3
+    );
+    assert_eq!(operator.rebuild_reports(None, 5).unwrap().len(), 5);
+
+    // A report that cannot be recorded is logged; the rebuild is done all the same.
+    fx.execute("ALTER TABLE inbox_rebuild_reports RENAME TO inbox_rebuild_reports_away");
+    let done = rebuilder.rebuild(2).unwrap();
+    assert_eq!(done.partitions, 2);
+    fx.execute("ALTER TABLE inbox_rebuild_reports_away RENAME TO inbox_rebuild_reports");
+}
 
 // ---------------------------------------------------------------------------------
 // The interleavings of a live batch and a source row with a rebuild, on PostgreSQL:

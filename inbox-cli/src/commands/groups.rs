@@ -4,8 +4,8 @@ use inbox_diesel::operator::json;
 use std::io::Write;
 
 use inbox_core::ConsumerGroup;
-use inbox_diesel::operator::Operator;
 use inbox_diesel::operator::OperatorConnection;
+use inbox_diesel::operator::{ActivityQuery, Operator};
 use inbox_diesel::Store;
 use serde_json::{json, Value};
 
@@ -63,9 +63,23 @@ pub(crate) fn stats<C: OperatorConnection>(
     store: &Store<C>,
     out: &mut dyn Write,
 ) -> Outcome {
-    let s = Operator::new(store).operator_stats().map_err(failed)?;
+    let operator = Operator::new(store);
+    let s = operator.operator_stats().map_err(failed)?;
+    // The last day in hours, each count bounded (see `Operator::activity`).
+    let activity = operator
+        .activity(&ActivityQuery::default())
+        .map_err(failed)?;
     if global.json {
-        return print_json(out, &json::stats(&s));
+        let mut doc = json::stats(&s);
+        doc["activity"] = serde_json::to_value(&activity).map_err(failed)?;
+        return print_json(out, &doc);
     }
-    print(out, output::stats_text(&s))
+    print(
+        out,
+        format!(
+            "{}{}",
+            output::stats_text(&s),
+            output::activity_text(&activity)
+        ),
+    )
 }

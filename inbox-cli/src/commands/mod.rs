@@ -5,6 +5,7 @@ pub(crate) mod claims;
 pub(crate) mod dead_letters;
 pub(crate) mod groups;
 pub(crate) mod purge;
+pub(crate) mod reports;
 pub(crate) mod selftest;
 pub(crate) mod verify;
 #[cfg(feature = "web")]

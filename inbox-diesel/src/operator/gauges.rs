@@ -151,6 +151,7 @@ mod tests {
             consumer_groups: Vec::new(),
             first_seen: chrono::DateTime::UNIX_EPOCH,
             last_seen: chrono::DateTime::UNIX_EPOCH,
+            sample_error: None,
         }
     }
 

@@ -101,6 +101,7 @@ pub fn failure_group(g: &FailureGroup) -> Value {
         "first_seen": time(Some(g.first_seen)),
         "last_seen": time(Some(g.last_seen)),
         "replayable": g.replayable,
+        "sample_error": g.sample_error,
     })
 }
 

@@ -1,6 +1,22 @@
 //! The operator API: dead letters listed, shown, grouped by failure, replayed through
 //! the outbox to their group alone, discarded; failed claims redriven; halted consumer
-//! groups listed and resumed; stats.
+//! groups listed and resumed; stats; activity per group; stored rebuild reports.
+//!
+//! # Reads that stay bounded
+//!
+//! A console renders these reads on every page, on stores of any size, so each is an
+//! index read:
+//!
+//! - [`Operator::list_dead_letters`] and [`Operator::failure_groups`] filter and group
+//!   by the fingerprint every letter stores (`failure_group`, indexed with
+//!   `dead_lettered_at` and `id`): the filter and its paging are SQL, the grouping a
+//!   `GROUP BY` with one index read per group for its newest letter
+//!   ([`FailureGroup::sample_error`]). Letters written before the column existed are
+//!   filled when a store is built (`fingerprint.rs`, the backfill).
+//! - [`Operator::activity`]: one bounded read per group and count, newest first, at
+//!   most `cap` index entries each (see [`ActivityQuery`]): at most
+//!   `2 x groups x cap` entries per call, whatever the buckets.
+//! - [`Operator::rebuild_reports`]: the newest reports by `(projection, id)`.
 //!
 //! # Every write decided by a guarded statement
 //!
@@ -81,9 +97,9 @@
 //! absorbs a second arrival), not its sequence, which only links a letter to the
 //! replay that delivered it (`delivered_by_replay`).
 
+mod activity;
 mod canary;
 mod catalog;
-mod fingerprint;
 mod gauges;
 mod halts;
 pub mod json;
@@ -104,9 +120,17 @@ use std::time::Duration;
 use inbox_core::{payload_digest, REPLAY_GROUP_HEADER, REPLAY_SEQUENCE_HEADER};
 
 use crate::backend::StoreConnection;
+use crate::fingerprint;
 use crate::{ClaimRecord, ClaimStatus, PurgeTarget, Result, Store};
 
 pub use crate::halts::HaltedGroup;
+pub use crate::reports::{
+    RebuildOutcome, RebuildReportKind, StoredRebuildReport, KEPT_REBUILD_REPORTS,
+    MAX_REPORT_ERROR_CHARS,
+};
+pub use activity::{
+    Activity, ActivityBucket, ActivityQuery, Count, GroupActivity, MAX_ACTIVITY_BUCKETS,
+};
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use ops::{operator_ops, OperatorOps};
 
@@ -131,8 +155,12 @@ use ops::{EntryRow, NewReplay};
 pub(super) fn entry(t: EntryRow) -> diesel::QueryResult<DeadLetterEntry> {
     let reason = crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
     let headers: BTreeMap<String, String> = serde_json::from_str(&t.headers).unwrap_or_default();
-    let signature =
-        fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
+    // Stored with the letter; a letter the backfill has not reached yet (written by
+    // an older binary) is fingerprinted here.
+    let failure_group = t.failure_group.unwrap_or_else(|| {
+        fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref())
+            .fingerprint
+    });
     let status = if t.discarded_at.is_some() {
         LetterStatus::Discarded
     } else if t.resolved_at.is_some() {
@@ -156,12 +184,54 @@ pub(super) fn entry(t: EntryRow) -> diesel::QueryResult<DeadLetterEntry> {
         replay_count: t.replay_count,
         discarded_at: t.discarded_at,
         resolved_at: t.resolved_at,
-        failure_group: signature.fingerprint,
+        failure_group,
         status,
         delivered_by_replay: headers
             .get(REPLAY_SEQUENCE_HEADER)
             .and_then(|s| s.parse().ok()),
     })
+}
+
+/// The longest [`FailureGroup::sample_error`], in characters.
+pub const SAMPLE_ERROR_CHARS: usize = 500;
+
+/// A failure group of one letter (its newest), from its reason, message type and
+/// error: fingerprint, kind, signature and sample error computed here.
+fn failure_group(sample: &ops::FailureSample) -> diesel::QueryResult<FailureGroup> {
+    let reason =
+        crate::rows::stored_reason(format_args!("dead letter {}", sample.id), &sample.reason)?;
+    let last_error = sample.last_error.as_deref();
+    let sig = fingerprint::signature(reason.as_str(), &sample.message_type, last_error);
+    Ok(FailureGroup {
+        fingerprint: sig.fingerprint,
+        replayable: reason.replay_refusal().is_none(),
+        reason,
+        message_type: sample.message_type.clone(),
+        kind: sig.kind,
+        signature: sig.line,
+        count: 1,
+        consumer_groups: vec![sample.consumer_group.clone()],
+        first_seen: sample.dead_lettered_at,
+        last_seen: sample.dead_lettered_at,
+        sample_error: last_error.map(|e| e.chars().take(SAMPLE_ERROR_CHARS).collect()),
+    })
+}
+
+/// The failure group's fingerprint of a failure: 16 lower-case hex digits over the
+/// reason (its stored name, `max_attempts`, ...), the message type, and the error's
+/// kind and first line with numbers and ids masked. Every dead letter stores it
+/// ([`DeadLetterEntry::failure_group`]); the same failure with other numbers has the
+/// same one.
+///
+/// ```
+/// use inbox_diesel::operator::failure_fingerprint;
+/// let a = failure_fingerprint("max_attempts", "usage.recorded", Some("row 17 locked"));
+/// let b = failure_fingerprint("max_attempts", "usage.recorded", Some("row 9 locked"));
+/// assert_eq!(a, b);
+/// assert_eq!(a.len(), 16);
+/// ```
+pub fn failure_fingerprint(reason: &str, message_type: &str, last_error: Option<&str>) -> String {
+    fingerprint::signature(reason, message_type, last_error).fingerprint
 }
 
 /// A delivery's [`REPLAY_SEQUENCE_HEADER`] is the publisher's to set: it is a
@@ -262,20 +332,12 @@ impl<C: OperatorConnection> Operator<C> {
         limit: usize,
     ) -> Result<Vec<DeadLetterEntry>> {
         let mut conn = self.connection()?;
-        let entries: Vec<DeadLetterEntry> = match &filter.failure_group {
-            None => C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
+        // The failure group is a stored, indexed column: filtered and paged in SQL.
+        let entries: Vec<DeadLetterEntry> =
+            C::op_entries(&mut conn, filter, Some(as_limit(limit)), as_limit(offset))?
                 .into_iter()
                 .map(entry)
-                .collect::<diesel::QueryResult<_>>()?,
-            // The fingerprint is computed, not stored: filter after reading.
-            Some(fp) => C::op_entries(&mut conn, filter, None, 0)?
-                .into_iter()
-                .map(entry)
-                .filter(|e| e.as_ref().map_or(true, |e| e.failure_group == *fp))
-                .skip(offset)
-                .take(limit)
-                .collect::<diesel::QueryResult<_>>()?,
-        };
+                .collect::<diesel::QueryResult<_>>()?;
         entries
             .into_iter()
             .map(|e| confirm_replay::<C>(&mut conn, e))
@@ -318,48 +380,95 @@ impl<C: OperatorConnection> Operator<C> {
     }
 
     /// Failure groups of the letters matching `filter`, largest first.
+    ///
+    /// Counted in SQL by the stored fingerprint (one scan: `GROUP BY failure_group,
+    /// reason, consumer_group`), then one index read per group for its newest
+    /// letter, whose
+    /// reason, message type and error give the group's `kind`, `signature` and
+    /// `sample_error`. Letters without a stored fingerprint (written by an older
+    /// binary since the last backfill) are read and fingerprinted here.
     pub fn failure_groups(&self, filter: &DeadLetterFilter) -> Result<Vec<FailureGroup>> {
         let mut conn = self.connection()?;
-        let rows = C::op_entries(&mut conn, filter, None, 0)?;
+        // Per (fingerprint, reason): letters, oldest, newest, consumer groups.
+        type Counted = (
+            u64,
+            Option<chrono::DateTime<chrono::Utc>>,
+            Option<chrono::DateTime<chrono::Utc>>,
+            BTreeSet<String>,
+        );
+        let mut counted: BTreeMap<(Option<String>, String), Counted> = BTreeMap::new();
+        for (print, reason, group, n, first, last) in C::op_failure_counts(&mut conn, filter)? {
+            let c = counted.entry((print, reason)).or_default();
+            c.0 += u64::try_from(n).unwrap_or(0);
+            c.1 = c.1.into_iter().chain(first).min();
+            c.2 = c.2.into_iter().chain(last).max();
+            c.3.insert(group);
+        }
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
-        for t in rows {
-            let reason =
-                crate::rows::stored_reason(format_args!("dead letter {}", t.id), &t.reason)?;
-            let sig =
-                fingerprint::signature(reason.as_str(), &t.message_type, t.last_error.as_deref());
-            if filter
-                .failure_group
-                .as_ref()
-                .is_some_and(|fp| *fp != sig.fingerprint)
-            {
+        let mut unstored = false;
+        for ((print, reason), (count, first, last, names)) in counted {
+            let Some(print) = print else {
+                // Not stored yet: fingerprinted letter by letter below.
+                unstored = true;
                 continue;
+            };
+            let Some(sample) =
+                C::op_failure_samples(&mut conn, filter, Some(&print), Some(&reason), 1)?
+                    .into_iter()
+                    .next()
+            else {
+                // Deleted between the two reads (a purge): nothing left to show.
+                continue;
+            };
+            // Parsed for every stored reason: one this version does not know fails.
+            let mut one = failure_group(&sample)?;
+            one.fingerprint.clone_from(&print);
+            one.count = count;
+            one.first_seen = first.unwrap_or(sample.dead_lettered_at);
+            one.last_seen = last.unwrap_or(sample.dead_lettered_at);
+            match groups.get_mut(&print) {
+                // The same fingerprint under another reason: edited behind the
+                // store's back. One group; the newest letter is its sample.
+                Some((group, members)) => {
+                    members.extend(names);
+                    group.count += one.count;
+                    group.first_seen = group.first_seen.min(one.first_seen);
+                    if one.last_seen > group.last_seen {
+                        one.count = group.count;
+                        one.first_seen = group.first_seen;
+                        *group = one;
+                    }
+                }
+                None => {
+                    groups.insert(print, (one, names));
+                }
             }
-            let (group, members) = groups.entry(sig.fingerprint.clone()).or_insert_with(|| {
-                (
-                    FailureGroup {
-                        fingerprint: sig.fingerprint.clone(),
-                        replayable: reason.replay_refusal().is_none(),
-                        reason,
-                        message_type: t.message_type.clone(),
-                        kind: sig.kind.clone(),
-                        signature: sig.line.clone(),
-                        count: 0,
-                        consumer_groups: Vec::new(),
-                        first_seen: t.dead_lettered_at,
-                        last_seen: t.dead_lettered_at,
-                    },
-                    BTreeSet::new(),
-                )
-            });
-            group.count += 1;
-            group.first_seen = group.first_seen.min(t.dead_lettered_at);
-            group.last_seen = group.last_seen.max(t.dead_lettered_at);
-            members.insert(t.consumer_group);
+        }
+        if unstored {
+            for letter in C::op_failure_samples(&mut conn, filter, None, None, i64::MAX)? {
+                let one = failure_group(&letter)?;
+                let (group, names) = groups.entry(one.fingerprint.clone()).or_insert_with(|| {
+                    (
+                        FailureGroup {
+                            count: 0,
+                            ..one.clone()
+                        },
+                        BTreeSet::new(),
+                    )
+                });
+                group.count += 1;
+                group.first_seen = group.first_seen.min(one.first_seen);
+                if one.last_seen > group.last_seen {
+                    group.last_seen = one.last_seen;
+                    group.sample_error = one.sample_error;
+                }
+                names.insert(letter.consumer_group);
+            }
         }
         let mut out: Vec<FailureGroup> = groups
             .into_values()
-            .map(|(mut g, members)| {
-                g.consumer_groups = members.into_iter().collect();
+            .map(|(mut g, names)| {
+                g.consumer_groups = names.into_iter().collect();
                 g
             })
             .collect();
@@ -455,6 +564,66 @@ impl<C: OperatorConnection> Operator<C> {
             halted,
             at: now,
         })
+    }
+
+    /// Per consumer group (every group with claims or dead letters), claims that
+    /// reached `done` and messages dead-lettered per `query.interval` over
+    /// `query.buckets` intervals ending at the store clock's now, and in the last
+    /// hour and day. Every count is a bounded index range read (see
+    /// [`ActivityQuery`] for the bound, and [`Count::at_least`] for what a count
+    /// that hit `query.cap` says).
+    ///
+    /// ```no_run
+    /// # fn demo(store: &inbox_diesel::Store<diesel::PgConnection>) -> inbox_diesel::Result<()> {
+    /// use inbox_diesel::operator::{ActivityQuery, Operator};
+    ///
+    /// let activity = Operator::new(store).activity(&ActivityQuery::default())?;
+    /// for g in &activity.groups {
+    ///     println!("{}: {} processed in the last hour", g.consumer_group, g.processed_last_hour.count);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: [`Error::InvalidSetting`](crate::Error::InvalidSetting) naming
+    /// `buckets`, `interval` or `cap` for a query outside
+    /// [`ActivityQuery::validate`]'s ranges.
+    pub fn activity(&self, query: &ActivityQuery) -> Result<Activity> {
+        query.validate()?;
+        let now = self.clock().now();
+        let window = activity::ScanWindow::new(now, query);
+        let mut conn = self.connection()?;
+        let mut groups = Vec::new();
+        for group in C::op_groups_present(&mut conn)? {
+            let processed =
+                C::op_activity_scan(&mut conn, activity::Tally::Processed, &group, &window)?;
+            let dead =
+                C::op_activity_scan(&mut conn, activity::Tally::DeadLettered, &group, &window)?;
+            groups.push(activity::group_activity(
+                group, query, &window, processed, dead,
+            ));
+        }
+        Ok(Activity {
+            at: now,
+            interval_secs: query.interval.as_secs(),
+            groups,
+        })
+    }
+
+    /// The stored reports of projection rebuilds and audits (see
+    /// [`Rebuilder`](crate::rebuild::Rebuilder), which records one when a run
+    /// finishes, ok or failed), newest first: `projection`'s, or every projection's,
+    /// at most `limit`. The table keeps a projection's newest
+    /// [`KEPT_REBUILD_REPORTS`]. Needs no rebuild hook and no `rebuild` feature.
+    pub fn rebuild_reports(
+        &self,
+        projection: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<StoredRebuildReport>> {
+        let mut conn = self.connection()?;
+        Ok(C::read_reports(&mut conn, projection, as_limit(limit))?
+            .into_iter()
+            .map(crate::reports::ReportRow::into_report)
+            .collect::<diesel::QueryResult<_>>()?)
     }
 
     /// Counts what a purge would delete: outbox rows published longer than

@@ -13,11 +13,14 @@ use super::shared::SharedOperatorOps;
 use super::DeadLetterFilter;
 use crate::backend::StoreConnection;
 
-pub(crate) use super::records::{EntryRow, Letter, NewReplay, Redrivable};
+pub(crate) use super::activity::{ScanRow, ScanWindow, Tally};
+pub(crate) use super::records::{
+    EntryRow, FailureCount, FailureSample, Letter, NewReplay, Redrivable,
+};
 
 /// The operator statements every backend runs, on its own connection type.
-pub trait OperatorOps: StoreConnection + SharedOperatorOps {
-    /// Dead letters matching `filter` (the failure group aside), newest first.
+pub trait OperatorOps: StoreConnection + SharedOperatorOps + crate::reports::ReportOps {
+    /// Dead letters matching `filter`, newest first.
     #[doc(hidden)]
     fn op_entries(
         conn: &mut Self,
@@ -25,6 +28,40 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
         limit: Option<i64>,
         offset: i64,
     ) -> QueryResult<Vec<EntryRow>>;
+
+    /// Failure groups of the letters matching `filter`, one row per stored
+    /// fingerprint (`None`: letters the backfill has not reached), reason and
+    /// consumer group (see [`FailureCount`]).
+    #[doc(hidden)]
+    fn op_failure_counts(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+    ) -> QueryResult<Vec<FailureCount>>;
+
+    /// The newest letters matching `filter` of a failure group (`None`: the letters
+    /// without a stored one), of one stored reason when given.
+    #[doc(hidden)]
+    fn op_failure_samples(
+        conn: &mut Self,
+        filter: &DeadLetterFilter,
+        fingerprint: Option<&str>,
+        reason: Option<&str>,
+        limit: i64,
+    ) -> QueryResult<Vec<FailureSample>>;
+
+    /// The consumer groups with claims or dead letters, by name (a loose index scan
+    /// of each table: one probe per group).
+    #[doc(hidden)]
+    fn op_groups_present(conn: &mut Self) -> QueryResult<Vec<String>>;
+
+    /// One group's bounded read of one tally (see `operator::activity`).
+    #[doc(hidden)]
+    fn op_activity_scan(
+        conn: &mut Self,
+        tally: Tally,
+        group: &str,
+        window: &ScanWindow,
+    ) -> QueryResult<Vec<ScanRow>>;
 
     /// The next replay sequence of a message key: its counter row's, raised by one
     /// (the row is never purged, so a sequence never repeats for a key).
@@ -52,6 +89,78 @@ pub trait OperatorOps: StoreConnection + SharedOperatorOps {
     ) -> QueryResult<()>;
 }
 
+/// Narrows a boxed query of the letters view `$q` by a [`DeadLetterFilter`]: the one
+/// place its fields become SQL, for the list and the failure groups alike.
+/// The loose index scans that find the consumer groups, one per table: each step
+/// asks the index for the first group name after the last one found. The same SQL on
+/// both backends (a recursive CTE of scalar subqueries); each runs on an index whose
+/// first column is `consumer_group` (the claims' primary key on PostgreSQL,
+/// `inbox_claims_done_by_group` on SQLite; `inbox_dead_letters_by_group`).
+pub(crate) const GROUPS_PRESENT: &[&str] = &[
+    "WITH RECURSIVE g(name) AS ( \
+       SELECT (SELECT consumer_group FROM inbox_claims ORDER BY consumer_group LIMIT 1) \
+       UNION ALL \
+       SELECT (SELECT c.consumer_group FROM inbox_claims c WHERE c.consumer_group > g.name \
+               ORDER BY c.consumer_group LIMIT 1) FROM g WHERE g.name IS NOT NULL \
+     ) SELECT name FROM g WHERE name IS NOT NULL",
+    "WITH RECURSIVE g(name) AS ( \
+       SELECT (SELECT consumer_group FROM inbox_dead_letters ORDER BY consumer_group LIMIT 1) \
+       UNION ALL \
+       SELECT (SELECT d.consumer_group FROM inbox_dead_letters d WHERE d.consumer_group > g.name \
+               ORDER BY d.consumer_group LIMIT 1) FROM g WHERE g.name IS NOT NULL \
+     ) SELECT name FROM g WHERE name IS NOT NULL",
+];
+
+macro_rules! letter_filter {
+    ($q:ident, $filter:expr) => {{
+        use crate::operator::tables::op_dead_letters as l;
+        let filter: &DeadLetterFilter = $filter;
+        if let Some(g) = &filter.consumer_group {
+            $q = $q.filter(l::consumer_group.eq(g.clone()));
+        }
+        if let Some(r) = filter.reason {
+            $q = $q.filter(l::reason.eq(r.as_str()));
+        }
+        if let Some(t) = &filter.message_type {
+            $q = $q.filter(l::message_type.eq(t.clone()));
+        }
+        if let Some(k) = &filter.message_key {
+            $q = $q.filter(l::message_key.eq(k.clone()));
+        }
+        if let Some(fp) = &filter.failure_group {
+            $q = $q.filter(l::failure_group.eq(fp.clone()));
+        }
+        // Within the years the stores hold: "since 10,000 years ago" is all.
+        if let Some(since) = filter.since {
+            $q = $q.filter(
+                l::dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
+            );
+        }
+        if let Some(until) = filter.until {
+            $q = $q.filter(
+                l::dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
+            );
+        }
+        $q = match filter.status {
+            None => $q.filter(l::discarded_at.is_null()),
+            Some(LetterStatus::Pending) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_null())
+                .filter(l::replayed_at.is_null()),
+            Some(LetterStatus::Replayed) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_null())
+                .filter(l::replayed_at.is_not_null()),
+            Some(LetterStatus::Resolved) => $q
+                .filter(l::discarded_at.is_null())
+                .filter(l::resolved_at.is_not_null()),
+            Some(LetterStatus::Discarded) => $q.filter(l::discarded_at.is_not_null()),
+        };
+    }};
+}
+
+pub(crate) use letter_filter;
+
 macro_rules! operator_ops {
     ($conn:ty) => {
         impl OperatorOps for $conn {
@@ -63,44 +172,7 @@ macro_rules! operator_ops {
             ) -> QueryResult<Vec<EntryRow>> {
                 use crate::operator::tables::op_dead_letters::dsl::*;
                 let mut q = op_dead_letters.into_boxed();
-                if let Some(g) = &filter.consumer_group {
-                    q = q.filter(consumer_group.eq(g.clone()));
-                }
-                if let Some(r) = filter.reason {
-                    q = q.filter(reason.eq(r.as_str()));
-                }
-                if let Some(t) = &filter.message_type {
-                    q = q.filter(message_type.eq(t.clone()));
-                }
-                if let Some(k) = &filter.message_key {
-                    q = q.filter(message_key.eq(k.clone()));
-                }
-                // Within the years the stores hold: "since 10,000 years ago" is all.
-                if let Some(since) = filter.since {
-                    q = q.filter(
-                        dead_lettered_at.ge(crate::schema::Stamp(inbox_core::stored_time(since))),
-                    );
-                }
-                if let Some(until) = filter.until {
-                    q = q.filter(
-                        dead_lettered_at.lt(crate::schema::Stamp(inbox_core::stored_time(until))),
-                    );
-                }
-                q = match filter.status {
-                    None => q.filter(discarded_at.is_null()),
-                    Some(LetterStatus::Pending) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .filter(replayed_at.is_null()),
-                    Some(LetterStatus::Replayed) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_null())
-                        .filter(replayed_at.is_not_null()),
-                    Some(LetterStatus::Resolved) => q
-                        .filter(discarded_at.is_null())
-                        .filter(resolved_at.is_not_null()),
-                    Some(LetterStatus::Discarded) => q.filter(discarded_at.is_not_null()),
-                };
+                crate::operator::ops::letter_filter!(q, filter);
                 let mut q = q
                     .order((dead_lettered_at.desc(), id.desc()))
                     .offset(offset)
@@ -119,6 +191,7 @@ macro_rules! operator_ops {
                         replay_count,
                         discarded_at,
                         resolved_at,
+                        failure_group,
                     ));
                 if let Some(limit) = limit {
                     q = q.limit(limit);
@@ -127,6 +200,81 @@ macro_rules! operator_ops {
                     q = q.limit(i64::MAX);
                 }
                 q.load(conn)
+            }
+
+            fn op_failure_counts(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+            ) -> QueryResult<Vec<FailureCount>> {
+                use crate::operator::tables::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters
+                    .group_by((failure_group, reason, consumer_group))
+                    .select((
+                        failure_group,
+                        reason,
+                        consumer_group,
+                        diesel::dsl::count_star(),
+                        diesel::dsl::min(dead_lettered_at),
+                        diesel::dsl::max(dead_lettered_at),
+                    ))
+                    .into_boxed();
+                crate::operator::ops::letter_filter!(q, filter);
+                q.load(conn)
+            }
+
+            fn op_failure_samples(
+                conn: &mut Self,
+                filter: &DeadLetterFilter,
+                fingerprint: Option<&str>,
+                stored_reason: Option<&str>,
+                limit: i64,
+            ) -> QueryResult<Vec<FailureSample>> {
+                use crate::operator::tables::op_dead_letters::dsl::*;
+                let mut q = op_dead_letters
+                    .select((
+                        id,
+                        reason,
+                        message_type,
+                        last_error,
+                        dead_lettered_at,
+                        consumer_group,
+                    ))
+                    .order((dead_lettered_at.desc(), id.desc()))
+                    .limit(limit)
+                    .into_boxed();
+                crate::operator::ops::letter_filter!(q, filter);
+                q = match fingerprint {
+                    Some(fp) => q.filter(failure_group.eq(fp.to_owned())),
+                    None => q.filter(failure_group.is_null()),
+                };
+                if let Some(r) = stored_reason {
+                    q = q.filter(reason.eq(r.to_owned()));
+                }
+                q.load(conn)
+            }
+
+            fn op_groups_present(conn: &mut Self) -> QueryResult<Vec<String>> {
+                #[derive(diesel::QueryableByName)]
+                struct Name {
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    name: String,
+                }
+                let mut names = std::collections::BTreeSet::new();
+                for sql in crate::operator::ops::GROUPS_PRESENT {
+                    let found: Vec<Name> = diesel::sql_query(*sql).load(conn)?;
+                    names.extend(found.into_iter().map(|n| n.name));
+                }
+                Ok(names.into_iter().collect())
+            }
+
+            fn op_activity_scan(
+                conn: &mut Self,
+                tally: Tally,
+                group: &str,
+                window: &ScanWindow,
+            ) -> QueryResult<Vec<ScanRow>> {
+                // The backend's own statement (`pg/operator.rs`, `sqlite/operator.rs`).
+                activity_scan(conn, tally, group, window)
             }
 
             fn op_next_sequence(conn: &mut Self, key: &str) -> QueryResult<i32> {

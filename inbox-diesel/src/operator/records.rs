@@ -22,6 +22,8 @@ pub struct EntryRow {
     pub replay_count: i32,
     pub discarded_at: Option<DateTime<Utc>>,
     pub resolved_at: Option<DateTime<Utc>>,
+    /// The stored fingerprint; `None` for a letter the backfill has not reached.
+    pub failure_group: Option<String>,
 }
 
 /// A letter's payload, and a cut payload's whole length and SHA-256.
@@ -81,3 +83,29 @@ pub struct RawStats {
 
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
+
+/// A failure group's figures as SQL counts them, per stored fingerprint, reason and
+/// consumer group: (fingerprint, reason, consumer group, letters, oldest, newest); no
+/// fingerprint for letters the backfill has not reached. The reason is part of the
+/// fingerprint, so one reason per fingerprint but for rows edited behind the store's
+/// back: grouping by it too keeps every stored reason read (an unknown one fails
+/// loudly). The consumer group makes the same scan give the group's members.
+pub(crate) type FailureCount = (
+    Option<String>,
+    String,
+    String,
+    i64,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+);
+
+/// A failure group's newest letter (the fields in the statement's column order).
+#[derive(diesel::Queryable)]
+pub struct FailureSample {
+    pub id: i64,
+    pub reason: String,
+    pub message_type: String,
+    pub last_error: Option<String>,
+    pub dead_lettered_at: DateTime<Utc>,
+    pub consumer_group: String,
+}

@@ -346,6 +346,7 @@ fn entry(id: i64) -> _ {
             dl::replay_count,
             dl::discarded_at,
             dl::resolved_at,
+            dl::failure_group,
         ))
         .limit(1_i64)
 }

@@ -1,7 +1,7 @@
 //! The columns operator statements reach, one set for both backends. diesel's tables stop
 //! at 16 columns, so these are views of the store's tables with the columns the
-//! operator migration added (`replay_count`, `discarded_at`, `replay_seq`) and the
-//! rebuild's `resolved_at`, a letter's payload with what a cut body left of it, and
+//! operator migration added (`replay_count`, `discarded_at`, `replay_seq`), the
+//! rebuild's `resolved_at` and the stored `failure_group`, a letter's payload with what a cut body left of it, and
 //! the replay sequences' counters.
 //!
 //! Why not one `table!` per table with diesel's `32-column-tables`: that feature
@@ -30,6 +30,7 @@ diesel::table! {
         replay_count -> Integer,
         discarded_at -> Nullable<StoreTime>,
         resolved_at -> Nullable<StoreTime>,
+        failure_group -> Nullable<Text>,
     }
 }
 

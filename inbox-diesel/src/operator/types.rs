@@ -223,6 +223,10 @@ pub struct FailureGroup {
     pub last_seen: DateTime<Utc>,
     /// Whether its reason is replayable.
     pub replayable: bool,
+    /// The newest letter's last error, its first
+    /// [`SAMPLE_ERROR_CHARS`](super::SAMPLE_ERROR_CHARS) characters (unmasked: the
+    /// real numbers and ids of one occurrence); `None` when it had none.
+    pub sample_error: Option<String>,
 }
 
 /// How a replay addresses a consumer group: through the default exchange to the

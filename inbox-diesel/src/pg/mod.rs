@@ -129,6 +129,7 @@ fn untranslated_messages(conn: &mut PgConnection) -> QueryResult<()> {
 }
 
 crate::halts::halt_ops!(PgConnection);
+crate::reports::report_ops!(PgConnection);
 
 impl Sealed for PgConnection {
     const BACKEND: Backend = Backend::Postgres;
@@ -203,6 +204,8 @@ impl Sealed for PgConnection {
                 }
                 conn.run_pending_migrations(MIGRATIONS)
                     .map_err(Error::Migration)?;
+                // The stored failure groups need Rust's masking: filled here, not in SQL.
+                crate::fingerprint::backfill(conn)?;
             }
             // The application's own tables, under the same lock: two processes'
             // `CREATE TABLE IF NOT EXISTS` at once would meet in the catalog.

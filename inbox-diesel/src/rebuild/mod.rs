@@ -107,8 +107,13 @@ pub use runner::{
 
 use crate::backend::{classify, ErrorClass, StoreConnection};
 use crate::rebuild::ops::{CoverClaims, RebuildOps};
+use crate::reports::{
+    NewRebuildReport, RebuildOutcome, RebuildReportKind, KEPT_REBUILD_REPORTS,
+    MAX_REPORT_ERROR_CHARS,
+};
 use crate::verify::{check_key, require_columns, Key};
 use crate::{Error, Result, SchemaPart, Store, StoreBuilder};
+use chrono::{DateTime, Utc};
 
 /// A connection type projection rebuilds run on: `PgConnection` or
 /// `SqliteConnection`. Sealed, as [`StoreConnection`] is; code generic over the
@@ -148,6 +153,10 @@ const REQUIRED: &[(&str, &[&str])] = &[
     (
         "inbox_rebuild_runs",
         &["projection", "runner", "leased_until"],
+    ),
+    (
+        "inbox_rebuild_reports",
+        &["projection", "kind", "outcome", "error", "drift_sample"],
     ),
 ];
 
@@ -323,23 +332,22 @@ impl<C: RebuildConnection> Rebuilder<C> {
     }
 
     /// Audits the given partitions, each in a read-only transaction with one snapshot.
+    ///
+    /// When it finishes, ok or failed, it records a report (see
+    /// [`Operator::rebuild_reports`](crate::operator::Operator::rebuild_reports)) in a
+    /// short transaction of its own; a failure to record is logged at warn and
+    /// changes nothing of what this returns.
     pub fn audit_partitions(&self, partitions: &[WindowPartition]) -> Result<AuditReport> {
         let started = Instant::now();
+        let started_at = self.store.clock().now();
         let mut report = AuditReport {
             projection: self.projection().to_owned(),
             ..AuditReport::default()
         };
-        let mut conn = self.store.connection()?;
-        for partition in partitions {
-            let drift = C::read_snapshot(&mut *conn, |conn| {
-                self.hook
-                    .audit_partition(conn, partition)
-                    .map_err(TryError::Hook)
-            })
-            .map_err(|e| e.into_error(self.projection(), partition.label()))?;
-            report.add(&drift);
-        }
+        let ran = self.audit_into(partitions, &mut report);
         report.duration_ms = millis(started.elapsed());
+        self.record(audit_record(&report, started_at, ran.as_ref().err()));
+        ran?;
         let projection = self.projection().to_owned();
         metrics::counter!(inbox_core::metrics::AUDIT_RUNS_TOTAL, "projection" => projection.clone())
             .increment(1);
@@ -359,6 +367,40 @@ impl<C: RebuildConnection> Rebuilder<C> {
         Ok(report)
     }
 
+    fn audit_into(&self, partitions: &[WindowPartition], report: &mut AuditReport) -> Result<()> {
+        let mut conn = self.store.connection()?;
+        for partition in partitions {
+            let drift = C::read_snapshot(&mut *conn, |conn| {
+                self.hook
+                    .audit_partition(conn, partition)
+                    .map_err(TryError::Hook)
+            })
+            .map_err(|e| e.into_error(self.projection(), partition.label()))?;
+            report.add(&drift);
+        }
+        Ok(())
+    }
+
+    /// Records a finished run's report after the work, in a transaction of its own,
+    /// trimming the projection's reports to the newest [`KEPT_REBUILD_REPORTS`]. A
+    /// failure is logged at warn, never returned: the run is done either way.
+    fn record(&self, mut report: NewRebuildReport) {
+        report.finished_at = self.store.clock().now();
+        let keep = i64::try_from(KEPT_REBUILD_REPORTS).unwrap_or(i64::MAX);
+        let recorded = self.store.connection().and_then(|mut conn| {
+            C::write_transaction(&mut *conn, |conn| C::record_report(conn, &report, keep))
+                .map_err(Error::from)
+        });
+        if let Err(err) = recorded {
+            tracing::warn!(
+                projection = self.projection(),
+                kind = report.kind.as_str(),
+                error = %inbox_core::display::Escaped(&err.to_string()),
+                "the run's report was not recorded"
+            );
+        }
+    }
+
     /// Rebuilds the window of `size` partitions ending now, a partition per transaction.
     pub fn rebuild(&self, size: u32) -> Result<RebuildReport> {
         self.rebuild_partitions(&self.window(size)?)
@@ -370,21 +412,29 @@ impl<C: RebuildConnection> Rebuilder<C> {
     }
 
     /// Rebuilds, calling `between` before each partition (a runner renews its lease).
+    /// Records its report when it finishes, ok or failed, as
+    /// [`audit_partitions`](Self::audit_partitions) does.
     pub(crate) fn rebuild_with(
         &self,
         partitions: &[WindowPartition],
         between: &mut dyn FnMut() -> Result<()>,
     ) -> Result<RebuildReport> {
         let started = Instant::now();
+        let started_at = self.store.clock().now();
         let mut report = RebuildReport {
             projection: self.projection().to_owned(),
             ..RebuildReport::default()
         };
-        for partition in partitions {
-            between()?;
-            self.rebuild_one(partition, &mut report)?;
-        }
+        let ran = (|| {
+            for partition in partitions {
+                between()?;
+                self.rebuild_one(partition, &mut report)?;
+            }
+            Ok::<_, Error>(())
+        })();
         report.duration_ms = millis(started.elapsed());
+        self.record(rebuild_record(&report, started_at, ran.as_ref().err()));
+        ran?;
         tracing::info!(
             projection = self.projection(),
             partitions = report.partitions,
@@ -491,6 +541,93 @@ impl<C: RebuildConnection> Rebuilder<C> {
 
     pub(crate) fn store(&self) -> &Store<C> {
         &self.store
+    }
+}
+
+/// A failed run's error and its causes, cut at [`MAX_REPORT_ERROR_CHARS`].
+fn error_text(err: &Error) -> String {
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text.chars().take(MAX_REPORT_ERROR_CHARS).collect()
+}
+
+fn outcome(err: Option<&Error>) -> (RebuildOutcome, Option<String>) {
+    match err {
+        None => (RebuildOutcome::Ok, None),
+        Some(err) => (RebuildOutcome::Failed, Some(error_text(err))),
+    }
+}
+
+fn sample_json<T: serde::Serialize>(sample: &T) -> String {
+    serde_json::to_string(sample).unwrap_or_else(|_| "[]".to_owned())
+}
+
+fn audit_record(
+    r: &AuditReport,
+    started_at: DateTime<Utc>,
+    err: Option<&Error>,
+) -> NewRebuildReport {
+    let (outcome, error) = outcome(err);
+    NewRebuildReport {
+        projection: r.projection.clone(),
+        kind: RebuildReportKind::Audit,
+        started_at,
+        finished_at: started_at,
+        outcome,
+        error,
+        counts: [
+            r.partitions,
+            r.rows_checked,
+            r.rows_differing,
+            0,
+            r.extra_rows,
+            0,
+            0,
+            0,
+            0,
+        ],
+        largest_ratio: r.largest_ratio,
+        lock_waits: 0,
+        lock_timeouts: 0,
+        duration_ms: r.duration_ms,
+        drift_sample: sample_json(&r.sample),
+    }
+}
+
+fn rebuild_record(
+    r: &RebuildReport,
+    started_at: DateTime<Utc>,
+    err: Option<&Error>,
+) -> NewRebuildReport {
+    let (outcome, error) = outcome(err);
+    NewRebuildReport {
+        projection: r.projection.clone(),
+        kind: RebuildReportKind::Rebuild,
+        started_at,
+        finished_at: started_at,
+        outcome,
+        error,
+        counts: [
+            r.partitions,
+            r.rows_checked,
+            r.rows_differing,
+            r.rows_changed,
+            r.extra_rows,
+            r.events_covered,
+            r.claims_recorded,
+            r.claims_converted,
+            r.dead_letters_resolved,
+        ],
+        largest_ratio: r.largest_ratio,
+        lock_waits: r.lock_waits,
+        lock_timeouts: r.lock_timeouts,
+        duration_ms: r.duration_ms,
+        drift_sample: sample_json(&r.sample),
     }
 }
 

@@ -47,7 +47,7 @@ pub struct RunLease<'a> {
 }
 
 /// The statements of a rebuild, per backend (`rebuild/pg.rs`, `rebuild/sqlite.rs`).
-pub trait RebuildOps: crate::backend::StoreConnection {
+pub trait RebuildOps: crate::backend::StoreConnection + crate::reports::ReportOps {
     /// Takes a projection lock exclusively for the rest of the transaction, waiting at
     /// most `timeout` (for the rest of the transaction, every lock wait is bounded so).
     /// Returns whether it had to wait (live batches held it).

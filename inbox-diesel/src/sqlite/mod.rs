@@ -34,6 +34,7 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 impl StoreConnection for SqliteConnection {}
 
 crate::halts::halt_ops!(SqliteConnection);
+crate::reports::report_ops!(SqliteConnection);
 
 impl Sealed for SqliteConnection {
     const BACKEND: Backend = Backend::Sqlite;
@@ -94,6 +95,8 @@ impl Sealed for SqliteConnection {
                     .map(|_| ())
                     .map_err(Error::Migration)
             })?;
+            // The stored failure groups need Rust's masking: filled here, not in SQL.
+            crate::fingerprint::backfill(conn)?;
         }
         // One writer: each DDL statement takes the write lock and SQLite checks the
         // schema again under it, so two processes' `CREATE TABLE IF NOT EXISTS` never

@@ -4,8 +4,35 @@
 //! outermost error's message: the first line's text before its first `:`) and the
 //! error's first line, with numbers and ids masked: `order 4411 of user 17 failed`
 //! and `order 982 of user 3 failed` are one group, `timeout` and `refused` two.
+//!
+//! Every dead letter stores its fingerprint in `inbox_dead_letters.failure_group`,
+//! written by the one statement that inserts letters (`insert_dead_letter`, on every
+//! path: a batch's dead letters, collisions, malformed deliveries, the broker's dead
+//! letters, crash loops). Letters written before the column existed are filled by
+//! [`backfill`], which each backend's migration step runs after the migrations.
+//!
+//! # The backfill, and two of them at once
+//!
+//! [`backfill`] reads letters `WHERE failure_group IS NULL` in id order, a bounded
+//! batch at a time, and sets each batch's fingerprints in a transaction of its own,
+//! `WHERE id IN (...) AND failure_group IS NULL`: it never rewrites a stored
+//! fingerprint, a run that stops half way leaves filled batches filled, and a second
+//! run finds nothing to do. On PostgreSQL it runs under the migration lock, so two
+//! stores starting at once backfill one after the other; were two to run at once
+//! anyway, the guard makes the later update of a row touch nothing (both compute the
+//! same value), and the counts they log add up to the rows filled. A letter an older
+//! binary inserts during a rolling upgrade has no fingerprint until the next store
+//! build's backfill: the operator's grouping fingerprints such letters when it reads
+//! them, its filter by failure group does not find them until then.
 
+use diesel::connection::LoadConnection;
+use diesel::dsl::{auto_type, update};
+use diesel::prelude::*;
+use diesel::query_dsl::methods::ExecuteDsl;
+use diesel::query_dsl::LoadQuery;
 use sha2::{Digest, Sha256};
+
+use crate::schema::inbox_dead_letters as dl;
 
 /// What a dead letter's failure looks like once numbers and ids are masked.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +67,70 @@ pub(crate) fn signature(reason: &str, message_type: &str, last_error: Option<&st
         line,
         fingerprint,
     }
+}
+
+/// Letters a backfill batch reads and fills, in one transaction.
+pub(crate) const BACKFILL_BATCH: i64 = 500;
+
+/// Fills the failure group of every letter that has none, in batches of
+/// [`BACKFILL_BATCH`] (a transaction each); returns how many it filled and logs the
+/// count when there were any. Idempotent: see the module docs.
+pub(crate) fn backfill<C>(conn: &mut C) -> crate::Result<u64>
+where
+    C: crate::StoreConnection + LoadConnection,
+    unfilled: LoadQuery<'static, C, (i64, String, String, Option<String>)>,
+    fill: ExecuteDsl<C>,
+{
+    let mut after = i64::MIN;
+    let mut filled = 0_u64;
+    loop {
+        let (last, n) = C::write_transaction(conn, |conn| -> QueryResult<_> {
+            let rows = unfilled(after, BACKFILL_BATCH).load(conn)?;
+            let mut by_print: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+            for (id, reason, message_type, last_error) in &rows {
+                let print = signature(reason, message_type, last_error.as_deref()).fingerprint;
+                by_print.entry(print).or_default().push(*id);
+            }
+            let mut n = 0_usize;
+            for (print, ids) in by_print {
+                n += fill(ids, print).execute(conn)?;
+            }
+            Ok((rows.last().map(|r| r.0), n))
+        })?;
+        filled += n as u64;
+        match last {
+            Some(id) => after = id,
+            None => break,
+        }
+    }
+    if filled > 0 {
+        tracing::info!(
+            filled,
+            "backfilled the failure group of dead letters written before it was stored"
+        );
+    }
+    Ok(filled)
+}
+
+#[auto_type]
+fn unfilled(after: i64, limit: i64) -> _ {
+    dl::table
+        .filter(dl::failure_group.is_null())
+        .filter(dl::id.gt(after))
+        .order(dl::id)
+        .select((dl::id, dl::reason, dl::message_type, dl::last_error))
+        .limit(limit)
+}
+
+#[auto_type]
+fn fill(ids: Vec<i64>, print: String) -> _ {
+    let value: Option<String> = Some(print);
+    update(
+        dl::table
+            .filter(dl::id.eq_any(ids))
+            .filter(dl::failure_group.is_null()),
+    )
+    .set(dl::failure_group.eq(value))
 }
 
 /// Masks ids (UUIDs, hex runs of 8 or more digits with a decimal digit in them) as

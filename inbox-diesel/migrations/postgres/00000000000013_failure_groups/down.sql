@@ -1,0 +1,2 @@
+DROP INDEX inbox_dead_letters_failure_group;
+ALTER TABLE inbox_dead_letters DROP COLUMN failure_group;

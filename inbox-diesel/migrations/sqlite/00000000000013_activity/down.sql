@@ -1,0 +1,2 @@
+DROP INDEX inbox_dead_letters_by_group;
+DROP INDEX inbox_claims_done_by_group;
