@@ -73,8 +73,14 @@ impl Handler<PgConnection> for Failing {
         ctx: &MessageContext<'_>,
     ) -> Result<(), HandlerError> {
         let key = ctx.message_key().as_str();
-        let n: usize = key.rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(0);
-        let what = ["ledger", "invoice", "account", "meter", "plan", "quota", "price", "tax"][n % 8];
+        let n: usize = key
+            .rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let what = [
+            "ledger", "invoice", "account", "meter", "plan", "quota", "price", "tax",
+        ][n % 8];
         Err(HandlerError::permanent(format!(
             "{what} row {} is locked by transaction {}",
             n * 7,
@@ -140,7 +146,10 @@ struct Count {
 }
 
 fn count(conn: &mut PgConnection, sql: &str) -> i64 {
-    diesel::sql_query(sql).get_result::<Count>(conn).expect("count").n
+    diesel::sql_query(sql)
+        .get_result::<Count>(conn)
+        .expect("count")
+        .n
 }
 
 fn load_average() -> String {
@@ -162,7 +171,10 @@ struct Db {
 impl Drop for Db {
     fn drop(&mut self) {
         if let Ok(mut conn) = PgConnection::establish(&self.admin) {
-            let _ = conn.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+            let _ = conn.batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ));
         }
     }
 }
@@ -172,12 +184,18 @@ fn main() {
     let claims: u64 = env_or("BENCH_CLAIMS", 10_000_000);
     let letters: u64 = env_or("BENCH_LETTERS", 100_000);
     let requests: usize = env_or("BENCH_REQUESTS", 50);
-    let pg_log: String = env_or("BENCH_PG_LOG", "/var/log/postgresql/postgresql-15-main.log".to_owned());
+    let pg_log: String = env_or(
+        "BENCH_PG_LOG",
+        "/var/log/postgresql/postgresql-15-main.log".to_owned(),
+    );
     let db = Db {
         admin: admin.clone(),
         name: format!("bench_console_{}", std::process::id()),
     };
-    exec(&mut PgConnection::establish(&admin).expect("connect"), &format!("CREATE DATABASE {}", db.name));
+    exec(
+        &mut PgConnection::establish(&admin).expect("connect"),
+        &format!("CREATE DATABASE {}", db.name),
+    );
     let url = with_database(&admin, &db.name);
     println!("bench_console: {letters} dead letters, {claims} claims, {requests} requests per page; database {}", db.name);
 
@@ -185,7 +203,9 @@ fn main() {
     let started = Instant::now();
     let mut builder = Store::<PgConnection>::builder(url.clone());
     for g in GROUPS {
-        builder = builder.handler(Failing { group: ConsumerGroup::new(g).expect("group") });
+        builder = builder.handler(Failing {
+            group: ConsumerGroup::new(g).expect("group"),
+        });
     }
     let store = builder.build().expect("store");
     for g in GROUPS {
@@ -194,7 +214,11 @@ fn main() {
             let env = Envelope::new(
                 MessageKey::new(format!("seed-{g}-{i}")).expect("key"),
                 "usage.recorded",
-                format!(r#"{{"user_id":{i},"amount":{},"note":"<script>alert(1)</script>"}}"#, i * 3).into_bytes(),
+                format!(
+                    r#"{{"user_id":{i},"amount":{},"note":"<script>alert(1)</script>"}}"#,
+                    i * 3
+                )
+                .into_bytes(),
             );
             store.process_batch(&group, &[env]).expect("seed");
         }
@@ -214,14 +238,20 @@ fn main() {
         per_seed,
         &[
             ("message_key", "t.message_key || '-' || g"),
-            ("dead_lettered_at", "now() - (g % 86400) * interval '1 second'"),
+            (
+                "dead_lettered_at",
+                "now() - (g % 86400) * interval '1 second'",
+            ),
         ],
         "t.message_key LIKE 'seed-%'",
     );
     // Claims: a `done` template per group and a `failed` one, copied.
     let done = claims * 99 / 100 / GROUPS.len() as u64;
     let failed = (claims - done * GROUPS.len() as u64) / GROUPS.len() as u64;
-    exec(&mut conn, "UPDATE inbox_claims SET status = 'done', payload = NULL WHERE message_key LIKE 'seed-%-0'");
+    exec(
+        &mut conn,
+        "UPDATE inbox_claims SET status = 'done', payload = NULL WHERE message_key LIKE 'seed-%-0'",
+    );
     exec(&mut conn, "UPDATE inbox_claims SET status = 'failed', next_attempt_at = now() + interval '1 hour' WHERE message_key LIKE 'seed-%-1'");
     copy_rows(
         &mut conn,
@@ -230,7 +260,10 @@ fn main() {
         &[
             ("message_key", "'c-' || t.consumer_group || '-' || g"),
             ("updated_at", "now() - (g % 172800) * interval '1 second'"),
-            ("first_seen_at", "now() - (g % 172800) * interval '1 second'"),
+            (
+                "first_seen_at",
+                "now() - (g % 172800) * interval '1 second'",
+            ),
         ],
         "t.message_key LIKE 'seed-%-0'",
     );
@@ -264,12 +297,21 @@ fn main() {
         ("overview", "/".to_owned()),
         ("failure groups", "/failures".to_owned()),
         ("dead letters", "/letters".to_owned()),
-        ("letters of a failure group", format!("/letters?failure_group={fp}")),
-        ("letters of a group, page 20", format!("/letters?consumer_group={}&offset=1000&limit=50", GROUPS[0])),
+        (
+            "letters of a failure group",
+            format!("/letters?failure_group={fp}"),
+        ),
+        (
+            "letters of a group, page 20",
+            format!("/letters?consumer_group={}&offset=1000&limit=50", GROUPS[0]),
+        ),
         ("a letter", format!("/letters/{letter}")),
         ("halted groups", "/halts".to_owned()),
         ("outbox", "/outbox".to_owned()),
-        ("claims of a key", format!("/claims?key=c-{}-4242", GROUPS[0])),
+        (
+            "claims of a key",
+            format!("/claims?key=c-{}-4242", GROUPS[0]),
+        ),
         ("rebuilds", "/rebuilds".to_owned()),
     ];
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -305,8 +347,14 @@ fn main() {
             }
         }
     }
-    println!("load average before {load_before}, after {}", load_average());
-    println!("{:<30} {:>9} {:>9} {:>9}", "page", "p50 ms", "p99 ms", "max ms");
+    println!(
+        "load average before {load_before}, after {}",
+        load_average()
+    );
+    println!(
+        "{:<30} {:>9} {:>9} {:>9}",
+        "page", "p50 ms", "p99 ms", "max ms"
+    );
     for ((name, _), t) in pages.iter().zip(&mut times) {
         t.sort_by(f64::total_cmp);
         println!(
@@ -331,7 +379,10 @@ fn main() {
             db.name
         ),
     );
-    let explained = Store::<PgConnection>::builder(url).pool_size(1).build().expect("store");
+    let explained = Store::<PgConnection>::builder(url)
+        .pool_size(1)
+        .build()
+        .expect("store");
     let app = inbox_web::Console::new(Operator::new(&explained)).router();
     let from = meta.len();
     for (_, path) in &pages {
@@ -347,7 +398,8 @@ fn main() {
     }
     std::thread::sleep(Duration::from_millis(500));
     let log = std::fs::read(&pg_log).unwrap_or_default();
-    let tail = String::from_utf8_lossy(&log[usize::try_from(from).unwrap_or(0).min(log.len())..]).into_owned();
+    let tail = String::from_utf8_lossy(&log[usize::try_from(from).unwrap_or(0).min(log.len())..])
+        .into_owned();
     let mut seq_scans = 0;
     let mut statements = 0;
     for plan in tail.split("LOG:  duration:").skip(1) {
@@ -364,13 +416,18 @@ fn main() {
                 (node.contains(" Scan") || node.starts_with("Seq Scan")).then(|| node.to_owned())
             })
             .collect();
-        let seq = scans
-            .iter()
-            .any(|s| s.starts_with("Seq Scan on inbox_claims") || s.starts_with("Seq Scan on inbox_dead_letters"));
+        let seq = scans.iter().any(|s| {
+            s.starts_with("Seq Scan on inbox_claims")
+                || s.starts_with("Seq Scan on inbox_dead_letters")
+        });
         if seq {
             seq_scans += 1;
         }
-        println!("{} {first:.110}\n    {}", if seq { "SEQ" } else { "ok " }, scans.join("; "));
+        println!(
+            "{} {first:.110}\n    {}",
+            if seq { "SEQ" } else { "ok " },
+            scans.join("; ")
+        );
     }
     println!("plans: {statements} statements on the inbox's tables, {seq_scans} with a sequential scan of the claims or the dead letters");
 }

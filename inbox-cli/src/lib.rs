@@ -58,12 +58,12 @@ pub mod projections;
 mod run;
 pub mod service;
 
+#[cfg(feature = "web")]
+pub use args::WebArgs;
 pub use args::{
     ClaimCommand, Command, DeadLetterCommand, FilterArgs, GlobalArgs, GroupCommand, PurgeArgs,
     SelftestArgs, StatusArg, VerifyArgs,
 };
-#[cfg(feature = "web")]
-pub use args::WebArgs;
 pub use failure::Failure;
 pub use run::{run, run_with};
 

@@ -43,7 +43,11 @@ fn start(mut cmd: Command) -> (Child, String) {
 fn get(addr: &str, path: &str) -> (String, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: text/html\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: text/html\r\n\r\n"
+    )
+    .unwrap();
     let mut all = String::new();
     s.read_to_string(&mut all).unwrap();
     let (head, body) = all.split_once("\r\n\r\n").unwrap();
@@ -62,8 +66,15 @@ fn serves_the_console_on_loopback_and_stops_on_sigterm() {
     drop(fx.builder().build().unwrap());
     let (mut child, addr) = start(inbox(&fx, &["web", "--listen", "127.0.0.1:0"]));
     let (head, body) = get(&addr, "/failures");
-    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.to_ascii_lowercase().contains("content-security-policy: default-src 'none'"), "{head}");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-security-policy: default-src 'none'"),
+        "{head}"
+    );
     assert!(body.contains("Failure groups"), "{body}");
     assert_eq!(sigterm(&mut child), 0, "a SIGTERM ends it cleanly");
 }
@@ -72,16 +83,24 @@ fn serves_the_console_on_loopback_and_stops_on_sigterm() {
 fn a_public_address_needs_a_token_and_a_token_needs_a_login() {
     let fx = SqliteFixture::new();
     drop(fx.builder().build().unwrap());
-    let refused = inbox(&fx, &["web", "--listen", "0.0.0.0:0"]).output().unwrap();
+    let refused = inbox(&fx, &["web", "--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
     assert_eq!(refused.status.code(), Some(2));
     let err = String::from_utf8(refused.stderr).unwrap();
-    assert!(err.contains("without a token: set INBOX_WEB_TOKEN"), "{err}");
+    assert!(
+        err.contains("without a token: set INBOX_WEB_TOKEN"),
+        "{err}"
+    );
     let mut cmd = inbox(&fx, &["web", "--listen", "0.0.0.0:0", "--read-only"]);
     cmd.env("INBOX_WEB_TOKEN", "a-long-random-token");
     let (mut child, addr) = start(cmd);
     let port = addr.rsplit(':').next().unwrap();
     let (head, _) = get(&format!("127.0.0.1:{port}"), "/");
     assert!(head.contains(" 303 "), "{head}");
-    assert!(head.to_ascii_lowercase().contains("location: /login"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("location: /login"),
+        "{head}"
+    );
     assert_eq!(sigterm(&mut child), 0);
 }

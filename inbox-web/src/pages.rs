@@ -7,7 +7,10 @@ use axum::response::Response;
 use axum::Extension;
 use chrono::{DateTime, Utc};
 use inbox_core::DeadLetterReason;
-use inbox_diesel::operator::{json, DeadLetterFilter, LetterStatus, OperatorConnection};
+use inbox_diesel::operator::{
+    json, ActivityQuery, Count, DeadLetterFilter, LetterStatus, OperatorConnection,
+};
+use inbox_diesel::ClaimStatus;
 use maud::{html, Markup};
 use serde::Deserialize;
 use serde_json::{json as doc, Value};
@@ -36,53 +39,85 @@ fn store_failed(ctx: &Ctx, message: &str) -> Response {
     )
 }
 
-/// `/`: per consumer group, its claims and dead letters; the outbox; halted groups.
+/// `/`: per consumer group its processed and dead-lettered messages over the last
+/// hour and day, its retries and whether it is halted; the outbox; a chart of the
+/// last day. Every figure is read by an index ([`Operator::overview`](inbox_diesel::operator::Operator::overview)).
 pub(crate) async fn overview<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
 ) -> Response {
-    let stats = match blocking(&state.0, |op| op.operator_stats()).await {
-        Ok(s) => s,
+    let o = match blocking(&state.0, |op| op.overview(&ActivityQuery::default())).await {
+        Ok(o) => o,
         Err(e) => return store_failed(&ctx, &e),
     };
-    let body = json::stats(&stats);
-    answer(&ctx, StatusCode::OK, body, || {
+    answer(&ctx, StatusCode::OK, json::overview(&o), || {
         let base = &ctx.base;
-        let pending: u64 = stats.dead_letters.iter().map(|l| l.count).sum();
+        let count = |c: Count| {
+            if c.at_least {
+                format!("{}+", c.count)
+            } else {
+                c.count.to_string()
+            }
+        };
+        let letters_day: u64 = o
+            .groups
+            .iter()
+            .map(|g| g.dead_lettered_last_day.count)
+            .sum();
         let content = html! {
             h1 { "Overview" }
-            p.muted { "as of " (time(stats.at)) }
+            p.muted { "as of " (time(o.at)) }
             div.cards {
-                div.card { "pending dead letters" b #pending-letters { (pending) } }
-                div.card { "halted groups" b { (stats.halted.len()) } }
-                div.card { "outbox backlog" b #outbox-backlog { (stats.outbox_backlog) } }
+                div.card { "dead-lettered, last day" b #letters-day { (letters_day) } }
+                div.card { "halted groups" b { (o.halted.len()) } }
+                div.card { "outbox backlog" b #outbox-backlog { (o.outbox_backlog) } }
                 div.card { "oldest unpublished"
-                    b { (stats.oldest_unpublished_age.map_or_else(|| "-".to_owned(), |d| format!("{:.1} s", d.as_secs_f64()))) } }
-                div.card { "dead outbox rows" b { (stats.dead_outbox_rows) } }
+                    b { (o.oldest_unpublished_age_seconds.map_or_else(|| "-".to_owned(), |s| format!("{s:.1} s"))) } }
+                div.card { "dead outbox rows" b { (o.dead_outbox_rows) } }
             }
             h2 { "Consumer groups" }
             table #groups {
-                tr { th { "group" } th { "state" } th { "done" } th { "in flight" }
-                     th { "waiting for a retry" } th { "retries due" } th { "oldest pending retry" } th { "dead" } th { "pending dead letters" } }
-                @for g in &stats.groups {
-                    @let halted = stats.halted.iter().any(|h| h.consumer_group == g.consumer_group);
-                    @let letters: u64 = stats.dead_letters.iter().filter(|l| l.consumer_group == g.consumer_group).map(|l| l.count).sum();
+                tr { th { "group" } th { "state" } th { "processed, hour" } th { "processed, day" }
+                     th { "dead-lettered, hour" } th { "dead-lettered, day" } th { "waiting for a retry" } th { "retries due" } }
+                @for g in &o.groups {
                     tr {
                         td { a href={ (base) "/letters?consumer_group=" (enc(&g.consumer_group)) } { (g.consumer_group) } }
-                        td { @if halted { span.err { "halted" } } @else { span.ok { "running" } } }
-                        td.num { (g.done) } td.num { (g.started) } td.num { (g.retries_waiting) }
-                        td.num { (g.retries_due) } td { (time_or_dash(g.oldest_pending_retry)) }
-                        td.num { (g.dead) } td.num { (letters) }
+                        td { @if g.halted { a.err href={ (base) "/halts" } { "halted" } } @else { span.ok { "running" } } }
+                        td.num { (count(g.processed_last_hour)) } td.num { (count(g.processed_last_day)) }
+                        td.num { (count(g.dead_lettered_last_hour)) } td.num { (count(g.dead_lettered_last_day)) }
+                        td.num { (g.retries_waiting) } td.num { (g.retries_due) }
                     }
                 }
             }
-            @if !stats.halted.is_empty() {
-                h2 { "Halted" }
-                (halt_table(&ctx, &stats.halted))
-            }
+            @if o.groups.is_empty() { p { "No consumer group has claims or dead letters yet." } }
+            p.muted { "A count with + reached its read's cap: the true number is that or more. Processed counts the claims that reached done and are not purged yet." }
+            h2 { "Last day, per hour, all groups" }
+            (view::chart(&chart_points(&o.activity)))
         };
         view::page(&ctx, "Overview", content)
     })
+}
+
+/// The activity's buckets summed over the groups.
+fn chart_points(a: &inbox_diesel::operator::Activity) -> Vec<view::ChartPoint> {
+    let mut points: Vec<view::ChartPoint> = Vec::new();
+    for g in &a.groups {
+        for (i, b) in g.buckets.iter().enumerate() {
+            if points.len() <= i {
+                points.push(view::ChartPoint {
+                    start: b.start,
+                    processed: 0,
+                    dead_lettered: 0,
+                    at_least: false,
+                });
+            }
+            let p = &mut points[i];
+            p.processed += b.processed.count;
+            p.dead_lettered += b.dead_lettered.count;
+            p.at_least |= b.processed.at_least || b.dead_lettered.at_least;
+        }
+    }
+    points
 }
 
 /// URL-encodes a query value.
@@ -235,7 +270,8 @@ pub(crate) async fn failures<C: OperatorConnection>(
                             td.num { (g.count) }
                             td { (g.reason.as_str()) }
                             td { (text(&g.message_type)) }
-                            td { code { (text(&g.signature)) } }
+                            td { code { (text(&g.signature)) }
+                             @if let Some(e) = &g.sample_error { br; span.muted { "e.g. " (first_line(Some(e))) } } }
                             td { @for (i, cg) in g.consumer_groups.iter().enumerate() { @if i > 0 { ", " } (cg) } }
                             td { (time(g.first_seen)) }
                             td { (time(g.last_seen)) }
@@ -597,8 +633,10 @@ pub(crate) async fn claims<C: OperatorConnection>(
                     @for c in &claims {
                         tr {
                             td { (c.group) } td { (text(&c.message_type)) } td { (c.status.as_str()) }
-                            td.num { (c.attempts) } td.num { (c.starts) } td { (time_or_dash(c.next_attempt_at)) }
-                            td { (time(c.first_seen_at)) } td { (time(c.updated_at)) } td { (first_line(c.last_error.as_deref())) }
+                            td.num { (c.attempts) } td.num { (c.starts) }
+                            td { @if c.status == ClaimStatus::Failed { (time_or_dash(c.next_attempt_at)) } @else { "-" } }
+                            td { (time(c.first_seen_at)) } td { (time(c.updated_at)) }
+                            td { @if c.status == ClaimStatus::Done { @if let Some(e) = &c.last_error { span.muted { "before it succeeded: " (first_line(Some(e))) } } } @else { (first_line(c.last_error.as_deref())) } }
                         }
                     }
                 }
@@ -609,16 +647,64 @@ pub(crate) async fn claims<C: OperatorConnection>(
     })
 }
 
-/// `/rebuilds`: the last rebuild and audit runs.
+/// How many reports `/rebuilds` lists.
+const REPORTS: usize = 50;
+
+/// The query of `/rebuilds`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ReportQuery {
+    projection: Option<String>,
+}
+
+/// `/rebuilds`: the last rebuild and audit runs with their reports and drift.
 pub(crate) async fn rebuilds<C: OperatorConnection>(
-    _state: Shared<C>,
+    state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
+    Query(q): Query<ReportQuery>,
 ) -> Response {
+    let projection = given(&q.projection).map(str::to_owned);
+    let p = projection.clone();
+    let reports = match blocking(&state.0, move |op| {
+        op.rebuild_reports(p.as_deref(), REPORTS)
+    })
+    .await
+    {
+        Ok(r) => r,
+        Err(e) => return store_failed(&ctx, &e),
+    };
+    let rows = serde_json::to_value(&reports).unwrap_or(Value::Null);
     answer(
         &ctx,
         StatusCode::OK,
-        doc!({ "rebuild_reports": [] }),
-        || view::page(&ctx, "Rebuilds", html! { h1 { "Rebuilds" } }),
+        doc!({ "rebuild_reports": rows }),
+        || {
+            let content = html! {
+                h1 { "Rebuilds and audits" }
+                p.muted { "The newest " (REPORTS) " runs" @if let Some(p) = &projection { " of " (p) } ", newest first. A rebuild recomputes a window of a projection from its source of truth; an audit compares without writing." }
+                table #reports {
+                    tr { th { "finished" } th { "projection" } th { "kind" } th { "outcome" } th { "partitions" } th { "rows checked" }
+                         th { "rows differing" } th { "rows changed" } th { "events covered" } th { "letters resolved" } th { "largest ratio" } th { "ms" } th { "error or drift" } }
+                    @for r in &reports {
+                        tr {
+                            td { (time(r.finished_at)) }
+                            td { a href={ (ctx.base) "/rebuilds?projection=" (enc(&r.projection)) } { (r.projection) } }
+                            td { (serde_json::to_value(r.kind).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()) }
+                            td { @let ok = r.error.is_none(); span.(if ok { "ok" } else { "err" }) { (serde_json::to_value(r.outcome).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()) } }
+                            td.num { (r.partitions) } td.num { (r.rows_checked) } td.num { (r.rows_differing) } td.num { (r.rows_changed) }
+                            td.num { (r.events_covered) } td.num { (r.dead_letters_resolved) }
+                            td.num { (r.largest_ratio.map_or_else(|| "-".to_owned(), |x| format!("{x:.3}"))) }
+                            td.num { (r.duration_ms) }
+                            td {
+                                @if let Some(e) = &r.error { span.err { (first_line(Some(e))) } }
+                                @else if r.rows_differing > 0 { code { (text(&r.drift_sample.to_string())) } }
+                            }
+                        }
+                    }
+                }
+                @if reports.is_empty() { p { "No rebuild or audit has run yet (they are recorded by the store when they finish)." } }
+            };
+            view::page(&ctx, "Rebuilds", content)
+        },
     )
 }
 

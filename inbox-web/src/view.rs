@@ -172,7 +172,6 @@ pub(crate) fn notice(good: bool, message: &str) -> Markup {
     html! { div.notice.(if good { "good" } else { "bad" }) #notice { (message) } }
 }
 
-#[allow(dead_code)] // drawn once the overview reads the activity counts
 /// One bar series of the chart: (interval start, processed, dead-lettered, at least).
 pub(crate) struct ChartPoint {
     pub(crate) start: DateTime<Utc>,
@@ -181,7 +180,6 @@ pub(crate) struct ChartPoint {
     pub(crate) at_least: bool,
 }
 
-#[allow(dead_code)]
 /// Processed and dead-lettered messages per interval as an SVG bar chart: two bars
 /// per interval on one scale each (processed on the left axis, dead letters on the
 /// right), with the interval's start under every fourth bar.

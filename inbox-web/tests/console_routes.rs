@@ -29,9 +29,18 @@ fn store<F: Fixture>(fx: &F) -> Store<F::Conn>
 where
     F::Conn: FullConnection,
 {
-    let clock = Arc::new(ManualClock::new(
-        Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap(),
-    ));
+    store_with_clock(
+        fx,
+        Arc::new(ManualClock::new(
+            Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap(),
+        )),
+    )
+}
+
+fn store_with_clock<F: Fixture>(fx: &F, clock: Arc<ManualClock>) -> Store<F::Conn>
+where
+    F::Conn: FullConnection,
+{
     let failing = Recorder::new(GROUP)
         .policy(RetryPolicy::new(1, Duration::from_secs(1), Duration::from_secs(1)).unwrap())
         .behaviour(|key, _| {
@@ -548,7 +557,7 @@ where
     let binary = dead_letter(&store, "k-bin", vec![0xff, 0xfe, 0x00, b'<', b's'], &[]);
     let huge = dead_letter(&store, "k-huge", vec![b'<'; 2 * 1024 * 1024], &[]);
     let mut b = Browser::new(Console::new(Operator::new(&store)).router());
-    let forbidden = ["<script", "<img", "<svg", "</table><h1>", "'><b>"];
+    let forbidden = ["<script", "<img", "<svg onload", "</table><h1>", "'><b>"];
     for path in [
         "/".to_owned(),
         "/failures".to_owned(),
@@ -780,7 +789,64 @@ where
     );
 }
 
+/// The overview counts what the store recorded: a dead letter in the last hour and
+/// day of its group, a halt, the outbox; its chart is an SVG of numbers only.
+fn the_overview_counts_the_last_hour_and_day<F: Fixture>(fx: &F)
+where
+    F::Conn: FullConnection,
+{
+    let clock = Arc::new(ManualClock::new(
+        Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap(),
+    ));
+    let store = store_with_clock(fx, Arc::clone(&clock));
+    dead_letter(&store, "k-o1", usage_body(), &[]);
+    dead_letter(&store, "k-o2", usage_body(), &[]);
+    store
+        .process_batch(
+            &group(GROUP),
+            &[Envelope::new(
+                MessageKey::new("k-ok").unwrap(),
+                "usage.recorded",
+                usage_body(),
+            )],
+        )
+        .unwrap();
+    store
+        .record_halt(&ClaimInvariantViolated {
+            group: group(GROUP),
+            key: MessageKey::new("k-o1").unwrap(),
+            detail: "gone".to_owned(),
+        })
+        .unwrap();
+    clock.advance(Duration::from_secs(90 * 60));
+    let mut b = Browser::new(Console::new(Operator::new(&store)).router());
+    let o = b.get_json("/").json();
+    let g = &o["groups"][0];
+    assert_eq!(g["consumer_group"], GROUP);
+    assert_eq!(g["halted"], true);
+    assert_eq!(
+        g["dead_lettered_last_hour"]["count"], 0,
+        "90 minutes ago: {o}"
+    );
+    assert_eq!(g["dead_lettered_last_day"]["count"], 2, "{o}");
+    assert_eq!(g["processed_last_day"]["count"], 1, "{o}");
+    assert_eq!(g["dead_lettered_last_day"]["at_least"], false);
+    assert_eq!(o["halted"][0]["detail"], "gone");
+    assert_eq!(o["outbox"]["backlog"], 0);
+    assert_eq!(
+        o["activity"]["groups"][0]["buckets"]
+            .as_array()
+            .unwrap()
+            .len(),
+        24
+    );
+    let page = b.get("/");
+    assert!(page.body.contains("<svg id=\"chart\""), "{}", page.body);
+    assert!(page.body.contains(">halted<"));
+}
+
 on_both_backends!(
+    the_overview_counts_the_last_hour_and_day,
     every_page_renders_as_html_and_json,
     a_letter_is_confirmed_replayed_once_and_refused_after,
     actions_need_the_sessions_csrf_token_and_the_consoles_origin,

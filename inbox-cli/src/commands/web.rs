@@ -47,7 +47,12 @@ pub(crate) fn serve<C: OperatorConnection>(
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
-            .map_err(|e| Failure::new(exit::FAILURE, format!("cannot listen on {}: {e}", args.listen)))?;
+            .map_err(|e| {
+                Failure::new(
+                    exit::FAILURE,
+                    format!("cannot listen on {}: {e}", args.listen),
+                )
+            })?;
         let local = listener.local_addr().map_err(failed)?;
         print(
             out,

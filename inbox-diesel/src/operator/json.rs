@@ -241,3 +241,24 @@ pub fn dead_outbox_row(r: &crate::DeadOutboxRow) -> Value {
         "dead_at": time(Some(r.dead_at)),
     })
 }
+
+/// The overview (the console's `/`): `at`, `groups` (each `consumer_group`, `halted`,
+/// `processed_last_hour`, `processed_last_day`, `dead_lettered_last_hour`,
+/// `dead_lettered_last_day` as `{count, at_least}`, `retries_waiting`,
+/// `retries_due`), `halted` (as [`halted_group`]), `outbox` (`backlog`,
+/// `oldest_unpublished_age_seconds`, `dead`, as in [`stats`]) and `activity` (as the
+/// `activity` of `stats --json`).
+pub fn overview(o: &super::Overview) -> Value {
+    let halted: Vec<Value> = o.halted.iter().map(halted_group).collect();
+    json!({
+        "at": time(Some(o.at)),
+        "groups": serde_json::to_value(&o.groups).unwrap_or(Value::Null),
+        "halted": halted,
+        "outbox": {
+            "backlog": o.outbox_backlog,
+            "oldest_unpublished_age_seconds": o.oldest_unpublished_age_seconds,
+            "dead": o.dead_outbox_rows,
+        },
+        "activity": serde_json::to_value(&o.activity).unwrap_or(Value::Null),
+    })
+}

@@ -104,6 +104,7 @@ mod gauges;
 mod halts;
 pub mod json;
 pub(crate) mod ops;
+mod overview;
 mod records;
 mod shared;
 pub(crate) mod tables;
@@ -133,6 +134,7 @@ pub use activity::{
 };
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use ops::{operator_ops, OperatorOps};
+pub use overview::{GroupOverview, Overview};
 
 /// A connection type the operator's statements run on: `PgConnection` or
 /// `SqliteConnection`, as [`StoreConnection`] is for the inbox path.

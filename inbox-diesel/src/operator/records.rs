@@ -81,6 +81,17 @@ pub struct RawStats {
     pub dead_outbox: i64,
 }
 
+/// The overview's figures as read: failed and due claims per group, the outbox's
+/// backlog, its oldest unpublished row, its dead rows.
+#[derive(Debug, Default)]
+pub struct RawOverview {
+    pub failed: Vec<(String, i64)>,
+    pub due: Vec<(String, i64)>,
+    pub backlog: i64,
+    pub oldest_unpublished: Option<DateTime<Utc>>,
+    pub dead_outbox: i64,
+}
+
 /// One canary's arrivals: (seq, sent_at, first arrival, arrivals).
 pub(crate) type CanaryRow = (i32, DateTime<Utc>, DateTime<Utc>, i32);
 

@@ -23,7 +23,7 @@ use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::LoadQuery;
 
 use super::records::{
-    CanaryRow, EntryRow, FailureSpan, Letter, NewReplay, RawStats, StoredPayload,
+    CanaryRow, EntryRow, FailureSpan, Letter, NewReplay, RawOverview, RawStats, StoredPayload,
 };
 use crate::dsl::claim_columns;
 use crate::operator::tables::{
@@ -125,6 +125,10 @@ pub trait SharedOperatorOps: Sized {
     /// The figures of `stats`.
     #[doc(hidden)]
     fn op_stats(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawStats>;
+
+    /// The overview's figures: each read by an index (no scan of every claim).
+    #[doc(hidden)]
+    fn op_overview(conn: &mut Self, now: DateTime<Utc>) -> QueryResult<RawOverview>;
 }
 
 impl<C> SharedOperatorOps for C
@@ -145,6 +149,7 @@ where
     reset_dead_claim: ExecuteDsl<C>,
     replay_row: LoadQuery<'static, C, i64>,
     claim_counts: LoadQuery<'static, C, (String, String, i64)>,
+    failed_counts: LoadQuery<'static, C, (String, i64)>,
     due_counts: LoadQuery<'static, C, (String, i64)>,
     oldest_retry: LoadQuery<'static, C, Option<DateTime<Utc>>>,
     oldest_unfinished: LoadQuery<'static, C, DateTime<Utc>>,
@@ -305,6 +310,16 @@ where
         stats.oldest_unpublished = oldest_unpublished().get_result(conn).optional()?;
         stats.dead_outbox = dead_outbox_rows().get_result(conn)?;
         Ok(stats)
+    }
+
+    fn op_overview(conn: &mut C, now: DateTime<Utc>) -> QueryResult<RawOverview> {
+        Ok(RawOverview {
+            failed: failed_counts().load(conn)?,
+            due: due_counts(Stamp(now)).load(conn)?,
+            backlog: outbox_backlog().get_result(conn)?,
+            oldest_unpublished: oldest_unpublished().get_result(conn).optional()?,
+            dead_outbox: dead_outbox_rows().get_result(conn)?,
+        })
     }
 }
 
@@ -525,6 +540,16 @@ fn claim_counts() -> _ {
         .group_by((ic::consumer_group, ic::status))
         .select((ic::consumer_group, ic::status, count_star()))
         .order((ic::consumer_group, ic::status))
+}
+
+/// Failed claims per group, by the failed claims' partial index.
+#[auto_type]
+fn failed_counts() -> _ {
+    let failed: &'static str = ClaimStatus::Failed.as_str();
+    ic::table
+        .filter(ic::status.eq(failed))
+        .group_by(ic::consumer_group)
+        .select((ic::consumer_group, count_star()))
 }
 
 #[auto_type]
