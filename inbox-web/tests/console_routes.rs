@@ -430,13 +430,29 @@ where
         .unwrap()
         .entry
         .failure_group;
-    let mut b = Browser::new(Console::new(Operator::new(&store)).read_only(true).router());
+    // A session and its CSRF token from a console with the same key that may act,
+    // so the refusal below is read-only mode's, not the CSRF check's.
+    let mut writer = Browser::new(
+        Console::new(Operator::new(&store))
+            .session_key(b"k".to_vec())
+            .router(),
+    );
+    writer.get(&format!("/letters/{id}"));
+    let mut b = Browser::new(
+        Console::new(Operator::new(&store))
+            .session_key(b"k".to_vec())
+            .read_only(true)
+            .router(),
+    );
+    b.cookie = writer.cookie.clone();
+    b.csrf = writer.csrf.clone();
     let page = b.get(&format!("/letters/{id}"));
     assert!(
         !page.body.contains("/replay\""),
         "no replay form: {}",
         page.body
     );
+    assert!(!page.body.contains("name=\"csrf\""), "no form at all");
     assert!(page.body.contains("read-only"));
     for path in [
         format!("/letters/{id}/replay"),
@@ -448,7 +464,11 @@ where
     ] {
         let a = b.post(&path, &[("confirm", "yes"), ("group", GROUP), ("id", "1")]);
         assert_eq!(a.status, StatusCode::FORBIDDEN, "{path}");
-        assert!(a.body.contains("read-only"), "{path}");
+        assert!(
+            a.body.contains("the console is read-only"),
+            "{path}: {}",
+            a.body
+        );
     }
     assert_eq!(status_of(&store, id), LetterStatus::Pending);
 }
@@ -528,7 +548,26 @@ where
         StatusCode::OK
     );
     assert_eq!(script.send(req("t0ken")).status, StatusCode::UNAUTHORIZED);
-    // A visitor cookie of a mounted console with the same key is not a login.
+    // A visitor session of a mounted console signed with the same key is no login.
+    let mut visitor = Browser::new(
+        Console::new(Operator::new(&store))
+            .session_key(b"same".to_vec())
+            .router(),
+    );
+    visitor.get("/");
+    let mut guarded = Browser::new(
+        Console::new(Operator::new(&store))
+            .session_key(b"same".to_vec())
+            .token("t0ken-of-the-console")
+            .router(),
+    );
+    guarded.cookie = visitor.cookie.clone();
+    assert!(guarded.cookie.is_some());
+    assert_eq!(
+        guarded.get("/").status,
+        StatusCode::SEE_OTHER,
+        "a visitor cookie is not a login"
+    );
     b.post("/logout", &[]);
     assert!(b.cookie.is_none());
     assert_eq!(b.get("/").status, StatusCode::SEE_OTHER);
