@@ -12,10 +12,11 @@
 //! finds the letter replayed (`claim_not_dead`); a replay and a discard go in the order
 //! they take the letter. The console adds no rule and no read that decides.
 
+use axum::body::Bytes;
 use axum::extract::Path;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::{Extension, Form};
+use axum::Extension;
 use inbox_diesel::operator::{
     json, DeadLetterFilter, DiscardOutcome, LetterStatus, OperatorConnection, ReplayOutcome,
 };
@@ -35,6 +36,18 @@ pub(crate) struct ActionForm {
     group: Option<String>,
     id: Option<String>,
     consumer_group: Option<String>,
+}
+
+/// A form body (`application/x-www-form-urlencoded`), or a 400 `{"error"}` saying
+/// why not (a repeated field, a value that is not text).
+fn parse_form<T: serde::de::DeserializeOwned>(ctx: &Ctx, body: &[u8]) -> Result<T, Box<Response>> {
+    serde_urlencoded::from_bytes(body).map_err(|e| {
+        Box::new(problem(
+            ctx,
+            StatusCode::BAD_REQUEST,
+            &format!("the form does not parse (an urlencoded form, each field once): {e}"),
+        ))
+    })
 }
 
 impl ActionForm {
@@ -112,8 +125,12 @@ pub(crate) async fn replay_letter<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
     Path(id): Path<String>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let id = match letter_id(&id) {
         Ok(id) => id,
         Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
@@ -173,8 +190,12 @@ pub(crate) async fn discard_letter<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
     Path(id): Path<String>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let id = match letter_id(&id) {
         Ok(id) => id,
         Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
@@ -238,13 +259,17 @@ async fn bulk_confirmation<C: OperatorConnection>(
         Ok(n) => n,
         Err(e) => return store_failed(ctx, &e),
     };
+    let scope = match form.consumer_group.as_deref().filter(|g| !g.is_empty()) {
+        Some(g) => format!("in consumer group {g}"),
+        None => "in every consumer group".to_owned(),
+    };
     let what = if n > max {
         format!(
-            "{verb} the pending dead letters of failure group {fp}? More than {max} match: this click {} the first {max}, the next click the rest.",
+            "{verb} the pending dead letters of failure group {fp} {scope}? More than {max} match: this click {} the first {max}, the next click the rest.",
             if verb == "Replay" { "replays" } else { "discards" }
         )
     } else {
-        format!("{verb} the {n} pending dead letters of failure group {fp}?")
+        format!("{verb} the {n} pending dead letters of failure group {fp} {scope}?")
     };
     let group = form.consumer_group.clone().unwrap_or_default();
     confirmation(
@@ -262,8 +287,12 @@ pub(crate) async fn replay_group<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
     Path(fp): Path<String>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let fp = match fingerprint(&fp) {
         Ok(fp) => fp.to_owned(),
         Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
@@ -303,8 +332,12 @@ pub(crate) async fn discard_group<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
     Path(fp): Path<String>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let fp = match fingerprint(&fp) {
         Ok(fp) => fp.to_owned(),
         Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
@@ -342,8 +375,12 @@ pub(crate) async fn discard_group<C: OperatorConnection>(
 pub(crate) async fn resume<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let Some(group) = form.group.clone().filter(|g| !g.is_empty()) else {
         return problem(&ctx, StatusCode::BAD_REQUEST, "the form names no group");
     };
@@ -389,8 +426,12 @@ pub(crate) async fn resume<C: OperatorConnection>(
 pub(crate) async fn revive<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
-    Form(form): Form<ActionForm>,
+    body: Bytes,
 ) -> Response {
+    let form: ActionForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     let Some(id) = form.id.as_deref().and_then(|i| i.parse::<i64>().ok()) else {
         return problem(
             &ctx,
@@ -443,8 +484,12 @@ pub(crate) struct LoginForm {
 pub(crate) async fn login<C: OperatorConnection>(
     state: Shared<C>,
     Extension(ctx): Extension<Ctx>,
-    Form(form): Form<LoginForm>,
+    body: Bytes,
 ) -> Response {
+    let form: LoginForm = match parse_form(&ctx, &body) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
     if !state.keys.token_required() {
         return problem(
             &ctx,

@@ -89,6 +89,10 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self';
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsoleError {
+    /// An access token with leading or trailing white space (a secret file's
+    /// newline): a browser's password field could never present it.
+    #[error("the console's access token starts or ends with white space (a trailing newline?)")]
+    TokenWhitespace,
     /// A non-loopback address without an access token.
     #[error(
         "refusing to serve the console on {0} without a token: set INBOX_WEB_TOKEN (or listen on a loopback address)"
@@ -184,7 +188,10 @@ impl<C: OperatorConnection> Console<C> {
     }
 
     /// An origin besides the request's own host that actions are accepted from
-    /// (`https://ops.example.com`: the public name in front of a proxy).
+    /// (`https://ops.example.com`: the public name in front of a proxy). Without a
+    /// token, the console answers only requests whose `Host` is a loopback address,
+    /// `localhost`, or the host of such an origin: a mounted console served under a
+    /// real name must name it here.
     pub fn allow_origin(mut self, origin: impl Into<String>) -> Self {
         self.allowed_origins.push(origin.into());
         self
@@ -208,6 +215,7 @@ impl<C: OperatorConnection> Console<C> {
     pub fn check_listen(&self, addr: std::net::SocketAddr) -> Result<(), ConsoleError> {
         match &self.token {
             Some(t) if t.is_empty() => Err(ConsoleError::EmptyToken),
+            Some(t) if t.trim() != t => Err(ConsoleError::TokenWhitespace),
             None if !addr.ip().is_loopback() => Err(ConsoleError::TokenRequired(addr)),
             _ => Ok(()),
         }
@@ -438,11 +446,30 @@ async fn admit<C: OperatorConnection>(
         .and_then(|c| session::cookie(c, SESSION_COOKIE))
         .and_then(|v| inner.keys.verify(v))
         .filter(|s| inner.keys.token_required() == (s.kind == Kind::Login));
-    let bearer = header_str(&parts.headers, &header::AUTHORIZATION)
+    let presented = header_str(&parts.headers, &header::AUTHORIZATION);
+    let bearer = presented
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|t| inner.keys.token_matches(t.trim()));
+    if presented.is_some() && !bearer && inner.keys.token_required() {
+        tracing::warn!(target: "inbox_web::audit", path = %path, "console: a request with a wrong bearer token refused");
+    }
     let public = path == "/login" || path == "/assets/console.css";
     let is_post = parts.method == Method::POST;
+
+    // A console without a token serves only its own host names (DNS rebinding).
+    if !inner.keys.token_required()
+        && !session::host_allowed(
+            header_str(&parts.headers, &header::HOST),
+            &inner.allowed_origins,
+        )
+    {
+        tracing::warn!(target: "inbox_web::audit", host = ?header_str(&parts.headers, &header::HOST), "console: a request for another host refused");
+        return problem(
+            &ctx,
+            StatusCode::MISDIRECTED_REQUEST,
+            "refused: this console without a token answers only for a loopback host or an allowed origin's (allow_origin, --allow-origin)",
+        );
+    }
 
     // Admission.
     let mut new_cookie = None;

@@ -24,6 +24,8 @@ pub(crate) const MAX_PAGE: usize = 200;
 const DEFAULT_PAGE: usize = 50;
 /// Dead outbox rows the outbox page lists.
 const OUTBOX_ROWS: usize = 200;
+/// The failure groups `/failures` lists (the largest).
+const FAILURE_GROUPS_SHOWN: usize = 200;
 /// Letters of the same key a letter's page lists as its history.
 const HISTORY: usize = 50;
 
@@ -246,7 +248,11 @@ pub(crate) async fn failures<C: OperatorConnection>(
         Ok(f) => f,
         Err(e) => return bad_request(&ctx, e),
     };
-    let groups = match blocking(&state.0, move |op| op.failure_groups(&filter)).await {
+    let groups = match blocking(&state.0, move |op| {
+        op.top_failure_groups(&filter, FAILURE_GROUPS_SHOWN)
+    })
+    .await
+    {
         Ok(g) => g,
         Err(e) => return store_failed(&ctx, &e),
     };
@@ -280,12 +286,14 @@ pub(crate) async fn failures<C: OperatorConnection>(
                                     @if g.replayable {
                                         form.inline method="post" action={ (base) "/failures/" (g.fingerprint) "/replay" } {
                                             (view::csrf_field(&ctx))
+                                            input type="hidden" name="consumer_group" value=(q.consumer_group.clone().unwrap_or_default());
                                             button.primary type="submit" { "Replay all…" }
                                         }
                                         " "
                                     }
                                     form.inline method="post" action={ (base) "/failures/" (g.fingerprint) "/discard" } {
                                         (view::csrf_field(&ctx))
+                                        input type="hidden" name="consumer_group" value=(q.consumer_group.clone().unwrap_or_default());
                                         button.danger type="submit" { "Discard all…" }
                                     }
                                 }
@@ -294,6 +302,7 @@ pub(crate) async fn failures<C: OperatorConnection>(
                     }
                 }
                 @if groups.is_empty() { p { "No dead letters match." } }
+                @if groups.len() == FAILURE_GROUPS_SHOWN { p.muted { "The largest " (FAILURE_GROUPS_SHOWN) " failure groups are shown: narrow the filter for the others." } }
             };
             view::page(&ctx, "Failure groups", content)
         },
@@ -545,7 +554,7 @@ pub(crate) async fn outbox<C: OperatorConnection>(
     let read = blocking(&state.0, |op| {
         Ok((
             op.store().dead_outbox_rows(OUTBOX_ROWS)?,
-            op.operator_stats()?,
+            op.outbox_summary()?,
         ))
     })
     .await;
@@ -555,18 +564,18 @@ pub(crate) async fn outbox<C: OperatorConnection>(
     };
     let rows: Vec<Value> = dead.iter().map(json::dead_outbox_row).collect();
     let body = doc!({
-        "backlog": stats.outbox_backlog,
-        "oldest_unpublished_age_seconds": stats.oldest_unpublished_age.map(|d| d.as_secs_f64()),
-        "dead": stats.dead_outbox_rows,
+        "backlog": stats.backlog,
+        "oldest_unpublished_age_seconds": stats.oldest_unpublished_age_seconds,
+        "dead": stats.dead,
         "dead_outbox_rows": rows,
     });
     answer(&ctx, StatusCode::OK, body, || {
         let content = html! {
             h1 { "Outbox" }
             div.cards {
-                div.card { "unpublished" b { (stats.outbox_backlog) } }
-                div.card { "oldest unpublished" b { (stats.oldest_unpublished_age.map_or_else(|| "-".to_owned(), |d| format!("{:.1} s", d.as_secs_f64()))) } }
-                div.card { "dead rows" b { (stats.dead_outbox_rows) } }
+                div.card { "unpublished" b { (stats.backlog) } }
+                div.card { "oldest unpublished" b { (stats.oldest_unpublished_age_seconds.map_or_else(|| "-".to_owned(), |s| format!("{s:.1} s"))) } }
+                div.card { "dead rows" b { (stats.dead) } }
             }
             h2 { "Dead rows" }
             p.muted { "A row whose last publish attempt failed: kept, never published again until revived. It holds up no other row." }

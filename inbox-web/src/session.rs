@@ -67,7 +67,13 @@ impl Keys {
     /// Keys for a console with this access token (or none) and this session key (or none).
     pub(crate) fn new(token: Option<&str>, session_key: Option<&[u8]>) -> Self {
         let key = match (session_key, token) {
-            (Some(k), _) => digest(&[b"inbox-web session key\0", k]),
+            // The token is mixed in: changing it ends every session, key or not.
+            (Some(k), t) => digest(&[
+                b"inbox-web session key\0",
+                k,
+                b"\0",
+                &digest(&[t.unwrap_or_default().as_bytes()]),
+            ]),
             (None, Some(t)) => digest(&[b"inbox-web session key from token\0", t.as_bytes()]),
             (None, None) => {
                 let a = uuid::Uuid::new_v4();
@@ -222,6 +228,35 @@ pub(crate) fn clear_cookie(path: &str, secure: bool) -> String {
     )
 }
 
+/// Whether a console without a token answers a request for `host` (its `Host`
+/// header): a loopback address or `localhost` (any port), or the host of an origin it
+/// was told to accept. Anything else is refused, so that a page of another site whose
+/// name an attacker points at 127.0.0.1 (DNS rebinding) is never served the console
+/// as its own origin: its `Host` names the attacker's site.
+pub(crate) fn host_allowed(host: Option<&str>, allowed: &[String]) -> bool {
+    let Some(host) = host else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    if name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+    {
+        return true;
+    }
+    allowed.iter().any(|origin| {
+        origin
+            .split_once("://")
+            .map_or(origin.as_str(), |(_, authority)| authority)
+            .trim_end_matches('/')
+            .eq_ignore_ascii_case(host)
+    })
+}
+
 /// Whether a state-changing request comes from the console's own origin.
 ///
 /// `Origin` (sent by browsers on every POST) must name the request's own host, or one
@@ -314,5 +349,42 @@ mod tests {
             cookie("a=1; inbox_console=x.y.z", SESSION_COOKIE),
             Some("x.y.z")
         );
+    }
+
+    #[test]
+    fn hosts_of_a_console_without_a_token() {
+        let none: &[String] = &[];
+        for ok in [
+            "127.0.0.1:8080",
+            "127.0.0.1",
+            "localhost:80",
+            "[::1]:8080",
+            "LOCALHOST",
+        ] {
+            assert!(host_allowed(Some(ok), none), "{ok}");
+        }
+        for bad in [
+            "attacker.example:8080",
+            "attacker.example",
+            "127.0.0.1.nip.io",
+            "[::2]:1",
+            "10.0.0.1:80",
+        ] {
+            assert!(!host_allowed(Some(bad), none), "{bad}");
+        }
+        assert!(!host_allowed(None, none));
+        let allowed = ["https://ops.example.com".to_owned()];
+        assert!(host_allowed(Some("ops.example.com"), &allowed));
+        assert!(!host_allowed(Some("ops.example.com.evil"), &allowed));
+    }
+
+    #[test]
+    fn a_new_token_ends_the_sessions_of_a_shared_key() {
+        let old = Keys::new(Some("old"), Some(b"k"));
+        let (_, cookie) = old.issue(Kind::Login);
+        assert!(old.verify(&cookie).is_some());
+        assert!(Keys::new(Some("rotated"), Some(b"k"))
+            .verify(&cookie)
+            .is_none());
     }
 }

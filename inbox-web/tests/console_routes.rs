@@ -16,7 +16,7 @@ use chrono::{TimeZone, Utc};
 use inbox_core::{
     ClaimInvariantViolated, Envelope, GroupHalts, ManualClock, MessageKey, RetryPolicy,
 };
-use inbox_diesel::operator::{LetterStatus, Operator};
+use inbox_diesel::operator::{DeadLetterFilter, LetterStatus, Operator};
 use inbox_diesel::Store;
 use inbox_test_support::{group, on_both_backends, Fixture, FullConnection, Outcome, Recorder};
 use inbox_web::Console;
@@ -24,6 +24,7 @@ use serde_json::Value;
 use tower::ServiceExt;
 
 const GROUP: &str = "billing.daily-usage";
+const OTHER: &str = "billing.audit";
 
 fn store<F: Fixture>(fx: &F) -> Store<F::Conn>
 where
@@ -46,6 +47,8 @@ where
         .behaviour(|key, _| {
             if key.contains("ok") {
                 Outcome::Apply
+            } else if let Some(word) = key.strip_prefix("word-") {
+                Outcome::FailWith(format!("unknown customer {word}"))
             } else {
                 Outcome::FailWith(format!(
                     "\"><img src=x onerror=alert(1)> ledger row {} is locked <script>alert('e')</script>",
@@ -126,7 +129,7 @@ impl Browser {
             rt: rt(),
             cookie: None,
             csrf: None,
-            origin: "http://console.test".into(),
+            origin: "http://127.0.0.1:8080".into(),
         }
     }
 
@@ -163,7 +166,7 @@ impl Browser {
         let mut b = Request::builder()
             .method(method)
             .uri(path)
-            .header(header::HOST, "console.test");
+            .header(header::HOST, "127.0.0.1:8080");
         if let Some(c) = &self.cookie {
             b = b.header(header::COOKIE, c);
         }
@@ -334,7 +337,7 @@ where
     let again = b.post_raw(
         &format!("/letters/{id}/replay"),
         &[("confirm", "yes"), ("csrf", &b.csrf.clone().unwrap())],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "application/json",
     );
     assert_eq!(again.status, StatusCode::CONFLICT);
@@ -376,7 +379,7 @@ where
     let missing = b.post_raw(
         &path,
         &[("confirm", "yes")],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(missing.status, StatusCode::FORBIDDEN, "{}", missing.body);
@@ -388,7 +391,7 @@ where
     let wrong = b.post_raw(
         &path,
         &[("confirm", "yes"), ("csrf", &foreign)],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(wrong.status, StatusCode::FORBIDDEN);
@@ -406,7 +409,7 @@ where
     let no_session = b.post_raw(
         &path,
         &[("confirm", "yes"), ("csrf", &csrf)],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(no_session.status, StatusCode::FORBIDDEN);
@@ -494,7 +497,7 @@ where
     let anonymous = b.post_raw(
         &path,
         &[("confirm", "yes")],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
@@ -502,7 +505,7 @@ where
     let wrong = b.post_raw(
         "/login",
         &[("token", "t0ken-of-the-consol")],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
@@ -510,7 +513,7 @@ where
     let right = b.post_raw(
         "/login",
         &[("token", "t0ken-of-the-console")],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(right.status, StatusCode::SEE_OTHER);
@@ -527,7 +530,7 @@ where
     let no_csrf = b.post_raw(
         &path,
         &[("confirm", "yes")],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "text/html",
     );
     assert_eq!(no_csrf.status, StatusCode::FORBIDDEN);
@@ -664,7 +667,7 @@ where
     let ask = b.post_raw(
         &format!("/failures/{fp}/replay"),
         &[("csrf", &b.csrf.clone().unwrap())],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "application/json",
     );
     assert_eq!(ask.json()["confirm"]["touches"], 2);
@@ -673,7 +676,7 @@ where
     let first = b.post_raw(
         &format!("/failures/{fp}/replay"),
         &[("confirm", "yes"), ("csrf", &b.csrf.clone().unwrap())],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "application/json",
     );
     let first = first.json();
@@ -714,7 +717,7 @@ where
             ("confirm", "yes"),
             ("csrf", &b.csrf.clone().unwrap()),
         ],
-        Some("http://console.test"),
+        Some("http://127.0.0.1:8080"),
         "application/json",
     );
     assert_eq!(ok.status, StatusCode::OK);
@@ -751,7 +754,7 @@ where
         let req = b
             .request("POST", &format!("/letters/{id}/discard"))
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
-            .header(header::ORIGIN, "http://console.test")
+            .header(header::ORIGIN, "http://127.0.0.1:8080")
             .header("x-remote-user", "ada@example.com")
             .body(Body::from(format!(
                 "confirm=yes&csrf={}",
@@ -884,7 +887,164 @@ where
     assert!(page.body.contains(">halted<"));
 }
 
+/// Without a token the console serves only loopback hosts and allowed origins' hosts:
+/// a page of another site rebound to 127.0.0.1 gets nothing.
+fn a_console_without_a_token_refuses_other_hosts<F: Fixture>(fx: &F)
+where
+    F::Conn: FullConnection,
+{
+    let store = store(fx);
+    let id = dead_letter(&store, "k-r", usage_body(), &[]);
+    let mut b = Browser::new(Console::new(Operator::new(&store)).router());
+    b.get(&format!("/letters/{id}"));
+    let csrf = b.csrf.clone().unwrap();
+    let rebound = |b: &mut Browser, method: &str, body: String| {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("/letters/{id}/discard"))
+            .header(header::HOST, "attacker.example:8080")
+            .header(header::ORIGIN, "http://attacker.example:8080")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(header::COOKIE, b.cookie.clone().unwrap())
+            .body(Body::from(body))
+            .unwrap();
+        b.send(req)
+    };
+    let post = rebound(&mut b, "POST", format!("confirm=yes&csrf={csrf}"));
+    assert_eq!(
+        post.status,
+        StatusCode::MISDIRECTED_REQUEST,
+        "{}",
+        post.body
+    );
+    let get = rebound(&mut b, "GET", String::new());
+    assert_eq!(get.status, StatusCode::MISDIRECTED_REQUEST);
+    assert!(!get.body.contains("k-r"));
+    assert_eq!(status_of(&store, id), LetterStatus::Pending);
+    // A public name, once allowed, is served.
+    let mut named = Browser::new(
+        Console::new(Operator::new(&store))
+            .allow_origin("https://ops.example.com")
+            .router(),
+    );
+    let req = Request::builder()
+        .uri("/")
+        .header(header::HOST, "ops.example.com")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(named.send(req).status, StatusCode::OK);
+    // With a token the host is not the guard: the token is.
+    let mut tokened = Browser::new(Console::new(Operator::new(&store)).token("t").router());
+    let req = Request::builder()
+        .uri("/")
+        .header(header::HOST, "anything.example")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(tokened.send(req).status, StatusCode::SEE_OTHER);
+}
+
+/// A failure group's bulk action keeps the page's consumer group: the letters of the
+/// same failure in another group are left alone, and the confirmation says so.
+fn a_bulk_action_keeps_the_pages_consumer_group<F: Fixture>(fx: &F)
+where
+    F::Conn: FullConnection,
+{
+    let store = store(fx);
+    dead_letter(&store, "k-g1", usage_body(), &[]);
+    let env = Envelope::new(
+        MessageKey::new("k-g2").unwrap(),
+        "usage.recorded",
+        usage_body(),
+    );
+    store.process_batch(&group(OTHER), &[env]).unwrap();
+    let op = Operator::new(&store);
+    let ours = op
+        .list_dead_letters(&DeadLetterFilter::default().consumer_group(GROUP), 0, 1)
+        .unwrap();
+    let fp = ours[0].failure_group.clone();
+    let mut b = Browser::new(Console::new(Operator::new(&store)).router());
+    let page = b.get(&format!("/failures?consumer_group={GROUP}"));
+    assert!(
+        page.body
+            .contains(&format!("name=\"consumer_group\" value=\"{GROUP}\"")),
+        "{}",
+        page.body
+    );
+    let ask = b.post(
+        &format!("/failures/{fp}/discard"),
+        &[("consumer_group", GROUP)],
+    );
+    assert!(
+        ask.body.contains(&format!("in consumer group {GROUP}")),
+        "{}",
+        ask.body
+    );
+    let done = b.post(
+        &format!("/failures/{fp}/discard"),
+        &[("consumer_group", GROUP), ("confirm", "yes")],
+    );
+    assert!(done.body.contains("Discarded 1 of 1"), "{}", done.body);
+    let theirs = op
+        .list_dead_letters(&DeadLetterFilter::default().consumer_group(OTHER), 0, 5)
+        .unwrap();
+    assert_eq!(theirs.len(), 1, "the other group's letter is left alone");
+    assert_eq!(theirs[0].status, LetterStatus::Pending);
+}
+
+/// A form that does not parse is a 400 with `{"error"}`, nothing changed; thousands of
+/// failure groups list the largest 200.
+fn bad_forms_and_many_failure_groups_are_bounded<F: Fixture>(fx: &F)
+where
+    F::Conn: FullConnection,
+{
+    let store = store(fx);
+    let id = dead_letter(&store, "k-f", usage_body(), &[]);
+    let mut b = Browser::new(Console::new(Operator::new(&store)).router());
+    b.get(&format!("/letters/{id}"));
+    let csrf = b.csrf.clone().unwrap();
+    let twice = b.post_raw(
+        &format!("/letters/{id}/discard"),
+        &[("csrf", &csrf), ("confirm", "yes"), ("confirm", "yes")],
+        Some("http://127.0.0.1:8080"),
+        "application/json",
+    );
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST, "{}", twice.body);
+    assert!(twice.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("does not parse"));
+    assert_eq!(status_of(&store, id), LetterStatus::Pending);
+    let letters = b'a'..=b'z';
+    let mut n = 0;
+    'outer: for x in letters.clone() {
+        for y in letters.clone() {
+            let word = format!("word-{}{}", x as char, y as char);
+            dead_letter(&store, &word, usage_body(), &[]);
+            n += 1;
+            if n == 205 {
+                break 'outer;
+            }
+        }
+    }
+    let groups = b.get_json("/failures").json();
+    assert_eq!(groups["failure_groups"].as_array().unwrap().len(), 200);
+    assert!(b
+        .get("/failures")
+        .body
+        .contains("The largest 200 failure groups are shown"));
+    assert_eq!(
+        Operator::new(&store)
+            .failure_groups(&DeadLetterFilter::default())
+            .unwrap()
+            .len(),
+        206
+    );
+}
+
 on_both_backends!(
+    a_console_without_a_token_refuses_other_hosts,
+    a_bulk_action_keeps_the_pages_consumer_group,
+    bad_forms_and_many_failure_groups_are_bounded,
     the_overview_counts_the_last_hour_and_day,
     every_page_renders_as_html_and_json,
     a_letter_is_confirmed_replayed_once_and_refused_after,

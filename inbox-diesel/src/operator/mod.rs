@@ -134,7 +134,7 @@ pub use activity::{
 };
 pub use canary::{Canary, CanaryPing, CanaryReport, CANARY_GROUP, CANARY_MESSAGE_TYPE};
 pub(crate) use ops::{operator_ops, OperatorOps};
-pub use overview::{GroupOverview, Overview};
+pub use overview::{GroupOverview, OutboxSummary, Overview};
 
 /// A connection type the operator's statements run on: `PgConnection` or
 /// `SqliteConnection`, as [`StoreConnection`] is for the inbox path.
@@ -390,6 +390,19 @@ impl<C: OperatorConnection> Operator<C> {
     /// `sample_error`. Letters without a stored fingerprint (written by an older
     /// binary since the last backfill) are read and fingerprinted here.
     pub fn failure_groups(&self, filter: &DeadLetterFilter) -> Result<Vec<FailureGroup>> {
+        self.top_failure_groups(filter, usize::MAX)
+    }
+
+    /// The `limit` largest failure groups of the letters matching `filter`, largest
+    /// first: as [`failure_groups`](Self::failure_groups), with the per-group read of
+    /// a sample letter done for those `limit` groups only (errors that differ by a
+    /// word, not a number, make a group each: thousands of them must not cost a read
+    /// each on every page).
+    pub fn top_failure_groups(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: usize,
+    ) -> Result<Vec<FailureGroup>> {
         let mut conn = self.connection()?;
         // Per (fingerprint, reason): letters, oldest, newest, consumer groups.
         type Counted = (
@@ -406,6 +419,23 @@ impl<C: OperatorConnection> Operator<C> {
             c.2 = c.2.into_iter().chain(last).max();
             c.3.insert(group);
         }
+        // The `limit` largest stored fingerprints (summed over reasons): only theirs
+        // are sampled.
+        let mut totals: BTreeMap<&str, u64> = BTreeMap::new();
+        for ((print, _), c) in &counted {
+            if let Some(p) = print {
+                *totals.entry(p.as_str()).or_default() += c.0;
+            }
+        }
+        let keep: Option<BTreeSet<String>> = (totals.len() > limit).then(|| {
+            let mut ranked: Vec<(&str, u64)> = totals.into_iter().collect();
+            ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+            ranked
+                .into_iter()
+                .take(limit)
+                .map(|(p, _)| p.to_owned())
+                .collect()
+        });
         let mut groups: BTreeMap<String, (FailureGroup, BTreeSet<String>)> = BTreeMap::new();
         let mut unstored = false;
         for ((print, reason), (count, first, last, names)) in counted {
@@ -414,6 +444,9 @@ impl<C: OperatorConnection> Operator<C> {
                 unstored = true;
                 continue;
             };
+            if keep.as_ref().is_some_and(|k| !k.contains(&print)) {
+                continue;
+            }
             let Some(sample) =
                 C::op_failure_samples(&mut conn, filter, Some(&print), Some(&reason), 1)?
                     .into_iter()
@@ -480,6 +513,7 @@ impl<C: OperatorConnection> Operator<C> {
                 .then(b.last_seen.cmp(&a.last_seen))
                 .then(a.fingerprint.cmp(&b.fingerprint))
         });
+        out.truncate(limit);
         Ok(out)
     }
 

@@ -59,7 +59,34 @@ pub struct Overview {
     pub activity: Activity,
 }
 
+/// The outbox at a glance, read by its partial indexes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxSummary {
+    /// Unpublished outbox rows (not dead).
+    pub backlog: u64,
+    /// The age of the oldest unpublished row, in seconds.
+    pub oldest_unpublished_age_seconds: Option<f64>,
+    /// Dead outbox rows.
+    pub dead: u64,
+}
+
 impl<C: OperatorConnection> Operator<C> {
+    /// The outbox's backlog, its oldest unpublished row's age and its dead rows,
+    /// each read by an index.
+    pub fn outbox_summary(&self) -> Result<OutboxSummary> {
+        let now = self.clock().now();
+        let mut conn = self.connection()?;
+        let raw = C::op_overview(&mut conn, now)?;
+        Ok(OutboxSummary {
+            backlog: u64::try_from(raw.backlog).unwrap_or(0),
+            oldest_unpublished_age_seconds: raw
+                .oldest_unpublished
+                .map(|at| (now - at).to_std().unwrap_or(Duration::ZERO).as_secs_f64()),
+            dead: u64::try_from(raw.dead_outbox).unwrap_or(0),
+        })
+    }
+
     /// The overview: per group its bounded activity counts, its retries and whether
     /// it is halted; the outbox's backlog, oldest row and dead rows. Every figure is
     /// read by an index; `query` is the activity's window (see
