@@ -547,7 +547,11 @@ async fn log_in(b: &Browser, token: &str) {
     b.click("#login").await;
     b.arrive("Overview").await;
     assert_eq!(b.path().await, "/ops", "the login lands on the overview");
-    assert_eq!(b.text("#pending-letters").await, "1");
+    assert_eq!(
+        b.text("#letters-day").await,
+        "1",
+        "dead-lettered in the last day"
+    );
     assert!(b.text("#groups").await.contains(GROUP));
     b.shot("overview").await;
 }
@@ -696,6 +700,6 @@ async fn look_around(b: &Browser, id: i64, key: &str) {
     b.arrive("Outbox").await;
     b.shot("outbox").await;
     b.nav("Rebuilds").await;
-    b.arrive("Rebuilds").await;
+    b.arrive("Rebuilds and audits").await;
     b.shot("rebuilds").await;
 }
