@@ -1041,7 +1041,76 @@ where
     );
 }
 
+/// Stored rebuild and audit reports are listed newest first, per projection when
+/// asked, their errors and drift samples escaped; JSON keeps them exactly.
+fn rebuild_reports_are_listed_escaped<F: Fixture>(fx: &F)
+where
+    F::Conn: FullConnection,
+{
+    let store = store(fx);
+    let insert = |projection: &str,
+                  kind: &str,
+                  outcome: &str,
+                  error: &str,
+                  differing: u32,
+                  sample: &str| {
+        fx.execute(&format!(
+            "INSERT INTO inbox_rebuild_reports (projection, kind, started_at, finished_at, outcome, error, \
+             partitions, rows_checked, rows_differing, rows_changed, extra_rows, events_covered, claims_recorded, \
+             claims_converted, dead_letters_resolved, largest_ratio, lock_waits, lock_timeouts, duration_ms, drift_sample) \
+             VALUES ('{projection}', '{kind}', '2026-03-01T11:00:00Z', '2026-03-01T11:00:01Z', '{outcome}', {error}, \
+             2, 10, {differing}, 0, 0, 0, 0, 0, 0, NULL, 0, 0, 1000, '{sample}')"
+        ))
+    };
+    insert(
+        "daily_usage",
+        "audit",
+        "ok",
+        "NULL",
+        1,
+        r#"[{"partition":"2026-03-01","row":"<script>alert(1)</script>","projected":2.0,"recomputed":1.0}]"#,
+    );
+    insert(
+        "<b>totals</b>",
+        "rebuild",
+        "failed",
+        "'hook failed: <img src=x onerror=alert(1)>'",
+        0,
+        "[]",
+    );
+    let mut b = Browser::new(Console::new(Operator::new(&store)).router());
+    let page = b.get("/rebuilds");
+    assert_eq!(page.status, StatusCode::OK);
+    for bad in ["<script>alert", "<img src", "<b>totals"] {
+        assert!(!page.body.contains(bad), "raw {bad:?}: {}", page.body);
+    }
+    assert!(
+        page.body.contains("&lt;img src=x onerror=alert(1)&gt;"),
+        "{}",
+        page.body
+    );
+    assert!(
+        page.body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+        "{}",
+        page.body
+    );
+    let all = b.get_json("/rebuilds").json();
+    let reports = all["rebuild_reports"].as_array().unwrap();
+    assert_eq!(reports.len(), 2);
+    assert_eq!(reports[0]["projection"], "<b>totals</b>", "newest first");
+    assert_eq!(reports[0]["outcome"], "failed");
+    assert_eq!(
+        reports[0]["error"],
+        "hook failed: <img src=x onerror=alert(1)>"
+    );
+    assert_eq!(reports[1]["kind"], "audit");
+    assert_eq!(reports[1]["rows_differing"], 1);
+    let one = b.get_json("/rebuilds?projection=daily_usage").json();
+    assert_eq!(one["rebuild_reports"].as_array().unwrap().len(), 1);
+}
+
 on_both_backends!(
+    rebuild_reports_are_listed_escaped,
     a_console_without_a_token_refuses_other_hosts,
     a_bulk_action_keeps_the_pages_consumer_group,
     bad_forms_and_many_failure_groups_are_bounded,
