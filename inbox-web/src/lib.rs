@@ -44,7 +44,10 @@
 //!
 //! - **Mounted** (the default): your service's auth layer decides who reaches the
 //!   router; it must have one. The console issues each visitor a session cookie that
-//!   binds the CSRF token.
+//!   binds the CSRF token, and answers only requests whose `Host` is a loopback
+//!   address, `localhost` or the host of an [`allow_origin`](Console::allow_origin)
+//!   (421 otherwise), so that another site rebound to 127.0.0.1 (DNS rebinding) is
+//!   never served as the console's origin.
 //! - **Token** ([`Console::token`], the `inbox web` server's `INBOX_WEB_TOKEN`): a
 //!   browser presents the token once on the login form and gets an `HttpOnly`,
 //!   `SameSite=Strict` session cookie; a script sends `Authorization: Bearer <token>`
