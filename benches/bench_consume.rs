@@ -62,7 +62,7 @@ use diesel::connection::SimpleConnection;
 use diesel::pg::Pg;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{Array, BigInt, Date, Text};
+use diesel::sql_types::{Array, Text};
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
@@ -363,10 +363,7 @@ impl Bench {
         let database = mode != Hand::NoDatabase;
         let (schema, mut setup) = self.fresh_schema(name);
         setup
-            .batch_execute(
-                "CREATE TABLE claims (consumer_group TEXT NOT NULL, message_key TEXT NOT NULL,
-                 PRIMARY KEY (consumer_group, message_key));",
-            )
+            .batch_execute(inbox_benches::HAND_CLAIMS_TABLE)
             .expect("claims");
         setup.create_daily_usage().expect("table");
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
@@ -448,7 +445,8 @@ impl Bench {
             let first_batch = Arc::clone(&first_batch);
             tasks.push(tokio::spawn(async move {
                 while done.load(std::sync::atomic::Ordering::Relaxed) < total {
-                    let next = tokio::time::timeout(Duration::from_millis(50), consumer.next()).await;
+                    let next =
+                        tokio::time::timeout(Duration::from_millis(50), consumer.next()).await;
                     let Ok(Some(Ok(first))) = next else { continue };
                     let mut batch = vec![first];
                     let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
@@ -459,7 +457,11 @@ impl Bench {
                         }
                     }
                     // As for the runtime: the clock starts when a first batch is whole.
-                    let at = (Instant::now(), statements_sent(), cpu_ticks(std::process::id()).unwrap_or(0));
+                    let at = (
+                        Instant::now(),
+                        statements_sent(),
+                        cpu_ticks(std::process::id()).unwrap_or(0),
+                    );
                     if first_batch.set(at).is_ok() {
                         perf_control("enable");
                     }
@@ -468,7 +470,11 @@ impl Bench {
                         let mut bodies: Vec<(String, Vec<u8>)> = batch
                             .iter()
                             .map(|d| {
-                                let id = d.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
+                                let id = d
+                                    .properties
+                                    .message_id()
+                                    .as_ref()
+                                    .map(|m| m.as_str().to_owned());
                                 (id.unwrap_or_default(), d.data.clone())
                             })
                             .collect();
@@ -477,43 +483,12 @@ impl Bench {
                         bodies.sort();
                         tokio::task::spawn_blocking(move || {
                             let mut conn = db.lock().expect("db");
-                            // A careful hand-written loop still retries after a deadlock.
-                            let mut tries = 0;
-                            while let Err(err) = conn.transaction::<_, diesel::result::Error, _>(|conn| {
+                            inbox_benches::hand_transaction(&mut conn, |conn| {
                                 if mode == Hand::Fold {
                                     return hand_fold(conn, &bodies);
                                 }
-                                let mut owned: Vec<UsageRecorded> = Vec::with_capacity(bodies.len());
-                                for (key, body) in &bodies {
-                                    // The DSL's DO NOTHING upsert is prepared once per
-                                    // connection, as the runtime's claim is.
-                                    let claimed = diesel::insert_into(claims::table)
-                                        .values((
-                                            claims::consumer_group.eq(GROUP),
-                                            claims::message_key.eq(key),
-                                        ))
-                                        .on_conflict_do_nothing()
-                                        .execute(conn)?;
-                                    if claimed == 1 {
-                                        owned.push(serde_json::from_slice(body).expect("body"));
-                                    }
-                                }
-                                owned.sort_by_key(|e| (e.user_id, e.day));
-                                for e in &owned {
-                                    diesel::sql_query(
-                                        "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3)
-                                         ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
-                                    )
-                                    .bind::<BigInt, _>(e.user_id)
-                                    .bind::<Date, _>(e.day)
-                                    .bind::<BigInt, _>(e.amount)
-                                    .execute(conn)?;
-                                }
-                                Ok(())
-                            }) {
-                                tries += 1;
-                                assert!(tries < 10, "transaction: {err}");
-                            }
+                                inbox_benches::hand_claim_and_upsert(conn, &bodies).map(drop)
+                            });
                         })
                         .await
                         .expect("blocking");
@@ -526,7 +501,11 @@ impl Bench {
                     let before = done.fetch_add(batch.len(), std::sync::atomic::Ordering::Relaxed);
                     if before + batch.len() >= total {
                         // The last ack: the others notice within their 50 ms poll.
-                        let _ = finished.set((Instant::now(), statements_sent(), cpu_ticks(std::process::id()).unwrap_or(0)));
+                        let _ = finished.set((
+                            Instant::now(),
+                            statements_sent(),
+                            cpu_ticks(std::process::id()).unwrap_or(0),
+                        ));
                         perf_control("disable");
                     }
                 }
@@ -562,16 +541,6 @@ enum Hand {
     PerEvent,
     /// One claim statement for the batch, one upsert of the sums (the example's).
     Fold,
-}
-
-diesel::table! {
-    /// The hand-written loops' claims: the key and nothing else.
-    claims (consumer_group, message_key) {
-        /// The consumer group.
-        consumer_group -> Text,
-        /// The message key.
-        message_key -> Text,
-    }
 }
 
 /// The folding loop's claim of a whole batch, prepared once per connection like the

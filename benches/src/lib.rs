@@ -449,6 +449,78 @@ impl RuntimeScenario<'_> {
     }
 }
 
+/// The hand-written loops' claims table: the key and nothing else (no digest, no
+/// state, no retries), in the connection's schema.
+pub const HAND_CLAIMS_TABLE: &str = "CREATE TABLE claims (consumer_group TEXT NOT NULL, \
+     message_key TEXT NOT NULL, PRIMARY KEY (consumer_group, message_key));";
+
+mod hand {
+    diesel::table! {
+        /// The hand-written loops' claims (see [`super::HAND_CLAIMS_TABLE`]).
+        claims (consumer_group, message_key) {
+            /// The consumer group.
+            consumer_group -> Text,
+            /// The message key.
+            message_key -> Text,
+        }
+    }
+}
+
+/// What the hand-written per-event loops do inside their transaction, for a batch of
+/// `(message key, body)` sorted by key: claim each key (a prepared `DO NOTHING`
+/// insert, as the runtime's claim is prepared), then upsert the claimed events one by
+/// one in (user, day) order, so that concurrent transactions lock rows in one order
+/// and do not deadlock. The keys it claimed.
+pub fn hand_claim_and_upsert<'a>(
+    conn: &mut PgConnection,
+    bodies: &'a [(String, Vec<u8>)],
+) -> QueryResult<Vec<&'a str>> {
+    use diesel::sql_types::{BigInt, Date};
+    let mut owned: Vec<(&str, UsageRecorded)> = Vec::with_capacity(bodies.len());
+    for (key, body) in bodies {
+        let claimed = diesel::insert_into(hand::claims::table)
+            .values((
+                hand::claims::consumer_group.eq(GROUP),
+                hand::claims::message_key.eq(key),
+            ))
+            .on_conflict_do_nothing()
+            .execute(conn)?;
+        if claimed == 1 {
+            owned.push((key.as_str(), serde_json::from_slice(body).expect("body")));
+        }
+    }
+    owned.sort_by_key(|(_, e)| (e.user_id, e.day));
+    for (_, e) in &owned {
+        diesel::sql_query(
+            "INSERT INTO daily_usage (user_id, day, total) VALUES ($1, $2, $3)
+             ON CONFLICT (user_id, day) DO UPDATE SET total = daily_usage.total + excluded.total",
+        )
+        .bind::<BigInt, _>(e.user_id)
+        .bind::<Date, _>(e.day)
+        .bind::<BigInt, _>(e.amount)
+        .execute(conn)?;
+    }
+    Ok(owned.into_iter().map(|(key, _)| key).collect())
+}
+
+/// Runs `body` in a transaction, again after an error (a careful hand-written loop
+/// retries after a deadlock), at most 10 times; panics with the last error then.
+pub fn hand_transaction<T>(
+    conn: &mut PgConnection,
+    mut body: impl FnMut(&mut PgConnection) -> QueryResult<T>,
+) -> T {
+    let mut tries = 0;
+    loop {
+        match conn.transaction::<_, diesel::result::Error, _>(&mut body) {
+            Ok(value) => return value,
+            Err(err) => {
+                tries += 1;
+                assert!(tries < 10, "transaction: {err}");
+            }
+        }
+    }
+}
+
 /// What a benchmark has created on the shared servers (schemas, a topology), removed
 /// by [`Leftovers::remove_all`]: on drop of a [`RemoveOnDrop`] (the normal end and a
 /// panic) and on Ctrl-C or SIGTERM ([`remove_on_signal`]).
@@ -518,7 +590,8 @@ impl Leftovers {
         }
     }
 
-    fn add_topology(&self, id: &str, topology: &Topology) {
+    /// Records `topology` (under `id`) for deletion until [`Leftovers::forget_topology`].
+    pub fn add_topology(&self, id: &str, topology: &Topology) {
         self.pending
             .lock()
             .expect("leftovers")
@@ -526,7 +599,8 @@ impl Leftovers {
             .insert(id.to_owned(), topology.clone());
     }
 
-    fn forget_topology(&self, id: &str) {
+    /// Forgets the topology recorded under `id` (the caller deleted it).
+    pub fn forget_topology(&self, id: &str) {
         self.pending
             .lock()
             .expect("leftovers")
