@@ -648,9 +648,12 @@ async fn hand_worker(
     }
 }
 
+/// A system's points: (offered rate, p99 in ms, sustained).
+type Series<'a> = (&'a str, Vec<(f64, f64, bool)>);
+
 /// The SVG: p99 (ms, log) against offered load (msg/s, log), a line per system;
 /// a filled point where the rate was sustained, a hollow one where it was not.
-fn svg(rates: &[f64], series: &[(&str, Vec<(f64, f64, bool)>)], load: (f64, f64)) -> String {
+fn svg(rates: &[f64], series: &[Series<'_>], load: (f64, f64)) -> String {
     let (w, h, left, right, top, bottom) = (720.0, 440.0, 70.0, 170.0, 40.0, 60.0);
     let xs: Vec<f64> = rates.iter().map(|r| r.log10()).collect();
     let (x0, x1) = (
@@ -937,7 +940,7 @@ async fn main() {
         "load average (1 min) during the run: {low:.2} to {high:.2}; at the end {:.2}",
         load_average()
     );
-    let series: Vec<(&str, Vec<(f64, f64, bool)>)> = systems
+    let series: Vec<Series<'_>> = systems
         .iter()
         .map(|system| {
             let points = rates
