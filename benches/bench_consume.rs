@@ -448,14 +448,7 @@ impl Bench {
                     let next =
                         tokio::time::timeout(Duration::from_millis(50), consumer.next()).await;
                     let Ok(Some(Ok(first))) = next else { continue };
-                    let mut batch = vec![first];
-                    let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
-                    while batch.len() < per_batch {
-                        match tokio::time::timeout_at(deadline, consumer.next()).await {
-                            Ok(Some(Ok(d))) => batch.push(d),
-                            _ => break,
-                        }
-                    }
+                    let batch = inbox_benches::hand_batch(&mut consumer, first, per_batch).await;
                     // As for the runtime: the clock starts when a first batch is whole.
                     let at = (
                         Instant::now(),
@@ -467,20 +460,7 @@ impl Bench {
                     }
                     if let Some(db) = &db {
                         let db = Arc::clone(db);
-                        let mut bodies: Vec<(String, Vec<u8>)> = batch
-                            .iter()
-                            .map(|d| {
-                                let id = d
-                                    .properties
-                                    .message_id()
-                                    .as_ref()
-                                    .map(|m| m.as_str().to_owned());
-                                (id.unwrap_or_default(), d.data.clone())
-                            })
-                            .collect();
-                        // Claims in key order, then upserts in row order: the same order
-                        // in every worker, so transactions do not deadlock.
-                        bodies.sort();
+                        let bodies = inbox_benches::hand_bodies(&batch);
                         tokio::task::spawn_blocking(move || {
                             let mut conn = db.lock().expect("db");
                             inbox_benches::hand_transaction(&mut conn, |conn| {
@@ -819,28 +799,14 @@ async fn main() {
     };
     count_statements();
     {
-        let mut conn = PgConnection::establish(&bench.db_url)
-            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &bench.db_url)));
-        #[derive(QueryableByName)]
-        struct Setting {
-            #[diesel(sql_type = Text)]
-            value: String,
-        }
-        let fsync: Setting = diesel::sql_query("SELECT current_setting('fsync') AS value")
-            .get_result(&mut conn)
-            .expect("fsync");
-        let ssl: Setting = diesel::sql_query(
-            "SELECT CASE WHEN ssl THEN 'on' ELSE 'off' END AS value FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
-        )
-        .get_result(&mut conn)
-        .expect("ssl");
+        let (fsync, tls) = inbox_benches::fsync_and_tls(&bench.db_url);
         println!(
             "{events} deliveries ({} unique), {} workers, batch {}; PostgreSQL fsync={}, TLS={}",
             bench.workload.events.len(),
             bench.workers,
             batch_size(),
-            fsync.value,
-            ssl.value
+            fsync,
+            tls
         );
     }
 

@@ -63,8 +63,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use diesel::connection::{Instrumentation, InstrumentationEvent, SimpleConnection};
-use diesel::prelude::*;
-use diesel::sql_types::Text;
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
@@ -584,25 +582,8 @@ async fn hand_worker(
                 _ => return,
             },
         };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
-        while batch.len() < per_batch {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(Ok(d))) => batch.push(d),
-                _ => break,
-            }
-        }
-        let mut bodies: Vec<(String, Vec<u8>)> = batch
-            .iter()
-            .map(|d| {
-                let id = d
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|m| m.as_str().to_owned());
-                (id.unwrap_or_default(), d.data.clone())
-            })
-            .collect();
+        let batch = inbox_benches::hand_batch(&mut consumer, first, per_batch).await;
+        let bodies = inbox_benches::hand_bodies(&batch);
         let published: HashMap<String, u64> = batch
             .iter()
             .filter_map(|d| {
@@ -622,9 +603,6 @@ async fn hand_worker(
                 Some((id, at))
             })
             .collect();
-        // Claims in key order, then upserts in row order: the same order in every
-        // worker, so transactions do not deadlock.
-        bodies.sort();
         let db = Arc::clone(&db);
         tokio::task::spawn_blocking(move || {
             let mut conn = db.lock().expect("db");
@@ -808,28 +786,14 @@ async fn main() {
         loads: Mutex::new(vec![load_average()]),
     };
     {
-        #[derive(QueryableByName)]
-        struct Setting {
-            #[diesel(sql_type = Text)]
-            value: String,
-        }
-        let mut conn = PgConnection::establish(bench.leftovers.url())
-            .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, &db_url)));
-        let fsync: Setting = diesel::sql_query("SELECT current_setting('fsync') AS value")
-            .get_result(&mut conn)
-            .expect("fsync");
-        let ssl: Setting = diesel::sql_query(
-            "SELECT CASE WHEN ssl THEN 'on' ELSE 'off' END AS value FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
-        )
-        .get_result(&mut conn)
-        .expect("ssl");
+        let (fsync, tls) = inbox_benches::fsync_and_tls(bench.leftovers.url());
         println!(
             "run {run}: rates {rates:?} msg/s, {seconds} s each, {rounds} rounds, {} workers \
              (rt_default: its own), {} publishers; PostgreSQL fsync={}, TLS={}; load average {:.2}",
             bench.workers,
             bench.publishers,
-            fsync.value,
-            ssl.value,
+            fsync,
+            tls,
             load_average()
         );
     }

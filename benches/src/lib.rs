@@ -96,6 +96,28 @@ pub fn free_disk_kib(path: &str) -> Option<u64> {
     text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()
 }
 
+/// The server's `fsync` and whether the connection to `url` negotiated TLS (`on` or
+/// `off`), as a benchmark reports them.
+pub fn fsync_and_tls(url: &str) -> (String, String) {
+    #[derive(QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        value: String,
+    }
+    let mut conn = PgConnection::establish(url)
+        .unwrap_or_else(|e| panic!("connect: {}", RedactedError::new(&e, url)));
+    let fsync: Setting = diesel::sql_query("SELECT current_setting('fsync') AS value")
+        .get_result(&mut conn)
+        .expect("fsync");
+    let ssl: Setting = diesel::sql_query(
+        "SELECT CASE WHEN ssl THEN 'on' ELSE 'off' END AS value FROM pg_stat_ssl \
+         WHERE pid = pg_backend_pid()",
+    )
+    .get_result(&mut conn)
+    .expect("ssl");
+    (fsync.value, ssl.value)
+}
+
 /// Drops a benchmark's PostgreSQL schema when dropped itself, so a run that fails
 /// half-way leaves nothing behind (signals: see [`drop_schema_on_signals`]).
 pub struct SchemaGuard {
@@ -501,6 +523,43 @@ pub fn hand_claim_and_upsert<'a>(
         .execute(conn)?;
     }
     Ok(owned.into_iter().map(|(key, _)| key).collect())
+}
+
+/// A hand-written loop's batch: `first` and what else arrives, up to `per_batch`
+/// deliveries, waiting at most 5 ms for them after the first.
+pub async fn hand_batch(
+    consumer: &mut lapin::Consumer,
+    first: lapin::message::Delivery,
+    per_batch: usize,
+) -> Vec<lapin::message::Delivery> {
+    use futures_lite::StreamExt as _;
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
+    while batch.len() < per_batch {
+        match tokio::time::timeout_at(deadline, consumer.next()).await {
+            Ok(Some(Ok(d))) => batch.push(d),
+            _ => break,
+        }
+    }
+    batch
+}
+
+/// A batch's `(message id, body)`, sorted by key: claims go in key order (and the
+/// upserts in row order), the same in every worker, so transactions do not deadlock.
+pub fn hand_bodies(batch: &[lapin::message::Delivery]) -> Vec<(String, Vec<u8>)> {
+    let mut bodies: Vec<(String, Vec<u8>)> = batch
+        .iter()
+        .map(|d| {
+            let id = d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.as_str().to_owned());
+            (id.unwrap_or_default(), d.data.clone())
+        })
+        .collect();
+    bodies.sort();
+    bodies
 }
 
 /// Runs `body` in a transaction, again after an error (a careful hand-written loop
