@@ -362,12 +362,14 @@ impl Bench {
         for conn in connections {
             let _ = conn.close(200, "published".into()).await;
         }
+        // Message i is due i / rate after start and never goes out earlier: the
+        // intervals sent over the time they took.
         let elapsed = last.saturating_duration_since(start.into_std());
-        // At least one interval: the last message is due (total - 1) / rate after start.
-        let span = elapsed
-            .as_secs_f64()
-            .max((total as f64 - 1.0).max(1.0) / rate);
-        (total as f64 / span, last)
+        let intervals = (total as f64 - 1.0).max(1.0);
+        (
+            intervals / elapsed.as_secs_f64().max(intervals / rate),
+            last,
+        )
     }
 
     /// Waits for `unique` commits: the seconds from `last_send` until the last one,
@@ -584,25 +586,22 @@ async fn hand_worker(
         };
         let batch = inbox_benches::hand_batch(&mut consumer, first, per_batch).await;
         let bodies = inbox_benches::hand_bodies(&batch);
-        let published: HashMap<String, u64> = batch
-            .iter()
-            .filter_map(|d| {
-                let id = d.properties.message_id().as_ref()?.as_str().to_owned();
-                let at = match d
-                    .properties
-                    .headers()
-                    .as_ref()?
-                    .inner()
-                    .get(PUBLISHED_HEADER)?
-                {
-                    AMQPValue::LongString(s) => {
-                        String::from_utf8_lossy(s.as_bytes()).parse().ok()?
-                    }
-                    _ => return None,
-                };
-                Some((id, at))
-            })
-            .collect();
+        // The first copy's publish time, should a duplicate share the batch.
+        let mut published: HashMap<String, u64> = HashMap::new();
+        for d in &batch {
+            let Some(id) = d.properties.message_id().as_ref() else {
+                continue;
+            };
+            let at = d.properties.headers().as_ref().and_then(|h| {
+                match h.inner().get(PUBLISHED_HEADER)? {
+                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).parse().ok(),
+                    _ => None,
+                }
+            });
+            if let Some(at) = at {
+                published.entry(id.as_str().to_owned()).or_insert(at);
+            }
+        }
         let db = Arc::clone(&db);
         tokio::task::spawn_blocking(move || {
             let mut conn = db.lock().expect("db");
