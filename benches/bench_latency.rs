@@ -38,7 +38,7 @@
 //! their effect committed with the first copy.
 //!
 //! Sustained: the publisher achieved at least 95% of the offered rate, and every
-//! unique event was committed within `BENCH_DRAIN_MS` (default 1000) of the last
+//! unique event was committed within `BENCH_DRAIN_MS` (default 250) of the last
 //! send. A rate is reported sustained when it was so in a majority of rounds. After
 //! the drain window the benchmark waits (up to `BENCH_DRAIN_LIMIT_S`, default 300) for
 //! the rest, then checks exactly: the projection equals the unique events' totals,
@@ -780,7 +780,7 @@ async fn main() {
         workers: env_or("BENCH_WORKERS", 4),
         publishers: env_or("BENCH_PUBLISHERS", 4usize).max(1),
         seconds,
-        drain: Duration::from_millis(env_or("BENCH_DRAIN_MS", 1000)),
+        drain: Duration::from_millis(env_or("BENCH_DRAIN_MS", 250)),
         drain_limit: Duration::from_secs(env_or("BENCH_DRAIN_LIMIT_S", 300)),
         loads: Mutex::new(vec![load_average()]),
     };
