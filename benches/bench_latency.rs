@@ -65,7 +65,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use diesel::connection::{Instrumentation, InstrumentationEvent, SimpleConnection};
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Topology};
 use inbox_benches::{
     env_or, median, remove_on_signal, service_urls, Deliveries, Leftovers, RemoveOnDrop,
     HAND_CLAIMS_TABLE,
@@ -427,6 +427,109 @@ impl Bench {
         latencies
     }
 
+    /// The runtime (`tuned`: as the performance guide runs it, else its defaults)
+    /// consuming into `schema`: its declared topology, counters and task.
+    async fn start_runtime(
+        &self,
+        tuned: bool,
+        schema: &str,
+        prefix: &str,
+        id: &str,
+        amqp: &Connection,
+        shutdown: CancellationToken,
+    ) -> (Topology, Arc<ConsumerStats>, tokio::task::JoinHandle<()>) {
+        let mut builder = Store::<PgConnection>::builder(self.leftovers.url().to_owned())
+            .schema(schema)
+            .handler(Timed(DailyUsage::new(RetryPolicy::default())));
+        if tuned {
+            builder = builder.pool_size(self.workers as u32 + 1);
+        }
+        let store = builder.build().expect("store");
+        store
+            .connection()
+            .expect("conn")
+            .create_daily_usage()
+            .expect("table");
+        let topology = Topology::new("bench")
+            .expect("topology")
+            .prefix(prefix)
+            .expect("prefix");
+        let settings = if tuned {
+            ConsumerSettings::default()
+                .workers(self.workers)
+                .prefetch(200)
+                .batch(100, Duration::from_millis(5))
+        } else {
+            ConsumerSettings::default()
+        };
+        let consumer =
+            Consumer::new(self.amqp_url.clone(), Arc::new(store), topology).with_settings(settings);
+        let topology = consumer.topology().clone();
+        self.leftovers.add_topology(id, &topology);
+        topology.declare(amqp).await.expect("declare");
+        let stats = consumer.stats();
+        let running = tokio::spawn(async move {
+            consumer.run(shutdown).await.expect("consumer");
+        });
+        (topology, stats, running)
+    }
+
+    /// The hand-written loop's workers (`per_batch` deliveries a transaction)
+    /// consuming into `schema` (tables created through `setup`): the declared topology
+    /// and the workers' tasks.
+    #[allow(clippy::too_many_arguments)] // one call site, each argument named there
+    async fn start_hand(
+        &self,
+        per_batch: usize,
+        setup: &mut PgConnection,
+        schema: &str,
+        prefix: &str,
+        id: &str,
+        amqp: &Connection,
+        shutdown: &CancellationToken,
+    ) -> (Topology, Vec<tokio::task::JoinHandle<()>>) {
+        setup.batch_execute(HAND_CLAIMS_TABLE).expect("claims");
+        setup.create_daily_usage().expect("table");
+        let group = ConsumerGroup::new(GROUP).expect("group");
+        let topology = Topology::new("bench")
+            .expect("topology")
+            .prefix(prefix)
+            .expect("prefix")
+            .group(group.clone(), [MESSAGE_TYPE]);
+        self.leftovers.add_topology(id, &topology);
+        topology.declare(amqp).await.expect("declare");
+        let mut running = Vec::new();
+        for _ in 0..self.workers {
+            let mut db = PgConnection::establish(self.leftovers.url()).unwrap_or_else(|e| {
+                panic!("connect: {}", RedactedError::new(&e, self.leftovers.url()))
+            });
+            db.batch_execute(&format!("SET search_path TO {schema}"))
+                .expect("path");
+            let channel = amqp.create_channel().await.expect("channel");
+            channel
+                .basic_qos(200, BasicQosOptions::default())
+                .await
+                .expect("qos");
+            let consumer = channel
+                .basic_consume(
+                    topology.queue(&group).as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .expect("consume");
+            running.push(tokio::spawn(hand_worker(
+                channel,
+                consumer,
+                Arc::new(Mutex::new(db)),
+                per_batch,
+                shutdown.clone(),
+            )));
+        }
+        (topology, running)
+    }
+
     /// Runs `system` at `rate` with a fresh schema and topology.
     async fn run_one(&self, system: &str, id: &str, rate: f64, deliveries: &Deliveries) -> Measure {
         let schema = format!("{}_{id}", self.run.replace('.', "_"));
@@ -434,85 +537,23 @@ impl Bench {
         let mut setup = self.leftovers.create_schema(&schema);
         take_stamps();
         let amqp = self.amqp().await;
-        let group = ConsumerGroup::new(GROUP).expect("group");
         let shutdown = CancellationToken::new();
         let mut running = Vec::new();
         let (topology, consumer_stats) = if system.starts_with("rt_") {
             let tuned = system == "rt_tuned";
-            let mut builder = Store::<PgConnection>::builder(self.leftovers.url().to_owned())
-                .schema(&schema)
-                .handler(Timed(DailyUsage::new(RetryPolicy::default())));
-            if tuned {
-                builder = builder.pool_size(self.workers as u32 + 1);
-            }
-            let store = builder.build().expect("store");
-            store
-                .connection()
-                .expect("conn")
-                .create_daily_usage()
-                .expect("table");
-            let topology = Topology::new("bench")
-                .expect("topology")
-                .prefix(&prefix)
-                .expect("prefix");
-            let settings = if tuned {
-                ConsumerSettings::default()
-                    .workers(self.workers)
-                    .prefetch(200)
-                    .batch(100, Duration::from_millis(5))
-            } else {
-                ConsumerSettings::default()
-            };
-            let consumer = Consumer::new(self.amqp_url.clone(), Arc::new(store), topology)
-                .with_settings(settings);
-            let topology = consumer.topology().clone();
-            self.leftovers.add_topology(id, &topology);
-            topology.declare(&amqp).await.expect("declare");
-            let stats = consumer.stats();
-            let token = shutdown.clone();
-            running.push(tokio::spawn(async move {
-                consumer.run(token).await.expect("consumer");
-            }));
+            let (topology, stats, task) = self
+                .start_runtime(tuned, &schema, &prefix, id, &amqp, shutdown.clone())
+                .await;
+            running.push(task);
             (topology, Some(stats))
         } else {
-            setup.batch_execute(HAND_CLAIMS_TABLE).expect("claims");
-            setup.create_daily_usage().expect("table");
-            let topology = Topology::new("bench")
-                .expect("topology")
-                .prefix(&prefix)
-                .expect("prefix")
-                .group(group.clone(), [MESSAGE_TYPE]);
-            self.leftovers.add_topology(id, &topology);
-            topology.declare(&amqp).await.expect("declare");
             let per_batch = if system == "hand_single" { 1 } else { 100 };
-            for _ in 0..self.workers {
-                let mut db = PgConnection::establish(self.leftovers.url()).unwrap_or_else(|e| {
-                    panic!("connect: {}", RedactedError::new(&e, self.leftovers.url()))
-                });
-                db.batch_execute(&format!("SET search_path TO {schema}"))
-                    .expect("path");
-                let channel = amqp.create_channel().await.expect("channel");
-                channel
-                    .basic_qos(200, BasicQosOptions::default())
-                    .await
-                    .expect("qos");
-                let consumer = channel
-                    .basic_consume(
-                        topology.queue(&group).as_str().into(),
-                        "".into(),
-                        BasicConsumeOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .expect("consume");
-                running.push(tokio::spawn(hand_worker(
-                    channel,
-                    consumer,
-                    Arc::new(Mutex::new(db)),
-                    per_batch,
-                    shutdown.clone(),
-                )));
-            }
+            let (topology, tasks) = self
+                .start_hand(
+                    per_batch, &mut setup, &schema, &prefix, id, &amqp, &shutdown,
+                )
+                .await;
+            running.extend(tasks);
             (topology, None)
         };
         // Let the consumers connect and start consuming before the first message.
@@ -827,7 +868,44 @@ async fn main() {
     }
     let loads = bench.loads.lock().expect("loads").clone();
     let (low, high) = inbox_benches::range(&loads);
+    let of = |ms: &[Measure], f: fn(&Measure) -> f64| median(ms.iter().map(f).collect());
+    report(&rates, &systems, rounds, &results, (low, high));
+    let series: Vec<Series<'_>> = systems
+        .iter()
+        .map(|system| {
+            let points = rates
+                .iter()
+                .filter_map(|&rate| {
+                    let ms = results.get(&(*system, rate as u64))?;
+                    Some((rate, of(ms, |m| m.p99), sustained(ms)))
+                })
+                .collect();
+            (*system, points)
+        })
+        .collect();
+    let path = std::env::var("BENCH_SVG").unwrap_or_else(|_| "target/bench_latency.svg".into());
+    if let Some(dir) = std::path::Path::new(&path).parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(&path, svg(&rates, &series, (low, high)))
+        .unwrap_or_else(|e| panic!("{path}: {e}"));
+    println!("svg: {path}");
+    println!("exact checks passed at every rate: every unique event committed once, projection = unique events");
+}
 
+/// Whether a system sustained a rate: in most rounds.
+fn sustained(ms: &[Measure]) -> bool {
+    2 * ms.iter().filter(|m| m.sustained).count() > ms.len()
+}
+
+/// Prints the table (medians of the rounds), the ratios of issue 28 and the load.
+fn report(
+    rates: &[f64],
+    systems: &[&str],
+    rounds: usize,
+    results: &BTreeMap<(&str, u64), Vec<Measure>>,
+    (low, high): (f64, f64),
+) {
     println!();
     println!("latency, publish to commit, ms (median of {rounds} rounds)");
     println!(
@@ -835,9 +913,8 @@ async fn main() {
         "system", "offered", "achieved", "p50", "p99", "p99.9", "drain s"
     );
     let of = |ms: &[Measure], f: fn(&Measure) -> f64| median(ms.iter().map(f).collect());
-    let sustained = |ms: &[Measure]| 2 * ms.iter().filter(|m| m.sustained).count() > ms.len();
-    for system in &systems {
-        for &rate in &rates {
+    for system in systems {
+        for &rate in rates {
             let Some(ms) = results.get(&(*system, rate as u64)) else {
                 continue;
             };
@@ -859,7 +936,7 @@ async fn main() {
     println!(
         "rt_default p99 / hand_single p99, within each round, at the rates hand_single sustains:"
     );
-    for &rate in &rates {
+    for &rate in rates {
         let (Some(rt), Some(hand)) = (
             results.get(&("rt_default", rate as u64)),
             results.get(&("hand_single", rate as u64)),
@@ -903,25 +980,4 @@ async fn main() {
         "load average (1 min) during the run: {low:.2} to {high:.2}; at the end {:.2}",
         load_average()
     );
-    let series: Vec<Series<'_>> = systems
-        .iter()
-        .map(|system| {
-            let points = rates
-                .iter()
-                .filter_map(|&rate| {
-                    let ms = results.get(&(*system, rate as u64))?;
-                    Some((rate, of(ms, |m| m.p99), sustained(ms)))
-                })
-                .collect();
-            (*system, points)
-        })
-        .collect();
-    let path = std::env::var("BENCH_SVG").unwrap_or_else(|_| "target/bench_latency.svg".into());
-    if let Some(dir) = std::path::Path::new(&path).parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(&path, svg(&rates, &series, (low, high)))
-        .unwrap_or_else(|e| panic!("{path}: {e}"));
-    println!("svg: {path}");
-    println!("exact checks passed at every rate: every unique event committed once, projection = unique events");
 }
