@@ -281,6 +281,27 @@ async fn bulk_confirmation<C: OperatorConnection>(
     )
 }
 
+/// A bulk action's form and checked fingerprint once confirmed; otherwise the answer
+/// to give (a bad form or fingerprint, or the confirmation page).
+async fn confirmed_bulk<C: OperatorConnection>(
+    state: &Shared<C>,
+    ctx: &Ctx,
+    fp: &str,
+    body: &[u8],
+    verb: &str,
+) -> Result<(String, ActionForm), Box<Response>> {
+    let form: ActionForm = parse_form(ctx, body)?;
+    let fp = fingerprint(fp)
+        .map_err(|e| Box::new(problem(ctx, StatusCode::BAD_REQUEST, &e)))?
+        .to_owned();
+    if !form.confirmed() {
+        return Err(Box::new(
+            bulk_confirmation(state, ctx, &fp, &form, verb).await,
+        ));
+    }
+    Ok((fp, form))
+}
+
 /// `POST /failures/{fingerprint}/replay`: replays the group's pending letters, at most
 /// `max_bulk` of them.
 pub(crate) async fn replay_group<C: OperatorConnection>(
@@ -289,17 +310,10 @@ pub(crate) async fn replay_group<C: OperatorConnection>(
     Path(fp): Path<String>,
     body: Bytes,
 ) -> Response {
-    let form: ActionForm = match parse_form(&ctx, &body) {
-        Ok(f) => f,
-        Err(r) => return *r,
+    let (fp, form) = match confirmed_bulk(&state, &ctx, &fp, &body, "Replay").await {
+        Ok(asked) => asked,
+        Err(answer) => return *answer,
     };
-    let fp = match fingerprint(&fp) {
-        Ok(fp) => fp.to_owned(),
-        Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
-    };
-    if !form.confirmed() {
-        return bulk_confirmation(&state, &ctx, &fp, &form, "Replay").await;
-    }
     let filter = group_filter(&fp, &form);
     let (target, max) = (state.target.clone(), state.max_bulk);
     let report = match blocking(&state.0, move |op| {
@@ -334,17 +348,10 @@ pub(crate) async fn discard_group<C: OperatorConnection>(
     Path(fp): Path<String>,
     body: Bytes,
 ) -> Response {
-    let form: ActionForm = match parse_form(&ctx, &body) {
-        Ok(f) => f,
-        Err(r) => return *r,
+    let (fp, form) = match confirmed_bulk(&state, &ctx, &fp, &body, "Discard").await {
+        Ok(asked) => asked,
+        Err(answer) => return *answer,
     };
-    let fp = match fingerprint(&fp) {
-        Ok(fp) => fp.to_owned(),
-        Err(e) => return problem(&ctx, StatusCode::BAD_REQUEST, &e),
-    };
-    if !form.confirmed() {
-        return bulk_confirmation(&state, &ctx, &fp, &form, "Discard").await;
-    }
     let filter = group_filter(&fp, &form);
     let max = state.max_bulk;
     let report = match blocking(&state.0, move |op| {
