@@ -87,7 +87,7 @@ pub use settings::ConsumerSettings;
 ///     let topology = Topology::new("billing")?; // the groups come from the store's routes
 ///     let settings = ConsumerSettings::default()
 ///         .workers(2)
-///         .batch(100, Duration::from_millis(10))
+///         .batch(100, Duration::ZERO) // what has arrived, up to 100; no linger
 ///         .checked()?;
 ///     let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", Arc::new(store), topology)
 ///         .with_settings(settings);

@@ -67,3 +67,192 @@ impl Pace {
         Ok(())
     }
 }
+
+/// Fills `batch` from `deliveries` up to `size`, the first delivery already in it.
+///
+/// With a `wait` of zero (the default) it takes only the deliveries that have already
+/// arrived and returns as soon as none is ready: a lone delivery is handled at once,
+/// and under load the batches grow by themselves, since deliveries pile up in the
+/// client while the previous batch commits. A positive `wait` lingers up to that long
+/// for the batch to fill (a wait too long to add to the clock waits until it is
+/// full). Ends early, keeping what it took, when the stream ends; returns the
+/// stream's error when it fails.
+pub(super) async fn fill<T, E, S>(
+    deliveries: &mut S,
+    batch: &mut Vec<T>,
+    size: usize,
+    wait: Duration,
+) -> std::result::Result<(), E>
+where
+    S: futures_lite::Stream<Item = std::result::Result<T, E>> + Unpin,
+{
+    let deadline = if wait.is_zero() {
+        None
+    } else {
+        Some(Instant::now().checked_add(wait))
+    };
+    while batch.len() < size {
+        let next = match deadline {
+            // Only what is ready: a pending stream ends the batch.
+            None => match futures_lite::future::poll_once(deliveries.next()).await {
+                Some(next) => next,
+                None => break,
+            },
+            Some(None) => deliveries.next().await,
+            Some(Some(deadline)) => {
+                match tokio::time::timeout_at(deadline, deliveries.next()).await {
+                    Ok(next) => next,
+                    Err(_) => break,
+                }
+            }
+        };
+        match next {
+            Some(Ok(delivery)) => batch.push(delivery),
+            Some(Err(err)) => return Err(err),
+            None => break,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Item = std::result::Result<u32, &'static str>;
+
+    /// The test's end of a stream: what was sent is ready, nothing else is. (Not
+    /// tokio's channel, whose receiver turns pending once a task's budget of 128
+    /// polls is spent, as lapin's consumer does not.)
+    #[derive(Default)]
+    struct Queue {
+        items: std::collections::VecDeque<Item>,
+        waker: Option<std::task::Waker>,
+        closed: bool,
+    }
+
+    impl Queue {
+        fn wake(&mut self) {
+            if let Some(waker) = self.waker.take() {
+                waker.wake();
+            }
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct Feed(Arc<Mutex<Queue>>);
+
+    impl Feed {
+        fn send(&self, item: Item) {
+            let mut feed = self.0.lock().unwrap();
+            feed.items.push_back(item);
+            feed.wake();
+        }
+
+        fn close(&self) {
+            let mut feed = self.0.lock().unwrap();
+            feed.closed = true;
+            feed.wake();
+        }
+    }
+
+    fn stream() -> (Feed, impl futures_lite::Stream<Item = Item> + Unpin) {
+        let feed = Feed::default();
+        let rx = feed.clone();
+        let deliveries = futures_lite::stream::poll_fn(move |cx| {
+            let mut feed = rx.0.lock().unwrap();
+            match feed.items.pop_front() {
+                Some(item) => std::task::Poll::Ready(Some(item)),
+                None if feed.closed => std::task::Poll::Ready(None),
+                None => {
+                    feed.waker = Some(cx.waker().clone());
+                    std::task::Poll::Pending
+                }
+            }
+        });
+        (feed, deliveries)
+    }
+
+    #[test]
+    fn the_default_batch_is_what_has_arrived_and_a_lone_delivery_goes_at_once() {
+        // A runtime without timers: a fill that so much as arms one panics, so the
+        // default fill provably never waits for anything that has not arrived.
+        let no_timers = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        no_timers.block_on(async {
+            let wait = ConsumerSettings::default().batch_wait;
+            let (tx, mut deliveries) = stream();
+            let mut batch = vec![0];
+            fill(&mut deliveries, &mut batch, 100, wait).await.unwrap();
+            assert_eq!(batch, vec![0], "a lone delivery is handed over alone");
+            // Deliveries that piled up meanwhile go in the next batches, up to the size.
+            for i in 1..=150 {
+                tx.send(Ok(i));
+            }
+            let mut batch = vec![0];
+            fill(&mut deliveries, &mut batch, 100, wait).await.unwrap();
+            assert_eq!(batch, (0..100).collect::<Vec<_>>());
+            let mut batch = vec![0];
+            fill(&mut deliveries, &mut batch, 100, wait).await.unwrap();
+            let rest: Vec<_> = std::iter::once(0).chain(100..=150).collect();
+            assert_eq!(batch, rest, "the rest of the pile, and no wait for more");
+        });
+    }
+
+    #[tokio::test]
+    async fn a_configured_linger_waits_for_the_batch_to_fill_and_a_full_batch_does_not() {
+        let (tx, mut deliveries) = stream();
+        let later = tx.clone();
+        let sent = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            later.send(Ok(1));
+        });
+        // A linger far longer than the sender's pause: the late delivery joins.
+        let mut batch = vec![0];
+        let wait = Duration::from_secs(600);
+        fill(&mut deliveries, &mut batch, 2, wait).await.unwrap();
+        assert_eq!(batch, vec![0, 1]);
+        sent.await.unwrap();
+        // One that waits without end: filled by what comes next, however late.
+        let later = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            later.send(Ok(2));
+        });
+        let mut batch = vec![0];
+        fill(&mut deliveries, &mut batch, 2, Duration::MAX)
+            .await
+            .unwrap();
+        assert_eq!(batch, vec![0, 2], "an unbounded linger waits until full");
+        // A full batch returns without its linger: the test would hang otherwise.
+        for i in 3..5 {
+            tx.send(Ok(i));
+        }
+        let mut batch = vec![0];
+        fill(&mut deliveries, &mut batch, 3, wait).await.unwrap();
+        assert_eq!(batch, vec![0, 3, 4]);
+        // A short linger with nothing more to come ends with what it has.
+        let mut batch = vec![0];
+        let short = Duration::from_millis(5);
+        fill(&mut deliveries, &mut batch, 3, short).await.unwrap();
+        assert_eq!(batch, vec![0]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_ended_stream_stops_the_fill() {
+        for wait in [Duration::ZERO, Duration::from_secs(600)] {
+            let (tx, mut deliveries) = stream();
+            tx.send(Ok(1));
+            tx.send(Err("connection lost"));
+            tx.send(Ok(2));
+            let mut batch = vec![0];
+            let failed = fill(&mut deliveries, &mut batch, 100, wait).await;
+            assert_eq!((failed, batch), (Err("connection lost"), vec![0, 1]));
+            let mut batch = vec![0];
+            tx.close();
+            fill(&mut deliveries, &mut batch, 100, wait).await.unwrap();
+            assert_eq!(batch, vec![0, 2], "an ended stream keeps what it gave");
+        }
+    }
+}

@@ -196,18 +196,13 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                     )))
                 }
             };
-            let deadline = Instant::now() + settings.batch_wait;
-            while batch.len() < pace.batch_size {
-                tokio::select! {
-                    biased;
-                    next = consumer.next() => match next {
-                        Some(Ok(delivery)) => batch.push(delivery),
-                        Some(Err(err)) => return Err(err.into()),
-                        None => break,
-                    },
-                    () = tokio::time::sleep_until(deadline) => break,
-                }
-            }
+            fill(
+                &mut consumer,
+                &mut batch,
+                pace.batch_size,
+                settings.batch_wait,
+            )
+            .await?;
             let backoff = Backoff {
                 retry: &mut retry_backoff,
                 store: &mut store_backoff,

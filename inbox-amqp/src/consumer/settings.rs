@@ -14,7 +14,11 @@ pub struct ConsumerSettings {
     pub prefetch: u16,
     /// Most deliveries handed to the store at once (default 100).
     pub batch_size: usize,
-    /// Longest wait for a batch to fill once its first delivery arrived (default 10 ms).
+    /// Longest wait for a batch to fill once its first delivery arrived (default zero:
+    /// a batch is what has already arrived, up to `batch_size`, and is handed over at
+    /// once; under load batches grow by themselves, as deliveries pile up while the
+    /// previous batch commits). A positive wait lingers for fuller batches at the cost
+    /// of that much latency; `Duration::MAX` waits until the batch is full.
     pub batch_wait: Duration,
     /// Largest body accepted (default 1 MiB; at least 1, else refused); a larger one is
     /// dead-lettered as malformed with only its first `inbox_core::CUT_PAYLOAD_PREFIX`
@@ -38,7 +42,7 @@ impl Default for ConsumerSettings {
             workers: 2,
             prefetch: 200,
             batch_size: 100,
-            batch_wait: Duration::from_millis(10),
+            batch_wait: Duration::ZERO,
             max_body_bytes: 1 << 20,
             connection: ConnectionSettings::default(),
             halt_poll: Duration::from_secs(5),
@@ -59,7 +63,8 @@ impl ConsumerSettings {
         self
     }
 
-    /// Sets the batch size and the longest wait for a batch to fill.
+    /// Sets the batch size and the longest wait for a batch to fill (zero: take what
+    /// has arrived and do not wait).
     pub fn batch(mut self, size: usize, wait: Duration) -> Self {
         self.batch_size = size;
         self.batch_wait = wait;
