@@ -1027,29 +1027,39 @@ async fn a_full_retry_tier_is_waited_out_with_backoff_not_hammered() {
     // Once the consumer has declared its topology and consumes, no copy gets into the
     // tier: the broker returns it (the tier is gone), the path of a copy the broker
     // nacks because the tier is full (`x-overflow reject-publish`). A full tier cannot
-    // be held full here: its messages expire.
+    // be held full here: its messages expire. The dead-letter reader declares the
+    // topology too, on a connection of its own: both must be consuming before the tier
+    // goes, or a late declaration brings it back.
     let channel = conn.create_channel().await.unwrap();
     let queue = topology.queue(&group);
+    let dlq = topology.dlq(&group);
     let mut consuming = false;
-    for _ in 0..200 {
-        let q = channel
-            .queue_declare(
-                queue.as_str().into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .unwrap();
-        if q.consumer_count() > 0 {
+    for _ in 0..500 {
+        let mut consumers = 0;
+        for name in [&queue, &dlq] {
+            let q = channel
+                .queue_declare(
+                    name.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .unwrap();
+            consumers += usize::from(q.consumer_count() > 0);
+        }
+        if consumers == 2 {
             consuming = true;
             break;
         }
         tokio::time::sleep(ms(20)).await;
     }
-    assert!(consuming, "the consumer never consumed from {queue}");
+    assert!(
+        consuming,
+        "the consumer never consumed from {queue} and {dlq}"
+    );
     channel
         .queue_delete(tier.as_str().into(), Default::default())
         .await
