@@ -23,6 +23,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod brokers;
 mod connect;
 mod connection;
 mod consumer;
@@ -39,6 +40,7 @@ mod supervisor;
 mod tls;
 mod topology;
 
+pub use brokers::BrokerUrls;
 pub use connect::connect;
 pub use connection::ConnectionSettings;
 pub use consumer::{Consumer, ConsumerSettings};
