@@ -28,6 +28,7 @@ mod connect;
 mod connection;
 mod consumer;
 mod delivery;
+mod election;
 mod error;
 mod frames;
 mod outbox_publisher;

@@ -17,6 +17,7 @@ use crate::brokers::BrokerUrls;
 use crate::connect::SessionEnd;
 use crate::connect::{close_connection, full_jitter, open, pause};
 use crate::connection::ConnectionSettings;
+use crate::election::awaits_election;
 use crate::tls::Tls;
 use crate::{Error, Result};
 
@@ -94,6 +95,10 @@ impl<'a> Supervisor<'a> {
     /// its queue's delivery limit. A [`SessionEnd::Relaxed`] session reconnects at
     /// once. `reconnected` is called on every connection after the first.
     ///
+    /// A declaration answered that a quorum queue has no leader yet (an election, see
+    /// [`crate::election`]) is not fatal, even the first: it is tried again after
+    /// the backoff, on the next URL.
+    ///
     /// With several URLs, the first connection tries each in turn until one
     /// connects (the last one's error when none does); after that, a failed
     /// connection, a failed declaration or a lost session moves to the next URL
@@ -146,11 +151,18 @@ impl<'a> Supervisor<'a> {
             let declared = match declare(Arc::clone(&conn)).await {
                 Ok(declared) => declared,
                 Err(err) => {
-                    if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
+                    let electing = awaits_election(&err);
+                    if (!connected_before && !electing)
+                        || matches!(err, Error::TopologyConflict { .. })
+                    {
                         return Err(err);
                     }
                     at += 1;
-                    tracing::warn!(error = %ErrorChain(&err), "declaring failed; reconnecting");
+                    if electing {
+                        tracing::warn!(error = %ErrorChain(&err), ?backoff, "a quorum queue has no leader yet (an election); waiting");
+                    } else {
+                        tracing::warn!(error = %ErrorChain(&err), "declaring failed; reconnecting");
+                    }
                     pause(shutdown, &mut backoff, self.backoff_max).await;
                     continue;
                 }
@@ -259,5 +271,48 @@ mod tests {
         ));
         assert!(matches!(ran, Err(Error::Connect { .. })), "{ran:?}");
         assert_eq!(sessions, 0);
+    }
+
+    /// The first declaration answered that a quorum queue has no leader is waited
+    /// for with backoff, not fatal (against the broker of `AMQP_URL`, when set).
+    #[test]
+    fn a_leaderless_queue_at_startup_is_waited_for() {
+        let Ok(url) = std::env::var("AMQP_URL") else {
+            assert!(
+                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
+                "AMQP_URL"
+            );
+            return;
+        };
+        let settings = ConnectionSettings::default()
+            .backoff(Duration::from_millis(10), Duration::from_millis(50));
+        let supervisor =
+            Supervisor::new(&url, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let shutdown = CancellationToken::new();
+        let declared = std::cell::Cell::new(0);
+        let ran = runtime.block_on(supervisor.run(
+            &shutdown,
+            |_| {
+                declared.set(declared.get() + 1);
+                let n = declared.get();
+                async move {
+                    if n < 3 {
+                        Err(crate::election::internal_error(
+                            "INTERNAL_ERROR - timed out consuming from quorum queue 'q' in vhost '/'",
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                }
+            },
+            |_, ()| async { Ok(()) },
+            || {},
+        ));
+        assert!(ran.is_ok(), "{ran:?}");
+        assert_eq!(declared.get(), 3, "declared until the queue had a leader");
     }
 }
