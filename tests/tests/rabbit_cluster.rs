@@ -1,36 +1,225 @@
 //! Fault scenarios on a RabbitMQ cluster of the test's own (three nodes on loopback,
 //! see `inbox_test_support::rabbit_cluster`), each with a ledger of every message
-//! and a verdict: none lost, none doubled, the projection equals the ledger.
+//! published and a verdict at the end: none lost, none doubled (duplicates are
+//! published on purpose), the projection equals the ledger, the queue drained.
+//!
+//! The consumer is given the three nodes' URLs in one setting; the group's queues are
+//! quorum queues with a replica on each node. The short form runs in CI; the long
+//! form (`INBOX_CLUSTER_LONG=1`) publishes ten times as much.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
-use inbox_test_support::rabbit_cluster::{available, RabbitCluster};
+use std::sync::Arc;
+use std::time::Duration;
 
-#[test]
-fn a_cluster_of_three_starts_and_answers() {
-    if !available() {
-        assert!(
-            !inbox_test_support::services_required(),
-            "no RabbitMQ install"
-        );
-        return;
+use diesel::PgConnection;
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_core::ConsumerGroup;
+use inbox_diesel::Store;
+use inbox_examples::usage::{
+    diff_totals, quick_policy, DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE,
+};
+use inbox_test_support::amqp::{self, confirm_channel, publish, wait_for_confirms, Outgoing};
+use inbox_test_support::rabbit_cluster::{available, RabbitCluster};
+use inbox_test_support::PgFixture;
+
+/// How many distinct events a scenario publishes (and a tenth again as duplicates).
+fn events() -> usize {
+    if std::env::var_os("INBOX_CLUSTER_LONG").is_some() {
+        30_000
+    } else {
+        3_000
     }
-    let started = std::time::Instant::now();
-    let mut cluster = RabbitCluster::start(3).unwrap();
-    eprintln!("started in {:?}: {}", started.elapsed(), cluster.url_list());
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    for url in cluster.urls() {
+}
+
+/// A cluster scenario's parts: the cluster, a schema, the consumer's store.
+struct Scene {
+    cluster: RabbitCluster,
+    db: PgFixture,
+    store: Arc<Store<PgConnection>>,
+    topology: Topology,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Scene {
+    fn new() -> Option<Self> {
+        if !available() {
+            assert!(
+                !inbox_test_support::services_required(),
+                "no RabbitMQ install for a cluster of the test's own"
+            );
+            return None;
+        }
+        let db = PgFixture::new()?;
+        let cluster = RabbitCluster::start(3).unwrap();
+        let store = Store::<PgConnection>::builder(db.url())
+            .schema(&db.schema)
+            .pool_size(4)
+            .handler(DailyUsage::new(quick_policy()))
+            .build()
+            .unwrap();
+        store.connection().unwrap().create_daily_usage().unwrap();
+        let topology = amqp::test_topology(&amqp::unique_prefix("cluster"), &[50, 100])
+            .quorum_initial_group_size(3)
+            .group(ConsumerGroup::new(GROUP).unwrap(), [MESSAGE_TYPE]);
+        let runtime = tokio::runtime::Runtime::new().unwrap();
         runtime.block_on(async {
-            let conn = inbox_amqp::connect(&url, None).await.unwrap();
-            conn.close(200, "ok".into()).await.unwrap();
+            let conn = inbox_amqp::connect(&cluster.url_list(), None)
+                .await
+                .unwrap();
+            topology.declare(&conn).await.unwrap();
         });
+        Some(Self {
+            cluster,
+            db,
+            store: Arc::new(store),
+            topology,
+            runtime,
+        })
     }
-    cluster.kill_node(0).unwrap();
-    let refused = runtime.block_on(inbox_amqp::connect(&cluster.urls()[0], None));
-    assert!(refused.is_err(), "node 0 still answers after kill -9");
-    cluster.restart_node(0).unwrap();
-    runtime.block_on(async {
-        let conn = inbox_amqp::connect(&cluster.urls()[0], None).await.unwrap();
-        conn.close(200, "ok".into()).await.unwrap();
-    });
+
+    fn queue(&self) -> String {
+        self.topology.queue(&ConsumerGroup::new(GROUP).unwrap())
+    }
+
+    /// Publishes every event of `workload` and a tenth of them again, confirmed by
+    /// the cluster (a confirm of a quorum queue: a majority of replicas hold it).
+    fn publish(&self, workload: &Workload) -> usize {
+        let exchange = self.topology.exchange();
+        let urls = self.cluster.url_list();
+        self.runtime.block_on(async {
+            let conn = inbox_amqp::connect(&urls, None).await.unwrap();
+            let channel = confirm_channel(&conn).await;
+            let again = workload.events.iter().step_by(10);
+            let mut published = 0;
+            for (key, event) in workload.events.iter().chain(again) {
+                let body = serde_json::to_vec(event).unwrap();
+                let msg = Outgoing {
+                    message_id: Some(key.as_str()),
+                    message_type: MESSAGE_TYPE,
+                    body: &body,
+                    tenant: None,
+                };
+                publish(&channel, &exchange, &msg).await;
+                published += 1;
+            }
+            wait_for_confirms(&channel).await;
+            published
+        })
+    }
+
+    fn consumer(&self) -> Consumer<Store<PgConnection>> {
+        Consumer::new(
+            self.cluster.url_list(),
+            Arc::clone(&self.store),
+            self.topology.clone(),
+        )
+        .with_settings(
+            ConsumerSettings::default()
+                .workers(1)
+                .prefetch(20)
+                .batch(10, Duration::from_millis(2))
+                .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+                .connect_timeout(Duration::from_secs(2)),
+        )
+    }
+
+    /// The verdict: every distinct event applied once (none lost, none doubled),
+    /// the projection equal to the ledger.
+    fn verdict(&self, workload: &Workload, published: usize) {
+        let found = self.store.connection().unwrap().daily_totals().unwrap();
+        let expected = workload.expected_totals();
+        let diffs = diff_totals(&expected, &found);
+        let settled = settled(self.db.url(), &self.db.schema);
+        let distinct = i64::try_from(workload.events.len()).unwrap();
+        eprintln!(
+            "ledger: {published} published ({} distinct), {settled} claims settled, \
+             lost {}, doubled {}, projection {}",
+            workload.events.len(),
+            (distinct - settled).max(0),
+            (settled - distinct).max(0),
+            if diffs.is_empty() {
+                "equals the ledger"
+            } else {
+                "differs"
+            }
+        );
+        assert!(diffs.is_empty(), "the projection differs: {diffs:?}");
+        assert_eq!(settled, distinct, "one claim per distinct event");
+    }
+}
+
+/// Claims settled (done or dead) in `schema`.
+fn settled(db_url: &str, schema: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = PgConnection::establish(db_url).unwrap();
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
+        .unwrap();
+    diesel::sql_query("SELECT COUNT(*) AS n FROM inbox_claims WHERE status IN ('done', 'dead')")
+        .get_result::<N>(&mut conn)
+        .map(|r| r.n)
+        .unwrap_or(0)
+}
+
+/// `kill -9` of the node leading the group's queue while the consumer is mid-stream:
+/// the queue's replicas elect a new leader, the consumer moves to a live node and
+/// goes on; what was delivered and not acked comes back and is dropped as a
+/// duplicate or applied once.
+#[test]
+fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let workload = Workload::generate(events(), 0, 41);
+    let published = scene.publish(&workload);
+    let queue = scene.queue();
+    let leader = scene
+        .cluster
+        .leader_of(&queue)
+        .expect("the queue has a leader");
+    let consumer = scene.consumer();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let kill_after = u64::try_from(events() / 10).unwrap();
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            stats.snapshot().processed >= kill_after
+        }));
+    assert!(
+        started,
+        "the consumer did not start: {:?}",
+        stats.snapshot()
+    );
+    scene.cluster.kill_node(leader).unwrap();
+    let at_kill = stats.snapshot();
+    assert!(
+        at_kill.processed < u64::try_from(events()).unwrap(),
+        "the kill did not land mid-stream: {at_kill:?}"
+    );
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!(
+        "leader node {leader} killed at {} processed; new leader {:?}; {stats:?}",
+        at_kill.processed,
+        scene.cluster.leader_of(&queue)
+    );
+    assert!(done, "the consumer stalled after the kill: {stats:?}");
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    scene.verdict(&workload, published);
 }
