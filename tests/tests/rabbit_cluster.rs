@@ -32,8 +32,12 @@ fn events() -> usize {
     }
 }
 
+/// One scenario at a time: three nodes each are what two cores hold.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A cluster scenario's parts: the cluster, a schema, the consumer's store.
 struct Scene {
+    _one: std::sync::MutexGuard<'static, ()>,
     cluster: RabbitCluster,
     db: PgFixture,
     store: Arc<Store<PgConnection>>,
@@ -50,6 +54,9 @@ impl Scene {
             );
             return None;
         }
+        let one = ONE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let db = PgFixture::new()?;
         let cluster = RabbitCluster::start(3).unwrap();
         let store = Store::<PgConnection>::builder(db.url())
@@ -70,6 +77,7 @@ impl Scene {
             topology.declare(&conn).await.unwrap();
         });
         Some(Self {
+            _one: one,
             cluster,
             db,
             store: Arc::new(store),
@@ -85,14 +93,21 @@ impl Scene {
     /// Publishes every event of `workload` and a tenth of them again, confirmed by
     /// the cluster (a confirm of a quorum queue: a majority of replicas hold it).
     fn publish(&self, workload: &Workload) -> usize {
+        self.publish_range(workload, 0..workload.events.len())
+    }
+
+    /// Publishes events `range` of `workload` and a tenth of them again, as
+    /// [`publish`](Self::publish).
+    fn publish_range(&self, workload: &Workload, range: std::ops::Range<usize>) -> usize {
         let exchange = self.topology.exchange();
         let urls = self.cluster.url_list();
         self.runtime.block_on(async {
             let conn = inbox_amqp::connect(&urls, None).await.unwrap();
             let channel = confirm_channel(&conn).await;
-            let again = workload.events.iter().step_by(10);
+            let events = &workload.events[range];
+            let again = events.iter().step_by(10);
             let mut published = 0;
-            for (key, event) in workload.events.iter().chain(again) {
+            for (key, event) in events.iter().chain(again) {
                 let body = serde_json::to_vec(event).unwrap();
                 let msg = Outgoing {
                     message_id: Some(key.as_str()),
@@ -109,12 +124,11 @@ impl Scene {
     }
 
     fn consumer(&self) -> Consumer<Store<PgConnection>> {
-        Consumer::new(
-            self.cluster.url_list(),
-            Arc::clone(&self.store),
-            self.topology.clone(),
-        )
-        .with_settings(
+        self.consumer_of(self.cluster.url_list())
+    }
+
+    fn consumer_of(&self, urls: String) -> Consumer<Store<PgConnection>> {
+        Consumer::new(urls, Arc::clone(&self.store), self.topology.clone()).with_settings(
             ConsumerSettings::default()
                 .workers(1)
                 .prefetch(20)
@@ -220,6 +234,98 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
         scene.cluster.leader_of(&queue)
     );
     assert!(done, "the consumer stalled after the kill: {stats:?}");
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    scene.verdict(&workload, published);
+}
+
+/// A rolling restart of the three nodes (each stopped and started again in turn,
+/// the next only once it is back), a wave of events published before each and the
+/// node stopped while the wave is being consumed.
+#[test]
+fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let wave = events() / 3;
+    let workload = Workload::generate(wave * 3, 0, 43);
+    let consumer = scene.consumer();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let mut published = 0;
+    for node in 0..3 {
+        published += scene.publish_range(&workload, node * wave..(node + 1) * wave);
+        let mid = u64::try_from(node * wave + wave / 10).unwrap();
+        let started = scene
+            .runtime
+            .block_on(amqp::eventually(Duration::from_secs(60), || {
+                stats.snapshot().processed >= mid
+            }));
+        assert!(started, "wave {node} not consumed: {:?}", stats.snapshot());
+        scene.cluster.stop_node(node).unwrap();
+        scene.cluster.restart_node(node).unwrap();
+    }
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!("rolling restart: {stats:?}");
+    assert!(done, "the consumer stalled: {stats:?}");
+    scene.verdict(&workload, published);
+}
+
+/// The consumer's first node reached through a proxy that then cuts it off (the
+/// node itself stays up): the consumer moves to the next node of its list.
+#[test]
+fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
+    let Some(scene) = Scene::new() else { return };
+    let workload = Workload::generate(events(), 0, 47);
+    let published = scene.publish(&workload);
+    let urls = scene.cluster.urls();
+    let proxy = scene
+        .runtime
+        .block_on(amqp::Proxy::start(amqp::host_port(&urls[0])));
+    let list = format!("{} {} {}", proxy.url_for(&urls[0]), urls[1], urls[2]);
+    let consumer = scene.consumer_of(list);
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let cut_after = u64::try_from(events() / 10).unwrap();
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            stats.snapshot().processed >= cut_after
+        }));
+    assert!(
+        started,
+        "the consumer did not start: {:?}",
+        stats.snapshot()
+    );
+    proxy.block(true);
+    proxy.cut();
+    let at_cut = stats.snapshot();
+    assert!(
+        at_cut.processed < u64::try_from(events()).unwrap(),
+        "the cut did not land mid-stream: {at_cut:?}"
+    );
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!("cut at {} processed: {stats:?}", at_cut.processed);
+    assert!(done, "the consumer stalled after the cut: {stats:?}");
     assert!(stats.reconnects >= 1, "{stats:?}");
     scene.verdict(&workload, published);
 }
