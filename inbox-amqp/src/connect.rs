@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use inbox_core::{exponential_backoff, redact_url};
 
+use crate::brokers::BrokerUrls;
 use crate::tls::Tls;
 use crate::{Error, Result};
 
@@ -93,12 +94,42 @@ pub(crate) async fn open(
 /// The longest wait for a connection's AMQP handshake through [`connect`].
 const CONNECT_WITHIN: Duration = Duration::from_secs(30);
 
+/// Opens a connection to the first broker of `urls` (one URL or a list, see
+/// [`BrokerUrls::parse`]) that answers, trying them in order, each by
+/// [`open`]'s rules with `ca_cert` for `amqps://`; the last one's error when none
+/// answers, and an unusable list or CA refused before any is tried.
+pub(crate) async fn open_first(
+    urls: &str,
+    name: Option<&str>,
+    within: Duration,
+    frame_max: Option<u32>,
+    ca_cert: Option<&Path>,
+) -> Result<Connection> {
+    let urls = BrokerUrls::parse(urls)?;
+    let tls = (urls.iter())
+        .map(|url| Tls::for_url(url, ca_cert))
+        .collect::<Result<Vec<_>>>()?;
+    let mut failed = None;
+    for (url, tls) in urls.iter().zip(&tls) {
+        if let Some(err) = &failed {
+            tracing::warn!(error = %inbox_core::ErrorChain(err), "connecting failed; trying the next broker URL");
+        }
+        match open(url, name, within, frame_max, tls).await {
+            Ok(conn) => return Ok(conn),
+            Err(err) => failed = Some(err),
+        }
+    }
+    Err(failed.unwrap_or_else(|| Error::invalid("url", "one or more AMQP URLs", "nothing")))
+}
+
 /// Opens a connection to `url` by the rules the consumer and the relay connect by:
 /// `amqps://` needs this crate's feature `rustls` (else [`Error::TlsUnavailable`], at
 /// once), `ca_cert` is a PEM file of CA certificates trusted besides the system's
 /// roots (refused as [`Error::InvalidSetting`] when unusable, or with a plain
 /// `amqp://` URL), the handshake is given 30 s, and no error prints the URL's
-/// password. For tools that talk to the broker themselves (`inbox verify` does).
+/// password. `url` may list several brokers (the nodes of a cluster, see
+/// [`BrokerUrls::parse`]): they are tried in order and the first that answers is
+/// connected to. For tools that talk to the broker themselves (`inbox verify` does).
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), inbox_amqp::Error> {
@@ -107,8 +138,7 @@ const CONNECT_WITHIN: Duration = Duration::from_secs(30);
 /// # drop(conn); Ok(()) }
 /// ```
 pub async fn connect(url: &str, ca_cert: Option<&Path>) -> Result<Connection> {
-    let tls = Tls::for_url(url, ca_cert)?;
-    open(url, None, CONNECT_WITHIN, None, &tls).await
+    open_first(url, None, CONNECT_WITHIN, None, ca_cert).await
 }
 
 /// The longest wait for the broker to acknowledge a goodbye (a cancel or a close). A

@@ -23,10 +23,12 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod brokers;
 mod connect;
 mod connection;
 mod consumer;
 mod delivery;
+mod election;
 mod error;
 mod frames;
 mod outbox_publisher;
@@ -39,6 +41,7 @@ mod supervisor;
 mod tls;
 mod topology;
 
+pub use brokers::BrokerUrls;
 pub use connect::connect;
 pub use connection::ConnectionSettings;
 pub use consumer::{Consumer, ConsumerSettings};

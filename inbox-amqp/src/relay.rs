@@ -285,7 +285,9 @@ pub struct Relay<O> {
 }
 
 impl<O: OutboxStore> Relay<O> {
-    /// A relay of `store`'s outbox to the broker at `url`.
+    /// A relay of `store`'s outbox to the broker at `url`: one URL, or the nodes of a
+    /// cluster as several separated by whitespace or commas, tried in turn (see
+    /// [`BrokerUrls`](crate::BrokerUrls)).
     pub fn new(url: impl Into<String>, store: Arc<O>) -> Self {
         Self {
             url: url.into(),

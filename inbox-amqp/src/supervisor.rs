@@ -1,27 +1,30 @@
 //! The one connection supervisor of the consumer and the relay: connect with a
 //! bounded handshake, declare what the session needs, run the session, close the
-//! connection politely, back off and reconnect until shutdown.
+//! connection politely, back off and reconnect until shutdown, moving through the
+//! broker URLs of the setting (see [`crate::brokers`]).
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::display::Escaped;
-use inbox_core::ErrorChain;
+use inbox_core::{redact_url, ErrorChain};
 use lapin::Connection;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::brokers::BrokerUrls;
 use crate::connect::SessionEnd;
 use crate::connect::{close_connection, full_jitter, open, pause};
 use crate::connection::ConnectionSettings;
+use crate::election::awaits_election;
 use crate::tls::Tls;
 use crate::{Error, Result};
 
 /// How a supervisor connects and backs off.
 pub(crate) struct Supervisor<'a> {
-    /// The broker's URL.
-    url: &'a str,
+    /// The broker URLs, tried in turn.
+    urls: BrokerUrls,
     /// The connection's name.
     name: Option<&'a str>,
     /// Longest wait for the AMQP handshake.
@@ -34,27 +37,32 @@ pub(crate) struct Supervisor<'a> {
     goodbye: &'a str,
     /// The largest frame asked for, if capped.
     frame_max: Option<u32>,
-    /// How `amqps://` is done.
-    tls: Tls,
+    /// How `amqps://` is done, for each URL.
+    tls: Vec<Tls>,
 }
 
 impl<'a> Supervisor<'a> {
-    /// A supervisor of connections to `url` named `name`, each handshake given
+    /// A supervisor of connections to the brokers of `urls` (one URL or a list,
+    /// see [`BrokerUrls::parse`]) named `name`, each handshake given
     /// `connect_timeout`, reconnecting after `backoff` (min, max), closing with
     /// `goodbye`, trusting `ca_cert` for `amqps://` besides the system's roots;
-    /// refused when the timeout or the backoff is out of range, or when `url` and
-    /// `ca_cert` cannot make a connection (see [`Tls::for_url`]).
+    /// refused when the timeout or the backoff is out of range, when the list is
+    /// not one, or when a URL and `ca_cert` cannot make a connection (see
+    /// [`Tls::for_url`]).
     pub(crate) fn new(
-        url: &'a str,
+        urls: &str,
         name: Option<&'a str>,
         settings: &ConnectionSettings,
         goodbye: &'a str,
     ) -> Result<Self> {
         settings.check()?;
-        let tls = Tls::for_url(url, settings.ca_cert.as_deref())?;
+        let urls = BrokerUrls::parse(urls)?;
+        let tls = (urls.iter())
+            .map(|url| Tls::for_url(url, settings.ca_cert.as_deref()))
+            .collect::<Result<_>>()?;
         Ok(Self {
             tls,
-            url,
+            urls,
             name,
             connect_timeout: settings.connect_timeout,
             backoff_min: settings.backoff_min,
@@ -86,6 +94,15 @@ impl<'a> Supervisor<'a> {
     /// `backoff_min`: the broker is healthy and the poison's deliveries are bounded by
     /// its queue's delivery limit. A [`SessionEnd::Relaxed`] session reconnects at
     /// once. `reconnected` is called on every connection after the first.
+    ///
+    /// A declaration answered that a quorum queue has no leader yet (an election, see
+    /// [`crate::election`]) is not fatal, even the first: it is tried again after
+    /// the backoff, on the next URL.
+    ///
+    /// With several URLs, the first connection tries each in turn until one
+    /// connects (the last one's error when none does); after that, a failed
+    /// connection, a failed declaration or a lost session moves to the next URL
+    /// (round the list) before its pause.
     pub(crate) async fn run<T, D, DF, S, SF>(
         &self,
         shutdown: &CancellationToken,
@@ -101,30 +118,51 @@ impl<'a> Supervisor<'a> {
     {
         let mut backoff = self.backoff_min;
         let mut connected_before = false;
+        // The URL tried next, counting round the list.
+        let mut at = 0;
+        let many = self.urls.len() > 1;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
+            let (url, tls) = (self.urls.get(at), &self.tls[at % self.tls.len()]);
             let connected = tokio::select! {
-                c = open(self.url, self.name, self.connect_timeout, self.frame_max, &self.tls) => c,
+                c = open(url, self.name, self.connect_timeout, self.frame_max, tls) => c,
                 () = shutdown.cancelled() => return Ok(()),
             };
             let conn = match connected {
                 Ok(conn) => Arc::new(conn),
+                Err(err) if !connected_before && at + 1 < self.urls.len() => {
+                    tracing::warn!(error = %ErrorChain(&err), "connecting failed; trying the next broker URL");
+                    at += 1;
+                    continue;
+                }
                 Err(err) if !connected_before => return Err(err),
                 Err(err) => {
+                    at += 1;
                     tracing::warn!(error = %ErrorChain(&err), ?backoff, "reconnect failed");
                     pause(shutdown, &mut backoff, self.backoff_max).await;
                     continue;
                 }
             };
+            if many {
+                tracing::debug!(url = %redact_url(url), "connected");
+            }
             let declared = match declare(Arc::clone(&conn)).await {
                 Ok(declared) => declared,
                 Err(err) => {
-                    if !connected_before || matches!(err, Error::TopologyConflict { .. }) {
+                    let electing = awaits_election(&err);
+                    if (!connected_before && !electing)
+                        || matches!(err, Error::TopologyConflict { .. })
+                    {
                         return Err(err);
                     }
-                    tracing::warn!(error = %ErrorChain(&err), "declaring failed; reconnecting");
+                    at += 1;
+                    if electing {
+                        tracing::warn!(error = %ErrorChain(&err), ?backoff, "a quorum queue has no leader yet (an election); waiting");
+                    } else {
+                        tracing::warn!(error = %ErrorChain(&err), "declaring failed; reconnecting");
+                    }
                     pause(shutdown, &mut backoff, self.backoff_max).await;
                     continue;
                 }
@@ -142,6 +180,7 @@ impl<'a> Supervisor<'a> {
                 Ok(()) => return Ok(()),
                 Err(SessionEnd::Fatal(err)) => return Err(err),
                 Err(SessionEnd::Lost(reason)) => {
+                    at += 1;
                     backoff = self.backoff_after_session(backoff, started.elapsed());
                     tracing::warn!(reason = %Escaped(&reason), ?backoff, "connection lost; reconnecting");
                     pause(shutdown, &mut backoff, self.backoff_max).await;
@@ -232,5 +271,48 @@ mod tests {
         ));
         assert!(matches!(ran, Err(Error::Connect { .. })), "{ran:?}");
         assert_eq!(sessions, 0);
+    }
+
+    /// The first declaration answered that a quorum queue has no leader is waited
+    /// for with backoff, not fatal (against the broker of `AMQP_URL`, when set).
+    #[test]
+    fn a_leaderless_queue_at_startup_is_waited_for() {
+        let Ok(url) = std::env::var("AMQP_URL") else {
+            assert!(
+                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
+                "AMQP_URL"
+            );
+            return;
+        };
+        let settings = ConnectionSettings::default()
+            .backoff(Duration::from_millis(10), Duration::from_millis(50));
+        let supervisor =
+            Supervisor::new(&url, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let shutdown = CancellationToken::new();
+        let declared = std::cell::Cell::new(0);
+        let ran = runtime.block_on(supervisor.run(
+            &shutdown,
+            |_| {
+                declared.set(declared.get() + 1);
+                let n = declared.get();
+                async move {
+                    if n < 3 {
+                        Err(crate::election::internal_error(
+                            "INTERNAL_ERROR - timed out consuming from quorum queue 'q' in vhost '/'",
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                }
+            },
+            |_, ()| async { Ok(()) },
+            || {},
+        ));
+        assert!(ran.is_ok(), "{ran:?}");
+        assert_eq!(declared.get(), 3, "declared until the queue had a leader");
     }
 }

@@ -58,6 +58,7 @@ pub struct Topology {
     ladder: RetryLadder,
     delivery_limit: u32,
     queue_expires: Option<Duration>,
+    initial_group_size: Option<u32>,
     groups: Vec<GroupTopology>,
 }
 
@@ -97,6 +98,7 @@ impl Topology {
             ladder: RetryLadder::default(),
             delivery_limit: 20,
             queue_expires: None,
+            initial_group_size: None,
             groups: Vec::new(),
         })
     }
@@ -126,6 +128,24 @@ impl Topology {
     /// which have no consumers and would vanish with copies in them). For tests.
     pub fn queue_expires(mut self, expires: Duration) -> Self {
         self.queue_expires = Some(expires);
+        self
+    }
+
+    /// `x-quorum-initial-group-size` of every queue it creates: how many nodes of a
+    /// cluster hold a replica of a new quorum queue (RabbitMQ's default is every
+    /// node, up to its `quorum_cluster_size`; a size above the cluster's is capped to
+    /// it). Off by default: nothing changes on one node.
+    ///
+    /// The group size only matters when a queue is created, but RabbitMQ compares it
+    /// on every redeclaration and answers 406 PRECONDITION_FAILED to a mismatch: so a
+    /// declaration refused over this argument alone is made again with the size the
+    /// queue has (none, or the one the broker quotes). Turning the setting on (or
+    /// off, or changing it) over queues that exist thus works, an existing queue
+    /// keeps its replicas (grow or shrink them with `rabbitmq-queues add_member` /
+    /// `grow`), and every other argument is still compared. Zero is refused when
+    /// declaring, as [`Error::InvalidSetting`] (`quorum_initial_group_size`).
+    pub fn quorum_initial_group_size(mut self, size: u32) -> Self {
+        self.initial_group_size = Some(size);
         self
     }
 
@@ -304,8 +324,9 @@ impl Topology {
 
         let mut parking = quorum();
         self.expires(&mut parking);
-        declare_queue(connection, &unreadable, parking).await?;
-        declare_queue(connection, &dlq, self.dlq_arguments(&unreadable)).await?;
+        let size = self.initial_group_size;
+        declare_queue(connection, &unreadable, parking, size).await?;
+        declare_queue(connection, &dlq, self.dlq_arguments(&unreadable), size).await?;
 
         let mut args = quorum();
         args.insert("x-dead-letter-exchange".into(), long(""));
@@ -317,7 +338,7 @@ impl Topology {
             AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
         );
         self.expires(&mut args);
-        declare_queue(connection, &queue, args).await?;
+        declare_queue(connection, &queue, args, size).await?;
 
         for tier in self.ladder.tiers() {
             let name = format!("{queue}:retry:{}", RetryLadder::label(*tier));
@@ -328,7 +349,7 @@ impl Topology {
             args.insert("x-dead-letter-routing-key".into(), long(&queue));
             args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
             args.insert("x-overflow".into(), long("reject-publish"));
-            declare_queue(connection, &name, args).await?;
+            declare_queue(connection, &name, args, size).await?;
         }
 
         for message_type in &g.message_types {
@@ -437,8 +458,72 @@ fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// The argument whose value is a creation-time choice, never compared on purpose.
+const GROUP_SIZE: &str = "x-quorum-initial-group-size";
+
 /// Declares on a channel of its own: a conflicting declaration closes the channel.
-async fn declare_queue(connection: &Connection, name: &str, args: FieldTable) -> Result<()> {
+///
+/// `group_size`, when given, is sent as `x-quorum-initial-group-size`, which a new
+/// queue is created with. RabbitMQ compares it on a redeclaration like any other
+/// argument (406 `inequivalent arg 'x-quorum-initial-group-size' ... received the
+/// value '3' of type 'long' but current is none`, and the other way round), yet it
+/// only ever mattered when the queue was created: so a 406 that names it is answered
+/// by declaring once more with the group size the queue has (none, or the value the
+/// broker quotes), and any other argument is still compared.
+async fn declare_queue(
+    connection: &Connection,
+    name: &str,
+    args: FieldTable,
+    group_size: Option<u32>,
+) -> Result<()> {
+    if group_size == Some(0) {
+        return Err(Error::invalid(
+            "quorum_initial_group_size",
+            "one or more nodes",
+            0,
+        ));
+    }
+    let with_size = |size: Option<i64>| {
+        let mut args = args.clone();
+        if let Some(size) = size {
+            args.insert(GROUP_SIZE.into(), AMQPValue::LongLongInt(size));
+        }
+        args
+    };
+    let asked = group_size.map(i64::from);
+    match declare_once(connection, name, with_size(asked)).await {
+        Err(Error::TopologyConflict { detail, .. }) if detail.contains(GROUP_SIZE) => {
+            match current_group_size(&detail) {
+                Some(current) if current != asked => {
+                    declare_once(connection, name, with_size(current)).await
+                }
+                _ => Err(Error::TopologyConflict {
+                    name: name.to_owned(),
+                    detail,
+                }),
+            }
+        }
+        declared => declared,
+    }
+}
+
+/// The group size a 406 about `x-quorum-initial-group-size` says the queue has:
+/// `Some(None)` for `current is none`, `Some(Some(n))` for `current is the value
+/// 'n'` (another type than asked) or `current is 'n'` (the same type), `None` when
+/// the text says none of these.
+fn current_group_size(detail: &str) -> Option<Option<i64>> {
+    let current = &detail[detail.find("current is ")? + "current is ".len()..];
+    if current.starts_with("none") {
+        return Some(None);
+    }
+    let value = current.strip_prefix("the value ").unwrap_or(current);
+    let value = value.strip_prefix('\'')?;
+    let value = &value[..value.find('\'')?];
+    value.parse().ok().map(Some)
+}
+
+/// One queue declaration on a channel of its own.
+async fn declare_once(connection: &Connection, name: &str, args: FieldTable) -> Result<()> {
     let channel = connection.create_channel().await?;
     channel
         .queue_declare(
@@ -512,6 +597,32 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_group_size_a_refusal_quotes_is_read() {
+        let refusal = |tail: &str| {
+            format!("PRECONDITION_FAILED - inequivalent arg 'x-quorum-initial-group-size' for queue 'q' in vhost '/': {tail}")
+        };
+        let read = |tail: &str| current_group_size(&refusal(tail));
+        assert_eq!(
+            read("received the value '3' of type 'long' but current is none"),
+            Some(None)
+        );
+        assert_eq!(
+            read("received none but current is the value '1' of type 'long'"),
+            Some(Some(1))
+        );
+        assert_eq!(
+            read("received the value '1' of type 'long' but current is the value '5' of type 'signedint'"),
+            Some(Some(5))
+        );
+        assert_eq!(read("received '5' but current is '1'"), Some(Some(1)));
+        assert_eq!(read("something else"), None);
+        assert_eq!(
+            read("received none but current is the value 'x' of type 'longstr'"),
+            None
+        );
     }
 
     #[test]

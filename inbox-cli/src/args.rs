@@ -10,6 +10,11 @@ fn redacted(url: Option<&String>) -> Option<String> {
     url.map(|u| redact_url(u))
 }
 
+/// A broker setting (one URL or several) without any password.
+fn redacted_brokers(urls: Option<&String>) -> Option<String> {
+    urls.map(|u| inbox_amqp::BrokerUrls::redact(u))
+}
+
 impl fmt::Debug for GlobalArgs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Destructured: a new field must be placed here (and redacted if it is a URL).
@@ -38,7 +43,7 @@ impl fmt::Debug for VerifyArgs {
             retry_ladder,
         } = self;
         f.debug_struct("VerifyArgs")
-            .field("amqp_url", &redacted(amqp_url.as_ref()))
+            .field("amqp_url", &redacted_brokers(amqp_url.as_ref()))
             .field("ca_cert", ca_cert)
             .field("exchange", exchange)
             .field("consumer_groups", consumer_groups)
@@ -62,7 +67,7 @@ impl fmt::Debug for SelftestArgs {
             .field("timeout", timeout)
             .field("exchange", exchange)
             .field("relay", relay)
-            .field("amqp_url", &redacted(amqp_url.as_ref()))
+            .field("amqp_url", &redacted_brokers(amqp_url.as_ref()))
             .field("ca_cert", ca_cert)
             .finish()
     }
@@ -218,7 +223,8 @@ pub struct SelftestArgs {
     #[arg(long)]
     pub relay: bool,
     /// The broker, for --relay (password never printed); `amqps://` needs the
-    /// feature `rustls` of inbox-cli.
+    /// feature `rustls` of inbox-cli. The nodes of a cluster: several URLs
+    /// separated by whitespace or commas, tried in turn.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
     /// A PEM file of CA certificates the --relay trusts for an `amqps://` broker
@@ -378,7 +384,8 @@ pub enum GroupCommand {
 #[derive(Clone, Default, Args)]
 pub struct VerifyArgs {
     /// The broker; with it, the topology is checked too (password never printed).
-    /// `amqps://` needs the feature `rustls` of inbox-cli.
+    /// `amqps://` needs the feature `rustls` of inbox-cli. The nodes of a cluster:
+    /// several URLs separated by whitespace or commas, tried in turn.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
     /// A PEM file of CA certificates trusted for an `amqps://` broker besides the

@@ -57,7 +57,7 @@ fn redact(message: &str, global: &GlobalArgs, command: &Command) -> String {
         .database_url
         .iter()
         .map(String::as_str)
-        .chain(amqp)
+        .chain(amqp.into_iter().flat_map(inbox_amqp::BrokerUrls::items))
         .fold(message.to_owned(), |text, url| redact_message(&text, url))
 }
 

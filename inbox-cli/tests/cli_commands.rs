@@ -698,6 +698,13 @@ fn debug_of_the_arguments_never_shows_a_password() {
             "--amqp-url",
             "amqps://guest:s3cret-pw@broker/%2f",
         ],
+        // The nodes of a cluster: every item's password hidden.
+        &[
+            "ops",
+            "verify",
+            "--amqp-url",
+            "amqp://a:s3cret-pw@n1/%2f,amqp://b:s3cret-pw@n2/%2f amqp://c:s3cret-pw@n3/%2f",
+        ],
     ] {
         let ops = Ops::try_parse_from(argv).unwrap();
         let printed = format!("{ops:?} {ops:#?}");

@@ -136,7 +136,9 @@ struct Run {
 
 impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// A consumer of every route of `store`, through `topology` (whose groups are
-    /// completed from the store's routes).
+    /// completed from the store's routes), from the broker at `url`: one URL, or the
+    /// nodes of a cluster as several separated by whitespace or commas, tried in turn
+    /// by each connection (see [`BrokerUrls`](crate::BrokerUrls)).
     pub fn new(url: impl Into<String>, store: Arc<S>, topology: Topology) -> Self {
         let topology = topology.with_routes(store.routes());
         let halts = topology
@@ -181,12 +183,11 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
         let settings = &self.shared.settings;
         settings.check()?;
         let c = &settings.connection;
-        let tls = crate::tls::Tls::for_url(&self.url, c.ca_cert.as_deref())?;
         let name = c.connection_name.as_deref();
+        let (within, ca) = (c.connect_timeout, c.ca_cert.as_deref());
         let declare = async {
             let conn =
-                crate::connect::open(&self.url, name, c.connect_timeout, Some(FRAME_MAX), &tls)
-                    .await?;
+                crate::connect::open_first(&self.url, name, within, Some(FRAME_MAX), ca).await?;
             let declared = self.shared.topology.declare(&conn).await;
             crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
             declared

@@ -158,7 +158,11 @@ fn check_topology<C: OperatorConnection>(
             inbox_amqp::Error::TopologyMissing { .. } => TopologyError::Missing(e.to_string()),
             other => TopologyError::Failed(format!(
                 "broker: {}",
-                redact_message(&inbox_core::ErrorChain(&other).to_string(), amqp_url)
+                inbox_amqp::BrokerUrls::items(amqp_url)
+                    .into_iter()
+                    .fold(inbox_core::ErrorChain(&other).to_string(), |text, url| {
+                        redact_message(&text, url)
+                    })
             )),
         })
     })

@@ -1,0 +1,191 @@
+//! The consumer on a RabbitMQ cluster of its own (three nodes on loopback, the tests'
+//! harness `inbox_test_support::rabbit_cluster`): how long it is unavailable when the
+//! node leading its queue is killed, and its throughput on the cluster against one
+//! node (the shared broker of `AMQP_URL`).
+//!
+//! Unavailability, per round: the consumer (given the three URLs) drains a queue of
+//! `BENCH_EVENTS` events; after a tenth, the leader's node is killed (`kill -9`); the
+//! figure is the time from the kill to the first event committed on a new connection
+//! (the first processed count seen after the reconnect count rose). The node is
+//! started again between rounds. Printed: every round, p50 and max.
+//!
+//! Throughput: the same drain with `ConsumerSettings::default()`, from a queue filled
+//! beforehand, on the cluster (replicas on all three nodes) and on one node, rounds
+//! interleaved; printed: msg/s per round and the median of each.
+//!
+//! `cargo run --release -p inbox-benches --bin bench_cluster` (as root, with RabbitMQ
+//! installed); `BENCH_ROUNDS` (default 3), `BENCH_EVENTS` (default 5000).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel::PgConnection;
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_benches::{env_or, median, service_urls};
+use inbox_core::ConsumerGroup;
+use inbox_diesel::Store;
+use inbox_examples::usage::{quick_policy, DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE};
+use inbox_test_support::amqp::{self, confirm_channel, publish, wait_for_confirms, Outgoing};
+use inbox_test_support::rabbit_cluster::RabbitCluster;
+use inbox_test_support::PgFixture;
+
+/// A store on a fresh schema of its own (dropped with the fixture).
+fn store(db: &PgFixture) -> Arc<Store<PgConnection>> {
+    let store = Store::<PgConnection>::builder(db.url())
+        .schema(&db.schema)
+        .pool_size(4)
+        .handler(DailyUsage::new(quick_policy()))
+        .build()
+        .expect("store");
+    store
+        .connection()
+        .expect("connection")
+        .create_daily_usage()
+        .expect("tables");
+    Arc::new(store)
+}
+
+fn topology(tag: &str) -> Topology {
+    amqp::test_topology(&amqp::unique_prefix(tag), &[50, 100])
+        .group(ConsumerGroup::new(GROUP).expect("group"), [MESSAGE_TYPE])
+}
+
+/// Declares `topology` and fills its queue with `events` events, confirmed.
+async fn fill(urls: &str, topology: &Topology, events: usize, seed: u64) {
+    let conn = inbox_amqp::connect(urls, None).await.expect("connect");
+    topology.declare(&conn).await.expect("declare");
+    let channel = confirm_channel(&conn).await;
+    let exchange = topology.exchange();
+    for (key, event) in &Workload::generate(events, 0, seed).events {
+        let body = serde_json::to_vec(event).expect("json");
+        let msg = Outgoing {
+            message_id: Some(key.as_str()),
+            message_type: MESSAGE_TYPE,
+            body: &body,
+            tenant: None,
+        };
+        publish(&channel, &exchange, &msg).await;
+    }
+    wait_for_confirms(&channel).await;
+    let _ = conn.close(200, "filled".into()).await;
+}
+
+/// Deletes `topology` (its queues carry no expiry on the tiers).
+async fn delete(urls: &str, topology: &Topology) {
+    if let Ok(conn) = inbox_amqp::connect(urls, None).await {
+        let _ = topology.delete(&conn).await;
+        let _ = conn.close(200, "deleted".into()).await;
+    }
+}
+
+/// One unavailability round: milliseconds from the kill to the first event
+/// committed after the reconnect.
+fn unavailable_once(
+    runtime: &tokio::runtime::Runtime,
+    cluster: &mut RabbitCluster,
+    events: usize,
+    round: u64,
+) -> f64 {
+    let db = PgFixture::new().expect("DATABASE_URL");
+    let topology = topology("bench-cluster");
+    let urls = cluster.url_list();
+    runtime.block_on(fill(&urls, &topology, events, round));
+    let queue = topology.queue(&ConsumerGroup::new(GROUP).expect("group"));
+    let leader = cluster.leader_of(&queue).expect("a leader");
+    let consumer = Consumer::new(urls.clone(), store(&db), topology.clone())
+        .with_settings(ConsumerSettings::default().connect_timeout(Duration::from_secs(2)));
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = runtime.spawn(consumer.run(shutdown.clone()));
+    let tenth = u64::try_from(events / 10).unwrap_or(1);
+    while stats.snapshot().processed < tenth {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let killed = Instant::now();
+    cluster.kill_node(leader).expect("kill");
+    let gap = loop {
+        let s = stats.snapshot();
+        if s.reconnects >= 1 && s.processed > tenth {
+            // The count moved after the reconnect: the first commit on a new
+            // connection (or a batch of the old one finishing: then the gap is
+            // shorter than the real one; the reconnect count is checked first).
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(120),
+            "no progress after the kill: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let all = u64::try_from(events).unwrap_or(u64::MAX);
+    // Every event committed once (a redelivery of a committed one is a duplicate).
+    while stats.snapshot().processed < all {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    shutdown.cancel();
+    runtime.block_on(running).expect("join").expect("consumer");
+    runtime.block_on(delete(&urls, &topology));
+    cluster.restart_node(leader).expect("restart");
+    println!(
+        "round {round}: leader node {leader} killed, unavailable {:.0} ms ({:?})",
+        gap.as_secs_f64() * 1000.0,
+        stats.snapshot()
+    );
+    gap.as_secs_f64() * 1000.0
+}
+
+/// Drains `events` from a queue filled beforehand on `urls` with the default
+/// settings; msg/s.
+fn drain(runtime: &tokio::runtime::Runtime, urls: &str, events: usize, seed: u64) -> f64 {
+    let db = PgFixture::new().expect("DATABASE_URL");
+    let topology = topology("bench-drain");
+    runtime.block_on(fill(urls, &topology, events, seed));
+    let consumer = Consumer::new(urls.to_owned(), store(&db), topology.clone());
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let running = runtime.spawn(consumer.run(shutdown.clone()));
+    let all = u64::try_from(events).unwrap_or(u64::MAX);
+    while stats.snapshot().processed < all {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let rate = events as f64 / started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    runtime.block_on(running).expect("join").expect("consumer");
+    runtime.block_on(delete(urls, &topology));
+    rate
+}
+
+fn main() {
+    let rounds: u64 = env_or("BENCH_ROUNDS", 3);
+    let events: usize = env_or("BENCH_EVENTS", 5_000);
+    let (_, one_node) = service_urls();
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let started = Instant::now();
+    let mut cluster = RabbitCluster::start(3).expect("cluster");
+    println!(
+        "cluster of 3 started in {:.1} s; {rounds} rounds of {events} events",
+        started.elapsed().as_secs_f64()
+    );
+    let gaps: Vec<f64> = (1..=rounds)
+        .map(|round| unavailable_once(&runtime, &mut cluster, events, round))
+        .collect();
+    let max = gaps.iter().copied().fold(0.0, f64::max);
+    println!(
+        "unavailable after a leader kill: p50 {:.0} ms, max {max:.0} ms over {rounds} rounds",
+        median(gaps.clone())
+    );
+    let (mut on_cluster, mut on_one) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let c = drain(&runtime, &cluster.url_list(), events, 100 + round);
+        let o = drain(&runtime, &one_node, events, 200 + round);
+        println!("round {round}: cluster {c:.0} msg/s, one node {o:.0} msg/s");
+        on_cluster.push(c);
+        on_one.push(o);
+    }
+    let (c, o) = (median(on_cluster), median(on_one));
+    println!(
+        "throughput (defaults, prefilled queue): cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
+        c / o
+    );
+}

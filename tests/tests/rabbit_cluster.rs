@@ -1,0 +1,331 @@
+//! Fault scenarios on a RabbitMQ cluster of the test's own (three nodes on loopback,
+//! see `inbox_test_support::rabbit_cluster`), each with a ledger of every message
+//! published and a verdict at the end: none lost, none doubled (duplicates are
+//! published on purpose), the projection equals the ledger, the queue drained.
+//!
+//! The consumer is given the three nodes' URLs in one setting; the group's queues are
+//! quorum queues with a replica on each node. The short form runs in CI; the long
+//! form (`INBOX_CLUSTER_LONG=1`) publishes ten times as much.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::PgConnection;
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_core::ConsumerGroup;
+use inbox_diesel::Store;
+use inbox_examples::usage::{
+    diff_totals, quick_policy, DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE,
+};
+use inbox_test_support::amqp::{self, confirm_channel, publish, wait_for_confirms, Outgoing};
+use inbox_test_support::rabbit_cluster::{available, RabbitCluster};
+use inbox_test_support::PgFixture;
+
+/// How many distinct events a scenario publishes (and a tenth again as duplicates).
+fn events() -> usize {
+    if std::env::var_os("INBOX_CLUSTER_LONG").is_some() {
+        30_000
+    } else {
+        3_000
+    }
+}
+
+/// One scenario at a time: three nodes each are what two cores hold.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A cluster scenario's parts: the cluster, a schema, the consumer's store.
+struct Scene {
+    _one: std::sync::MutexGuard<'static, ()>,
+    cluster: RabbitCluster,
+    db: PgFixture,
+    store: Arc<Store<PgConnection>>,
+    topology: Topology,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Scene {
+    fn new() -> Option<Self> {
+        if !available() {
+            assert!(
+                !inbox_test_support::services_required(),
+                "no RabbitMQ install for a cluster of the test's own"
+            );
+            return None;
+        }
+        let one = ONE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let db = PgFixture::new()?;
+        let cluster = RabbitCluster::start(3).unwrap();
+        let store = Store::<PgConnection>::builder(db.url())
+            .schema(&db.schema)
+            .pool_size(4)
+            .handler(DailyUsage::new(quick_policy()))
+            .build()
+            .unwrap();
+        store.connection().unwrap().create_daily_usage().unwrap();
+        let topology = amqp::test_topology(&amqp::unique_prefix("cluster"), &[50, 100])
+            .quorum_initial_group_size(3)
+            .group(ConsumerGroup::new(GROUP).unwrap(), [MESSAGE_TYPE]);
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async {
+            let conn = inbox_amqp::connect(&cluster.url_list(), None)
+                .await
+                .unwrap();
+            topology.declare(&conn).await.unwrap();
+        });
+        Some(Self {
+            _one: one,
+            cluster,
+            db,
+            store: Arc::new(store),
+            topology,
+            runtime,
+        })
+    }
+
+    fn queue(&self) -> String {
+        self.topology.queue(&ConsumerGroup::new(GROUP).unwrap())
+    }
+
+    /// Publishes every event of `workload` and a tenth of them again, confirmed by
+    /// the cluster (a confirm of a quorum queue: a majority of replicas hold it).
+    fn publish(&self, workload: &Workload) -> usize {
+        self.publish_range(workload, 0..workload.events.len())
+    }
+
+    /// Publishes events `range` of `workload` and a tenth of them again, as
+    /// [`publish`](Self::publish).
+    fn publish_range(&self, workload: &Workload, range: std::ops::Range<usize>) -> usize {
+        let exchange = self.topology.exchange();
+        let urls = self.cluster.url_list();
+        self.runtime.block_on(async {
+            let conn = inbox_amqp::connect(&urls, None).await.unwrap();
+            let channel = confirm_channel(&conn).await;
+            let events = &workload.events[range];
+            let again = events.iter().step_by(10);
+            let mut published = 0;
+            for (key, event) in events.iter().chain(again) {
+                let body = serde_json::to_vec(event).unwrap();
+                let msg = Outgoing {
+                    message_id: Some(key.as_str()),
+                    message_type: MESSAGE_TYPE,
+                    body: &body,
+                    tenant: None,
+                };
+                publish(&channel, &exchange, &msg).await;
+                published += 1;
+            }
+            wait_for_confirms(&channel).await;
+            published
+        })
+    }
+
+    fn consumer(&self) -> Consumer<Store<PgConnection>> {
+        self.consumer_of(self.cluster.url_list())
+    }
+
+    fn consumer_of(&self, urls: String) -> Consumer<Store<PgConnection>> {
+        Consumer::new(urls, Arc::clone(&self.store), self.topology.clone()).with_settings(
+            ConsumerSettings::default()
+                .workers(1)
+                .prefetch(20)
+                .batch(10, Duration::from_millis(2))
+                .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+                .connect_timeout(Duration::from_secs(2)),
+        )
+    }
+
+    /// The verdict: every distinct event applied once (none lost, none doubled),
+    /// the projection equal to the ledger.
+    fn verdict(&self, workload: &Workload, published: usize) {
+        let found = self.store.connection().unwrap().daily_totals().unwrap();
+        let expected = workload.expected_totals();
+        let diffs = diff_totals(&expected, &found);
+        let settled = settled(self.db.url(), &self.db.schema);
+        let distinct = i64::try_from(workload.events.len()).unwrap();
+        eprintln!(
+            "ledger: {published} published ({} distinct), {settled} claims settled, \
+             lost {}, doubled {}, projection {}",
+            workload.events.len(),
+            (distinct - settled).max(0),
+            (settled - distinct).max(0),
+            if diffs.is_empty() {
+                "equals the ledger"
+            } else {
+                "differs"
+            }
+        );
+        assert!(diffs.is_empty(), "the projection differs: {diffs:?}");
+        assert_eq!(settled, distinct, "one claim per distinct event");
+    }
+}
+
+/// Claims settled (done or dead) in `schema`.
+fn settled(db_url: &str, schema: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = PgConnection::establish(db_url).unwrap();
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
+        .unwrap();
+    diesel::sql_query("SELECT COUNT(*) AS n FROM inbox_claims WHERE status IN ('done', 'dead')")
+        .get_result::<N>(&mut conn)
+        .map(|r| r.n)
+        .unwrap_or(0)
+}
+
+/// `kill -9` of the node leading the group's queue while the consumer is mid-stream:
+/// the queue's replicas elect a new leader, the consumer moves to a live node and
+/// goes on; what was delivered and not acked comes back and is dropped as a
+/// duplicate or applied once.
+#[test]
+fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let workload = Workload::generate(events(), 0, 41);
+    let published = scene.publish(&workload);
+    let queue = scene.queue();
+    let leader = scene
+        .cluster
+        .leader_of(&queue)
+        .expect("the queue has a leader");
+    let consumer = scene.consumer();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let kill_after = u64::try_from(events() / 10).unwrap();
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            stats.snapshot().processed >= kill_after
+        }));
+    assert!(
+        started,
+        "the consumer did not start: {:?}",
+        stats.snapshot()
+    );
+    scene.cluster.kill_node(leader).unwrap();
+    let at_kill = stats.snapshot();
+    assert!(
+        at_kill.processed < u64::try_from(events()).unwrap(),
+        "the kill did not land mid-stream: {at_kill:?}"
+    );
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!(
+        "leader node {leader} killed at {} processed; new leader {:?}; {stats:?}",
+        at_kill.processed,
+        scene.cluster.leader_of(&queue)
+    );
+    assert!(done, "the consumer stalled after the kill: {stats:?}");
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    scene.verdict(&workload, published);
+}
+
+/// A rolling restart of the three nodes (each stopped and started again in turn,
+/// the next only once it is back), a wave of events published before each and the
+/// node stopped while the wave is being consumed.
+#[test]
+fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let wave = events() / 3;
+    let workload = Workload::generate(wave * 3, 0, 43);
+    let consumer = scene.consumer();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let mut published = 0;
+    for node in 0..3 {
+        published += scene.publish_range(&workload, node * wave..(node + 1) * wave);
+        let mid = u64::try_from(node * wave + wave / 10).unwrap();
+        let started = scene
+            .runtime
+            .block_on(amqp::eventually(Duration::from_secs(60), || {
+                stats.snapshot().processed >= mid
+            }));
+        assert!(started, "wave {node} not consumed: {:?}", stats.snapshot());
+        scene.cluster.stop_node(node).unwrap();
+        scene.cluster.restart_node(node).unwrap();
+    }
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!("rolling restart: {stats:?}");
+    assert!(done, "the consumer stalled: {stats:?}");
+    scene.verdict(&workload, published);
+}
+
+/// The consumer's first node reached through a proxy that then cuts it off (the
+/// node itself stays up): the consumer moves to the next node of its list.
+#[test]
+fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
+    let Some(scene) = Scene::new() else { return };
+    let workload = Workload::generate(events(), 0, 47);
+    let published = scene.publish(&workload);
+    let urls = scene.cluster.urls();
+    let proxy = scene
+        .runtime
+        .block_on(amqp::Proxy::start(amqp::host_port(&urls[0])));
+    let list = format!("{} {} {}", proxy.url_for(&urls[0]), urls[1], urls[2]);
+    let consumer = scene.consumer_of(list);
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let cut_after = u64::try_from(events() / 10).unwrap();
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            stats.snapshot().processed >= cut_after
+        }));
+    assert!(
+        started,
+        "the consumer did not start: {:?}",
+        stats.snapshot()
+    );
+    proxy.block(true);
+    proxy.cut();
+    let at_cut = stats.snapshot();
+    assert!(
+        at_cut.processed < u64::try_from(events()).unwrap(),
+        "the cut did not land mid-stream: {at_cut:?}"
+    );
+    let all = i64::try_from(workload.events.len()).unwrap();
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(120), || {
+            settled(&db, &schema) >= all
+        }));
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    let stats = stats.snapshot();
+    eprintln!("cut at {} processed: {stats:?}", at_cut.processed);
+    assert!(done, "the consumer stalled after the cut: {stats:?}");
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    scene.verdict(&workload, published);
+}
