@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::PgConnection;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Topology};
 use inbox_core::ConsumerGroup;
 use inbox_diesel::Store;
 use inbox_examples::usage::{
@@ -123,6 +123,30 @@ impl Scene {
         })
     }
 
+    /// Waits (up to two minutes) until every published copy was delivered at least
+    /// once and the group's queue holds no ready message, so that the duplicates the
+    /// verdict speaks of were consumed, not left in the queue.
+    fn drained(&self, stats: &ConsumerStats, published: usize) -> bool {
+        let (urls, queue) = (self.cluster.url_list(), self.queue());
+        let published = u64::try_from(published).unwrap();
+        self.runtime.block_on(async {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+            while tokio::time::Instant::now() < deadline {
+                if stats.snapshot().received >= published {
+                    if let Ok(conn) = inbox_amqp::connect(&urls, None).await {
+                        let depth = amqp::queue_depth(&conn, &queue).await;
+                        let _ = conn.close(200, "drained?".into()).await;
+                        if depth == 0 {
+                            return true;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            false
+        })
+    }
+
     fn consumer(&self) -> Consumer<Store<PgConnection>> {
         self.consumer_of(self.cluster.url_list())
     }
@@ -225,6 +249,7 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
         .block_on(amqp::eventually(Duration::from_secs(120), || {
             settled(&db, &schema) >= all
         }));
+    let drained = scene.drained(&stats, published);
     shutdown.cancel();
     scene.runtime.block_on(running).unwrap().unwrap();
     let stats = stats.snapshot();
@@ -234,6 +259,7 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
         scene.cluster.leader_of(&queue)
     );
     assert!(done, "the consumer stalled after the kill: {stats:?}");
+    assert!(drained, "copies left undelivered in the queue: {stats:?}");
     assert!(stats.reconnects >= 1, "{stats:?}");
     scene.verdict(&workload, published);
 }
@@ -272,11 +298,13 @@ fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
         .block_on(amqp::eventually(Duration::from_secs(120), || {
             settled(&db, &schema) >= all
         }));
+    let drained = scene.drained(&stats, published);
     shutdown.cancel();
     scene.runtime.block_on(running).unwrap().unwrap();
     let stats = stats.snapshot();
     eprintln!("rolling restart: {stats:?}");
     assert!(done, "the consumer stalled: {stats:?}");
+    assert!(drained, "copies left undelivered in the queue: {stats:?}");
     scene.verdict(&workload, published);
 }
 
@@ -321,11 +349,13 @@ fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
         .block_on(amqp::eventually(Duration::from_secs(120), || {
             settled(&db, &schema) >= all
         }));
+    let drained = scene.drained(&stats, published);
     shutdown.cancel();
     scene.runtime.block_on(running).unwrap().unwrap();
     let stats = stats.snapshot();
     eprintln!("cut at {} processed: {stats:?}", at_cut.processed);
     assert!(done, "the consumer stalled after the cut: {stats:?}");
+    assert!(drained, "copies left undelivered in the queue: {stats:?}");
     assert!(stats.reconnects >= 1, "{stats:?}");
     scene.verdict(&workload, published);
 }
