@@ -14,6 +14,19 @@ use std::time::{Duration, Instant};
 use diesel::r2d2::{ConnectionManager, ManageConnection, PooledConnection, R2D2Connection};
 use diesel::ConnectionError;
 
+thread_local! {
+    /// Whether a statement failed on this thread since the pool last took a
+    /// connection back from it.
+    static SUSPECT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread's connection as possibly gone: a statement on it failed. The
+/// store's errors are made (converted from diesel's) on the thread that holds the
+/// connection, which returns it to the pool on that thread.
+pub(crate) fn suspect_connection() {
+    SUSPECT.with(|s| s.set(true));
+}
+
 /// The longest a dropped store waits for a connection still being opened.
 const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
@@ -102,8 +115,18 @@ impl<C: R2D2Connection + Send + 'static> ManageConnection for StoreManager<C> {
         self.inner.is_valid(conn)
     }
 
+    /// diesel's check (a transaction left open or broken), and, after a statement
+    /// failed on this thread, a `SELECT 1`: a connection whose server session is
+    /// gone (killed while idle, a primary that died) fails every later statement,
+    /// and kept in the pool it would fail every later call. The pool tests nothing on
+    /// check-out (a round trip per batch), so this is where a dead connection goes:
+    /// the call that met it fails, the next one gets a new connection (which, with
+    /// `target_session_attrs=read-write`, finds the new primary).
     fn has_broken(&self, conn: &mut C) -> bool {
-        self.inner.has_broken(conn)
+        if self.inner.has_broken(conn) {
+            return true;
+        }
+        SUSPECT.with(|s| s.replace(false)) && self.inner.is_valid(conn).is_err()
     }
 }
 
