@@ -274,7 +274,7 @@ impl From<diesel::result::Error> for Error {
     fn from(err: diesel::result::Error) -> Self {
         // The connection that raised it may be gone (a server restarted, a failover):
         // the pool looks before it takes the connection back.
-        crate::pool::suspect_connection();
+        crate::suspect::mark();
         Self::Database(err)
     }
 }

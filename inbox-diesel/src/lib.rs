@@ -87,6 +87,7 @@ mod slot;
 mod sqlite;
 mod statements;
 mod store;
+mod suspect;
 mod tls;
 mod url;
 mod verify;

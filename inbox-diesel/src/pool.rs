@@ -14,19 +14,6 @@ use std::time::{Duration, Instant};
 use diesel::r2d2::{ConnectionManager, ManageConnection, PooledConnection, R2D2Connection};
 use diesel::ConnectionError;
 
-thread_local! {
-    /// Whether a statement failed on this thread since the pool last took a
-    /// connection back from it.
-    static SUSPECT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Marks this thread's connection as possibly gone: a statement on it failed. The
-/// store's errors are made (converted from diesel's) on the thread that holds the
-/// connection, which returns it to the pool on that thread.
-pub(crate) fn suspect_connection() {
-    SUSPECT.with(|s| s.set(true));
-}
-
 /// The longest a dropped store waits for a connection still being opened.
 const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
@@ -126,7 +113,7 @@ impl<C: R2D2Connection + Send + 'static> ManageConnection for StoreManager<C> {
         if self.inner.has_broken(conn) {
             return true;
         }
-        SUSPECT.with(|s| s.replace(false)) && self.inner.is_valid(conn).is_err()
+        crate::suspect::take() && self.inner.is_valid(conn).is_err()
     }
 }
 
