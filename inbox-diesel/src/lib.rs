@@ -78,6 +78,9 @@ mod pool;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
 pub mod rebuild;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod replication;
 mod reports;
 mod retention;
 mod rows;
