@@ -47,6 +47,8 @@ mod guides {
     mod tracing_guide {}
     #[doc = include_str!("../../docs/console.md")]
     mod console_guide {}
+    #[doc = include_str!("../../docs/postgres-failover.md")]
+    mod postgres_failover {}
 }
 
 /// The log filter when `RUST_LOG` is not set: the inbox crates and the examples at

@@ -383,10 +383,24 @@ fn scenario(db: &Db) {
     // Verify.
     let verify = inbox(db, &["verify"]);
     assert_eq!(code(&verify), 0, "{}", stderr(&verify));
+    // The test server runs without a standby.
+    let replication = if db.url.starts_with("sqlite:") {
+        "replication: skipped (SQLite)\n"
+    } else {
+        "replication: none (no standby connected)\n"
+    };
     assert_eq!(
         stdout(&verify),
-        "schema: ok\ntopology: skipped (no AMQP_URL)\n"
+        format!("schema: ok\n{replication}topology: skipped (no AMQP_URL)\n")
     );
+    let verify = json(&inbox(db, &["--json", "verify"]));
+    let mode = if db.url.starts_with("sqlite:") {
+        "skipped"
+    } else {
+        "none"
+    };
+    assert_eq!(verify["replication"], mode);
+    assert_eq!(verify["replication_warnings"], serde_json::json!([]));
     // Bad arguments.
     assert_eq!(
         code(&inbox(

@@ -169,8 +169,9 @@ pub enum ErrorClass {
     /// key, not null, check, exclusion). From a handler, the message's data; from the
     /// store's own statements, a schema that does not match what the store verified.
     Integrity,
-    /// The store itself is unreachable (a lost connection, a statement the server
-    /// cancelled): nothing is about any delivery.
+    /// The store itself is unreachable or takes no writes (a lost connection, a
+    /// statement the server cancelled, a read-only server or a standby, SQLSTATE
+    /// 25006, as after a failover): nothing is about any delivery.
     Infrastructure,
     /// Anything else.
     Other,
@@ -212,9 +213,13 @@ pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
             | K::ExclusionViolation,
             _,
         ) => ErrorClass::Integrity,
-        Error::DatabaseError(K::ClosedConnection | K::UnableToSendCommand, _) => {
-            ErrorClass::Infrastructure
-        }
+        // A server that takes no writes (25006, a standby, or a primary set read-only)
+        // is the store's state, not any delivery's: after a failover the pool's next
+        // connection finds the new primary (`target_session_attrs=read-write`).
+        Error::DatabaseError(
+            K::ClosedConnection | K::UnableToSendCommand | K::ReadOnlyTransaction,
+            _,
+        ) => ErrorClass::Infrastructure,
         Error::DatabaseError(_, info) => {
             let msg = info.message();
             if msg.contains("deadlock detected")
@@ -224,6 +229,8 @@ pub(crate) fn classify(err: &diesel::result::Error) -> ErrorClass {
                 ErrorClass::Contention
             } else if is_data_message(msg) {
                 ErrorClass::Data
+            } else if is_read_only_message(msg) {
+                ErrorClass::Infrastructure
             } else {
                 ErrorClass::Other
             }
@@ -289,6 +296,15 @@ const CLASS_22: &[&str] = &[
     "has no equivalent in encoding",
     "unsupported Unicode escape sequence",
 ];
+
+/// Whether a PostgreSQL message says the server takes no writes (under `lc_messages
+/// = 'C'`): 25006 where diesel did not map it, and a standby's "recovery is in
+/// progress" (55000, e.g. from `nextval` or an advisory function on a hot standby).
+fn is_read_only_message(msg: &str) -> bool {
+    msg.contains("in a read-only transaction")
+        || msg.contains("recovery is in progress")
+        || msg.contains("during recovery")
+}
 
 /// Whether a PostgreSQL message is one of class 22's.
 fn is_data_message(msg: &str) -> bool {

@@ -93,7 +93,7 @@ pub enum Error {
     },
     /// A database statement failed.
     #[error("database error")]
-    Database(#[from] diesel::result::Error),
+    Database(#[source] diesel::result::Error),
     /// The connection was left inside a transaction it could not unwind.
     #[error("connection left at transaction depth {found}, expected {expected}")]
     TransactionDepth {
@@ -267,6 +267,15 @@ impl From<Error> for inbox_core::Error {
             Error::Core(core) => core,
             other => inbox_core::Error::Store(Box::new(other)),
         }
+    }
+}
+
+impl From<diesel::result::Error> for Error {
+    fn from(err: diesel::result::Error) -> Self {
+        // The connection that raised it may be gone (a server restarted, a failover):
+        // the pool looks before it takes the connection back.
+        crate::suspect::mark();
+        Self::Database(err)
     }
 }
 

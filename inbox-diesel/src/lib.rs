@@ -78,6 +78,9 @@ mod pool;
 #[cfg(feature = "rebuild")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rebuild")))]
 pub mod rebuild;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod replication;
 mod reports;
 mod retention;
 mod rows;
@@ -87,6 +90,7 @@ mod slot;
 mod sqlite;
 mod statements;
 mod store;
+mod suspect;
 mod tls;
 mod url;
 mod verify;

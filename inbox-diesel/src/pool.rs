@@ -102,8 +102,18 @@ impl<C: R2D2Connection + Send + 'static> ManageConnection for StoreManager<C> {
         self.inner.is_valid(conn)
     }
 
+    /// diesel's check (a transaction left open or broken), and, after a statement
+    /// failed on this thread, a `SELECT 1`: a connection whose server session is
+    /// gone (killed while idle, a primary that died) fails every later statement,
+    /// and kept in the pool it would fail every later call. The pool tests nothing on
+    /// check-out (a round trip per batch), so this is where a dead connection goes:
+    /// the call that met it fails, the next one gets a new connection (which, with
+    /// `target_session_attrs=read-write`, finds the new primary).
     fn has_broken(&self, conn: &mut C) -> bool {
-        self.inner.has_broken(conn)
+        if self.inner.has_broken(conn) {
+            return true;
+        }
+        crate::suspect::take() && self.inner.is_valid(conn).is_err()
     }
 }
 

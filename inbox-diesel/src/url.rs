@@ -4,18 +4,30 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Backend {
-    /// `postgres://` or `postgresql://`.
+    /// `postgres://` or `postgresql://` (one host or libpq's list,
+    /// `postgres://h1:5432,h2:5432/db?target_session_attrs=read-write`), or a libpq
+    /// `key=value` string whose first keyword is libpq's (`host=h1,h2 port=5432,5432
+    /// dbname=db target_session_attrs=read-write`).
     Postgres,
     /// `sqlite://path`, `file:path`, or a plain file path.
     Sqlite,
 }
 
 impl Backend {
-    /// Picks the backend from the URL's scheme.
+    /// Picks the backend from the URL's scheme, or from the first keyword of a libpq
+    /// `key=value` string (which names no scheme, and is never taken for a file path).
     ///
     /// ```
     /// use inbox_diesel::Backend;
     /// assert_eq!(Backend::from_url("postgres://app@db/billing")?, Backend::Postgres);
+    /// assert_eq!(
+    ///     Backend::from_url("postgres://app@db1:5432,db2:5432/billing?target_session_attrs=read-write")?,
+    ///     Backend::Postgres,
+    /// );
+    /// assert_eq!(
+    ///     Backend::from_url("host=db1,db2 port=5432,5432 dbname=billing target_session_attrs=read-write")?,
+    ///     Backend::Postgres,
+    /// );
     /// assert_eq!(Backend::from_url("sqlite:///tmp/inbox.db")?, Backend::Sqlite);
     /// assert_eq!(Backend::from_url("/tmp/inbox.db")?, Backend::Sqlite);
     /// assert!(Backend::from_url("mysql://root:hunter2@db/x").is_err());
@@ -23,7 +35,10 @@ impl Backend {
     /// ```
     pub fn from_url(url: &str) -> Result<Self> {
         let lower = url.to_ascii_lowercase();
-        if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        if lower.starts_with("postgres://")
+            || lower.starts_with("postgresql://")
+            || is_conninfo(url)
+        {
             Ok(Self::Postgres)
         } else if lower.starts_with("sqlite:")
             || lower.starts_with("file:")
@@ -34,6 +49,62 @@ impl Backend {
             Err(Error::UnsupportedUrl { url: redact(url) })
         }
     }
+}
+
+/// libpq's connection keywords (PostgreSQL 15, `libpq-connect`'s "Parameter Key
+/// Words"), lower case as libpq requires.
+const LIBPQ_KEYWORDS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "passfile",
+    "channel_binding",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "requiressl",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "requirepeer",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "krbsrvname",
+    "gsslib",
+    "service",
+    "target_session_attrs",
+    "load_balance_hosts",
+    "sslcertmode",
+    "require_auth",
+];
+
+/// Whether `url` is a libpq `key=value` connection string: it starts with one of
+/// libpq's keywords followed by `=` (a file named `host=x` must be given as
+/// `sqlite://host=x`).
+pub(crate) fn is_conninfo(url: &str) -> bool {
+    let s = url.trim_start();
+    let key_len = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(s.len());
+    LIBPQ_KEYWORDS.contains(&&s[..key_len]) && s[key_len..].trim_start().starts_with('=')
 }
 
 /// The path diesel's SQLite driver takes for a `sqlite://` URL.
@@ -99,6 +170,48 @@ mod tests {
             ),
         ] {
             assert_eq!(redact(url), redacted, "{url}");
+        }
+    }
+
+    #[test]
+    fn multi_host_urls_and_conninfo_strings_are_postgres() {
+        for url in [
+            "postgres://app:s3cret@db1:5432,db2:5433/billing?target_session_attrs=read-write",
+            "postgresql://db1,db2/billing",
+            "host=db1,db2 port=5432,5433 dbname=billing target_session_attrs=read-write",
+            "  dbname = billing host=/run/postgresql",
+            "target_session_attrs=read-write host=db1,db2",
+        ] {
+            assert_eq!(Backend::from_url(url).unwrap(), Backend::Postgres, "{url}");
+        }
+        // Not libpq keywords: file paths, as before.
+        for url in ["/tmp/a.db", "inbox.db", "hosts=1.db", "data/host=x.db"] {
+            assert_eq!(Backend::from_url(url).unwrap(), Backend::Sqlite, "{url}");
+        }
+    }
+
+    #[test]
+    fn redacts_passwords_of_multi_host_urls_and_conninfo_strings() {
+        for (url, redacted) in [
+            (
+                "postgres://app:s3cret@db1:5432,db2:5433/billing?target_session_attrs=read-write",
+                "postgres://app:***@db1:5432,db2:5433/billing?target_session_attrs=read-write",
+            ),
+            (
+                "postgres://app@db1,db2/billing?password=s3cret&target_session_attrs=read-write",
+                "postgres://app@db1,db2/billing?password=***&target_session_attrs=read-write",
+            ),
+            (
+                "host=db1,db2 port=5432,5433 password=s3cret target_session_attrs=read-write",
+                "host=db1,db2 port=5432,5433 password=*** target_session_attrs=read-write",
+            ),
+            (
+                "host=db1,db2 password='s3 cret' dbname=billing",
+                "host=db1,db2 password=*** dbname=billing",
+            ),
+        ] {
+            assert_eq!(redact(url), redacted, "{url}");
+            assert!(!redact(url).contains("s3"), "{url}");
         }
     }
 

@@ -576,3 +576,28 @@ fn a_url_of_the_other_backend_is_refused_before_connecting() {
         .unwrap_err();
     assert_eq!(rejected_setting(&err), Some("url"), "{err}");
 }
+
+/// A SQLite store refuses libpq's multi-host forms (the URL and the `key=value`
+/// string) before it connects: it creates no file named after them, and the error
+/// never shows the password. A PostgreSQL store passes both on to libpq.
+#[test]
+fn a_sqlite_store_refuses_multi_host_postgres_urls() {
+    let dir = std::env::temp_dir().join(unique_name("multi_host"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cwd = std::env::current_dir().unwrap();
+    for url in [
+        "host=127.0.0.1,127.0.0.2 port=1,1 user=app password=s3cret target_session_attrs=read-write",
+        "postgres://app:s3cret@127.0.0.1:1,127.0.0.2:1/billing?target_session_attrs=read-write",
+    ] {
+        let err = Store::<SqliteConnection>::builder(url).build().unwrap_err();
+        assert_eq!(rejected_setting(&err), Some("url"), "{err}");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+        assert!(!format!("{err:?}").contains("s3cret"), "{err:?}");
+        assert!(!cwd.join(url).exists());
+        // The PostgreSQL store fails on the closed ports, not on the setting.
+        let err = Store::<PgConnection>::builder(url).build().unwrap_err();
+        assert_eq!(rejected_setting(&err), None, "{err}");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

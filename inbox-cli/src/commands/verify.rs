@@ -1,4 +1,5 @@
-//! `verify`: the live schema, and with `--amqp-url` the broker's topology.
+//! `verify`: the live schema, PostgreSQL's replication (what an acked message's
+//! effects risk on failover), and with `--amqp-url` the broker's topology.
 
 use std::io::Write;
 
@@ -21,6 +22,10 @@ pub(crate) fn verify<C: OperatorConnection>(
     out: &mut dyn Write,
 ) -> Outcome {
     let schema = store.verify_schema();
+    let replication = inbox_diesel::replication::inspect_store(store);
+    let replication_error = replication.as_ref().err().map(ToString::to_string);
+    let report = replication.as_ref().ok().cloned().flatten();
+    let warnings = report.as_ref().map(|r| r.warnings()).unwrap_or_default();
     let topology = match (&args.amqp_url, &schema) {
         (Some(amqp), Ok(())) => Some(check_topology(global, store, args, amqp)),
         _ => None,
@@ -39,6 +44,15 @@ pub(crate) fn verify<C: OperatorConnection>(
             &json!({
                 "schema": if schema_error.is_none() { "ok" } else { "error" },
                 "schema_error": schema_error,
+                "replication": match (&replication, &report) {
+                    (Err(_), _) => "error",
+                    (Ok(_), None) => "skipped",
+                    (Ok(_), Some(r)) => r.mode().as_str(),
+                },
+                "replication_error": replication_error,
+                "replication_warnings": warnings,
+                "replication_standbys": report.as_ref().map(|r| r.standbys.iter().map(|s| s.name.clone()).collect::<Vec<_>>()),
+                "synchronous_commit": report.as_ref().map(|r| r.synchronous_commit.clone()),
                 "topology": match &topology { None => "skipped", Some(Ok(_)) => "ok", Some(Err(_)) => "error" },
                 "topology_error": topology_error,
                 "queues_checked": checked,
@@ -49,6 +63,13 @@ pub(crate) fn verify<C: OperatorConnection>(
             None => "schema: ok\n".to_owned(),
             Some(e) => format!("schema: error: {}\n", escape(e)),
         };
+        text.push_str(&replication_line(
+            report.as_ref(),
+            replication_error.as_deref(),
+        ));
+        for w in &warnings {
+            text.push_str(&format!("replication: warning: {}\n", escape(w)));
+        }
         text.push_str(&match &topology {
             None if args.amqp_url.is_none() => "topology: skipped (no AMQP_URL)\n".to_owned(),
             None => "topology: skipped (the schema failed)\n".to_owned(),
@@ -60,10 +81,42 @@ pub(crate) fn verify<C: OperatorConnection>(
     if let (Err(err), Some(e)) = (&schema, schema_error) {
         return Err(Failure::new(schema_exit_code(err), e).reported());
     }
+    if let Some(e) = replication_error {
+        return Err(Failure::new(exit::FAILURE, e).reported());
+    }
     if let Some(Err(e)) = topology {
         return Err(Failure::new(e.exit_code(), e.to_string()).reported());
     }
     Ok(())
+}
+
+/// The `replication:` line: the mode and what it is made of.
+fn replication_line(
+    report: Option<&inbox_diesel::replication::ReplicationReport>,
+    error: Option<&str>,
+) -> String {
+    use inbox_diesel::replication::Mode;
+    if let Some(e) = error {
+        return format!("replication: error: {}\n", escape(e));
+    }
+    let Some(r) = report else {
+        return "replication: skipped (SQLite)\n".to_owned();
+    };
+    let names = r
+        .standbys
+        .iter()
+        .map(|s| escape(&s.name).to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let detail = match r.mode() {
+        Mode::Standby => "in recovery".to_owned(),
+        Mode::None => "no standby connected".to_owned(),
+        _ => format!(
+            "standbys: {names}; synchronous_commit = {}",
+            escape(&r.synchronous_commit)
+        ),
+    };
+    format!("replication: {} ({detail})\n", r.mode().as_str())
 }
 
 /// Why the topology check did not pass, by whose it is.

@@ -301,12 +301,15 @@ impl<C: StoreConnection> StoreBuilder<C> {
     fn check_settings(&self) -> Result<()> {
         // A store of one backend never opens a URL of the other's scheme (SQLite would
         // take `postgres://...` as a file name). A PostgreSQL store still takes libpq's
-        // `key=value` strings, which name no scheme.
+        // `key=value` strings, which name no scheme; a SQLite store refuses them (it
+        // would create a file named `host=...`).
         let lower = self.url.to_ascii_lowercase();
         let other = match C::BACKEND {
             Backend::Postgres => lower.starts_with("sqlite:") || lower.starts_with("file:"),
             Backend::Sqlite => {
-                lower.starts_with("postgres://") || lower.starts_with("postgresql://")
+                lower.starts_with("postgres://")
+                    || lower.starts_with("postgresql://")
+                    || crate::url::is_conninfo(&self.url)
             }
         };
         if other {
@@ -314,7 +317,7 @@ impl<C: StoreConnection> StoreBuilder<C> {
                 "url",
                 match C::BACKEND {
                     Backend::Postgres => "a postgres:// or postgresql:// URL, or a libpq key=value string (a PostgreSQL store)",
-                    Backend::Sqlite => "a sqlite:// URL or a file path (a SQLite store)",
+                    Backend::Sqlite => "a sqlite:// URL or a file path (a SQLite store), not a postgres:// URL or a libpq key=value string",
                 },
                 format_args!("a URL of the other backend: {}", crate::redact(&self.url)),
             ));
