@@ -25,13 +25,16 @@ use inbox_core::redact_url;
 
 use crate::{Error, Result};
 
-/// The broker URLs of one setting, in the order they are tried.
+/// The broker URLs of one setting, in the order they are tried: separated by
+/// whitespace, or by a comma that a URL scheme follows
+/// (`amqp://a:5672/%2f,amqps://b:5671/%2f`); a comma directly followed by `amqp://`
+/// or `amqps://` inside a URL (in a password, say) must be written `%2C`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct BrokerUrls(Vec<String>);
 
 impl BrokerUrls {
-    /// Reads a setting of one or more URLs (see the [module](self) for the
-    /// separators). One URL is taken as it is (a bad one fails when connecting, as
+    /// Reads a setting of one or more URLs (separated as [`BrokerUrls`]
+    /// says). One URL is taken as it is (a bad one fails when connecting, as
     /// it always has); every item of a longer list must parse as an AMQP URL.
     ///
     /// ```
