@@ -1,10 +1,16 @@
 //! `cargo run --release -p inbox-benches --bin bench_relay`: outbox relay throughput and latency.
 //!
 //! - Throughput: a backlog of 20,000 rows (`BENCH_EVENTS`) published, confirmed and
-//!   marked, with 1 relay and with 3 relays.
-//! - Latency: 500 messages/s enqueued for 6 s, one transaction each; the time from
-//!   each commit to the message's arrival in a bound queue, p50 and p99, with the
-//!   relay woken by PostgreSQL NOTIFY and with polling every 100 ms.
+//!   marked: one relay with one round in flight (rounds one after another), with the
+//!   default two and with four; three relays with the default; and an ordered backlog
+//!   (every row has one of 1,000 ordering keys, 20 rows each, interleaved) with one
+//!   relay, one round and the default. Cases are interleaved over `BENCH_ROUNDS`
+//!   rounds (default 1); the median and the range are printed.
+//! - Latency: `BENCH_RATE` messages/s (default 1,000) enqueued for `BENCH_SECONDS`
+//!   (default 6), one transaction each, from four producer threads; the time from each
+//!   commit to the message's arrival in a bound queue, p50, p99 and p999, with the
+//!   relay woken by PostgreSQL NOTIFY (one round in flight and the default) and with
+//!   polling every 100 ms. The achieved rate is printed beside the offered one.
 //!
 //! `DATABASE_URL` and `AMQP_URL` as for the tests. Fresh schemas and queue names per
 //! run, removed afterwards.
@@ -16,7 +22,7 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection;
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
-use inbox_amqp::{CancellationToken, Relay, RelaySettings};
+use inbox_amqp::{CancellationToken, Relay, RelaySettings, DEFAULT_ROUNDS_IN_FLIGHT};
 use inbox_benches::{env_or, service_urls};
 use inbox_core::{MessageKey, OutboxMessage, OutboxStore, RedactedError};
 use inbox_diesel::{enqueue, Store};
@@ -109,18 +115,28 @@ impl Bench {
         store: &Arc<Store<PgConnection>>,
         id: String,
         notify: bool,
+        rounds: usize,
     ) -> Relay<Store<PgConnection>> {
         Relay::new(self.amqp_url.clone(), Arc::clone(store)).with_settings(
             RelaySettings::default()
                 .relay_id(id)
                 .lease(500, Duration::from_secs(30))
+                .rounds_in_flight(rounds)
                 .poll_interval(Duration::from_millis(100))
                 .wake_on_notify(notify),
         )
     }
 
-    async fn throughput(&self, relays: usize, events: usize) -> f64 {
-        let name = format!("backlog{relays}");
+    /// Messages per second from a backlog of `events` rows; with `ordered`, every row
+    /// has one of 1,000 ordering keys, interleaved.
+    async fn throughput(&self, case: &Case, events: usize) -> f64 {
+        let Case {
+            relays,
+            rounds,
+            ordered,
+            ..
+        } = *case;
+        let name = format!("backlog{relays}_{rounds}_{}", u8::from(ordered));
         let store = self.store(&name);
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
@@ -138,6 +154,11 @@ impl Bench {
                             "usage.recorded",
                             br#"{"user_id":1,"day":"2026-11-30","amount":1}"#.to_vec(),
                         );
+                        let msg = if ordered {
+                            msg.with_ordering_key(format!("account-{}", i % 1_000))
+                        } else {
+                            msg
+                        };
                         enqueue(&mut *db, &msg, now).map_err(|e| {
                             diesel::result::Error::QueryBuilderError(e.to_string().into())
                         })?;
@@ -150,7 +171,7 @@ impl Bench {
         let shutdown = CancellationToken::new();
         let stats: Vec<_> = (0..relays)
             .map(|r| {
-                let relay = self.relay(&store, format!("{name}-{r}"), true);
+                let relay = self.relay(&store, format!("{name}-{r}"), true, rounds);
                 let stats = relay.stats();
                 tokio::spawn(relay.run(shutdown.clone()));
                 stats
@@ -171,8 +192,12 @@ impl Bench {
         events as f64 / elapsed.as_secs_f64()
     }
 
-    async fn latency(&self, notify: bool) -> (Duration, Duration, usize) {
-        let name = if notify { "notify" } else { "polling" };
+    async fn latency(&self, rate: u64, seconds: u64, notify: bool, rounds: usize) -> Latency {
+        let name = format!(
+            "latency_{}_{rounds}",
+            if notify { "notify" } else { "polling" }
+        );
+        let name = name.as_str();
         let store = self.store(name);
         let conn = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
@@ -210,46 +235,55 @@ impl Bench {
 
         let shutdown = CancellationToken::new();
         tokio::spawn(
-            self.relay(&store, format!("{name}-0"), notify)
+            self.relay(&store, format!("{name}-0"), notify, rounds)
                 .run(shutdown.clone()),
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let total = 3_000;
-        let producer = {
-            let store = Arc::clone(&store);
-            let committed = Arc::clone(&committed);
-            tokio::task::spawn_blocking(move || {
-                let mut db = store.connection().expect("db");
-                let started = Instant::now();
-                for i in 0..total {
-                    // 500 messages per second, one transaction each.
-                    let due = started + Duration::from_millis(2 * i as u64);
-                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                        std::thread::sleep(wait);
+        const PRODUCERS: u64 = 4;
+        let total = rate * seconds;
+        let started = Instant::now();
+        let producers: Vec<_> = (0..PRODUCERS)
+            .map(|p| {
+                let store = Arc::clone(&store);
+                let committed = Arc::clone(&committed);
+                let exchange = exchange.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut db = store.connection().expect("db");
+                    // Producer p sends messages p, p + 4, ...: together, `rate` a second,
+                    // one transaction each, on a schedule (open loop).
+                    for i in (p..total).step_by(PRODUCERS as usize) {
+                        let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                        let id = format!("lat-{i}");
+                        let msg = OutboxMessage::new(
+                            MessageKey::new(id.clone()).expect("key"),
+                            exchange.clone(),
+                            "usage.recorded",
+                            b"{}".to_vec(),
+                        );
+                        let now = store.now();
+                        db.transaction::<_, diesel::result::Error, _>(|db| {
+                            enqueue(&mut *db, &msg, now).map_err(|e| {
+                                diesel::result::Error::QueryBuilderError(e.to_string().into())
+                            })?;
+                            Ok(())
+                        })
+                        .expect("enqueue");
+                        committed.lock().expect("map").insert(id, Instant::now());
                     }
-                    let id = format!("lat-{i}");
-                    let msg = OutboxMessage::new(
-                        MessageKey::new(id.clone()).expect("key"),
-                        exchange.clone(),
-                        "usage.recorded",
-                        b"{}".to_vec(),
-                    );
-                    let now = store.now();
-                    db.transaction::<_, diesel::result::Error, _>(|db| {
-                        enqueue(&mut *db, &msg, now).map_err(|e| {
-                            diesel::result::Error::QueryBuilderError(e.to_string().into())
-                        })?;
-                        Ok(())
-                    })
-                    .expect("enqueue");
-                    committed.lock().expect("map").insert(id, Instant::now());
-                }
-                exchange
+                })
             })
-        };
-        let exchange = producer.await.expect("producer");
+            .collect();
+        for producer in producers {
+            producer.await.expect("producer");
+        }
+        let achieved = total as f64 / started.elapsed().as_secs_f64();
         let deadline = Instant::now() + Duration::from_secs(30);
-        while latencies.lock().expect("latencies").len() < total && Instant::now() < deadline {
+        while latencies.lock().expect("latencies").len() < total as usize
+            && Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         shutdown.cancel();
@@ -263,31 +297,119 @@ impl Bench {
         };
         self.remove(&conn, &exchange, &queue).await;
         self.drop_schema(name);
-        (pick(0.50), pick(0.99), all.len())
+        Latency {
+            p50: pick(0.50),
+            p99: pick(0.99),
+            p999: pick(0.999),
+            received: all.len(),
+            achieved,
+        }
     }
+}
+
+/// A throughput case.
+struct Case {
+    label: &'static str,
+    relays: usize,
+    rounds: usize,
+    ordered: bool,
+}
+
+struct Latency {
+    p50: Duration,
+    p99: Duration,
+    p999: Duration,
+    received: usize,
+    achieved: f64,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let (db_url, amqp_url) = service_urls();
     let events: usize = env_or("BENCH_EVENTS", 20_000);
+    let rounds: usize = env_or("BENCH_ROUNDS", 1).max(1);
+    let rate: u64 = env_or("BENCH_RATE", 1_000);
+    let seconds: u64 = env_or("BENCH_SECONDS", 6);
     let bench = Bench {
         db_url,
         amqp_url,
         run: format!("relaybench_{}", std::process::id()),
     };
-    println!("backlog of {events} rows, leases of 500; PostgreSQL fsync on");
-    let one = bench.throughput(1, events).await;
-    println!("1 relay:  {one:>8.0} messages/s published, confirmed and marked");
-    let three = bench.throughput(3, events).await;
-    println!("3 relays: {three:>8.0} messages/s");
-    for notify in [true, false] {
-        let (p50, p99, n) = bench.latency(notify).await;
+    let default = DEFAULT_ROUNDS_IN_FLIGHT;
+    let cases = [
+        Case {
+            label: "1 relay, 1 round in flight",
+            relays: 1,
+            rounds: 1,
+            ordered: false,
+        },
+        Case {
+            label: "1 relay, default rounds",
+            relays: 1,
+            rounds: default,
+            ordered: false,
+        },
+        Case {
+            label: "1 relay, 4 rounds in flight",
+            relays: 1,
+            rounds: 4,
+            ordered: false,
+        },
+        Case {
+            label: "3 relays, default rounds",
+            relays: 3,
+            rounds: default,
+            ordered: false,
+        },
+        Case {
+            label: "ordered, 1 relay, 1 round",
+            relays: 1,
+            rounds: 1,
+            ordered: true,
+        },
+        Case {
+            label: "ordered, 1 relay, default",
+            relays: 1,
+            rounds: default,
+            ordered: true,
+        },
+    ];
+    println!(
+        "backlog of {events} rows, leases of 500, {rounds} interleaved round(s); PostgreSQL fsync on; \
+         default rounds in flight: {default}"
+    );
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for _ in 0..rounds {
+        for (case, seen) in cases.iter().zip(&mut rates) {
+            seen.push(bench.throughput(case, events).await);
+        }
+    }
+    for (case, seen) in cases.iter().zip(&mut rates) {
+        let (low, high) = (
+            seen.iter().copied().fold(f64::INFINITY, f64::min),
+            seen.iter().copied().fold(0.0, f64::max),
+        );
+        println!(
+            "{:<30} {:>8.0} messages/s published, confirmed and marked (range {low:.0} to {high:.0})",
+            case.label,
+            median(seen)
+        );
+    }
+    for (notify, rounds) in [(true, 1), (true, default), (false, default)] {
+        let l = bench.latency(rate, seconds, notify, rounds).await;
         let mode = if notify {
-            "LISTEN/NOTIFY"
+            format!("LISTEN/NOTIFY, {rounds} round(s)")
         } else {
-            "polling 100 ms"
+            format!("polling 100 ms, {rounds} round(s)")
         };
-        println!("commit-to-publish at 500 msg/s, {mode:<14}: p50 {p50:>9.2?}  p99 {p99:>9.2?}  ({n} messages)");
+        println!(
+            "commit-to-publish at {rate} msg/s (achieved {:.0}), {mode:<28}: p50 {:>9.2?}  p99 {:>9.2?}  p999 {:>9.2?}  ({} messages)",
+            l.achieved, l.p50, l.p99, l.p999, l.received
+        );
     }
 }

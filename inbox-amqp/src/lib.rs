@@ -48,7 +48,9 @@ pub use consumer::{Consumer, ConsumerSettings};
 pub use delivery::{OCCURRED_AT_HEADER, TENANT_HEADER};
 pub use error::{Error, Result};
 pub use frames::{frame_parse_stack, reserve_frame_stack, FrameStack, FRAME_MAX};
-pub use relay::{Relay, RelaySettings, RelaySnapshot, RelayStats};
+pub use relay::{
+    Relay, RelaySettings, RelaySnapshot, RelayStats, DEFAULT_ROUNDS_IN_FLIGHT, MAX_ROUNDS_IN_FLIGHT,
+};
 pub use serve::serve;
 pub use shutdown::{cancel_on_signals, shutdown_signal};
 pub use stats::{ConsumerStats, StatsSnapshot};

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::{Channel, Connection};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -18,6 +19,13 @@ use crate::outbox_publisher::{confirm_channel, AmqpPublisher};
 use crate::supervisor::Supervisor;
 use crate::{Error, Result};
 
+/// Rounds a relay has in flight unless told otherwise.
+pub const DEFAULT_ROUNDS_IN_FLIGHT: usize = 2;
+
+/// The most rounds a relay may have in flight: each holds a channel and a blocking
+/// thread while it waits.
+pub const MAX_ROUNDS_IN_FLIGHT: usize = 32;
+
 /// How a [`Relay`] runs.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -28,6 +36,12 @@ pub struct RelaySettings {
     pub relay_id: String,
     /// Most rows leased at once (default 500).
     pub batch_size: usize,
+    /// Rounds in flight at once (default 2; 1 to 32): each has its own channel on the
+    /// relay's connection and leases, publishes and marks on its own, so one round
+    /// leases while another waits for its broker's confirms or its mark's commit.
+    /// The ordering promise holds across them as across relays: a key's next row is
+    /// not leased while an earlier one is unpublished.
+    pub rounds_in_flight: usize,
     /// How long a lease holds (default 30 s; above zero and at most a year,
     /// [`MAX_RETRY_DELAY`], else refused). A relay that dies leaves leases that
     /// expire; another relay then takes the rows.
@@ -58,6 +72,7 @@ impl Default for RelaySettings {
         Self {
             relay_id: default_relay_id(),
             batch_size: 500,
+            rounds_in_flight: DEFAULT_ROUNDS_IN_FLIGHT,
             lease_for: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
             wake_on_notify: true,
@@ -79,6 +94,12 @@ impl RelaySettings {
     pub fn lease(mut self, batch_size: usize, lease_for: Duration) -> Self {
         self.batch_size = batch_size;
         self.lease_for = lease_for;
+        self
+    }
+
+    /// Sets how many rounds are in flight at once (1 runs them one after another).
+    pub fn rounds_in_flight(mut self, rounds: usize) -> Self {
+        self.rounds_in_flight = rounds;
         self
     }
 
@@ -151,6 +172,13 @@ impl RelaySettings {
         }
         if self.batch_size == 0 {
             return Err(Error::invalid("lease", "a batch size of at least 1", 0));
+        }
+        if !(1..=MAX_ROUNDS_IN_FLIGHT).contains(&self.rounds_in_flight) {
+            return Err(Error::invalid(
+                "rounds_in_flight",
+                "1 to 32 (MAX_ROUNDS_IN_FLIGHT)",
+                self.rounds_in_flight,
+            ));
         }
         for (setting, value) in [
             ("lease", self.lease_for),
@@ -250,9 +278,11 @@ impl RelayStats {
 /// rest go on; a row that cannot be encoded as AMQP; a row the store cannot read.
 /// Rows with the same ordering key are never leased while an earlier one is live,
 /// so they reach the broker in commit order across any number of relays. No
-/// database transaction is held across broker I/O. After a non-empty
-/// round it leases again at once; when idle it waits for a NOTIFY or the poll
-/// interval. At-least-once: a relay that dies between publishing and marking leaves
+/// database transaction is held across broker I/O. A relay keeps
+/// [`RelaySettings::rounds_in_flight`] rounds going at once (two by default), each
+/// on its own channel: one leases and publishes while another waits for confirms
+/// or for its mark to commit. After a non-empty round a lane leases again at once;
+/// when idle it waits for a NOTIFY or the poll interval. At-least-once: a relay that dies between publishing and marking leaves
 /// leases that expire, and the rows are published again (the consumer's inbox
 /// absorbs the copy).
 ///
@@ -320,8 +350,14 @@ impl<O: OutboxStore> Relay<O> {
         supervisor
             .run(
                 shutdown,
-                |conn| async move { Ok(confirm_channel(&conn).await?) },
-                move |conn, channel| async move { relay.session(conn, channel, shutdown).await },
+                |conn| async move {
+                    let mut channels = Vec::with_capacity(s.rounds_in_flight);
+                    for _ in 0..s.rounds_in_flight {
+                        channels.push(confirm_channel(&conn).await?);
+                    }
+                    Ok(channels)
+                },
+                move |conn, channels| async move { relay.session(conn, channels, shutdown).await },
                 || {
                     relay.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!(inbox_core::metrics::OUTBOX_RELAY_RECONNECTS_TOTAL)
@@ -349,8 +385,56 @@ impl<O: OutboxStore> Relay<O> {
             })
     }
 
-    /// Relay rounds on one connection until shutdown or the connection is lost.
+    /// A copy sharing the store and the counters, for a round of its own.
+    fn lane(&self) -> Self {
+        Self {
+            url: self.url.clone(),
+            store: Arc::clone(&self.store),
+            settings: self.settings.clone(),
+            stats: Arc::clone(&self.stats),
+        }
+    }
+
+    /// Relay rounds on one connection until shutdown or the connection is lost: one
+    /// lane of rounds per channel, all at once. When one lane ends (the connection
+    /// or its channel lost, a fatal error), the others finish the round they are in
+    /// and stop, and the session ends with the first lane's reason.
     async fn session(
+        &self,
+        conn: Arc<Connection>,
+        channels: Vec<Channel>,
+        shutdown: &CancellationToken,
+    ) -> std::result::Result<(), SessionEnd> {
+        let stop = shutdown.child_token();
+        let mut lanes = JoinSet::new();
+        for channel in channels {
+            let (lane, conn, stop) = (self.lane(), Arc::clone(&conn), stop.clone());
+            lanes.spawn(
+                async move {
+                    let end = lane.rounds(conn, channel, &stop).await;
+                    stop.cancel();
+                    end
+                }
+                .in_current_span(),
+            );
+        }
+        let mut first = Ok(());
+        while let Some(joined) = lanes.join_next().await {
+            let end = joined.unwrap_or_else(|source| {
+                Err(SessionEnd::Fatal(Error::TaskFailed {
+                    task: "relay round",
+                    source,
+                }))
+            });
+            if first.is_ok() {
+                first = end;
+            }
+        }
+        first
+    }
+
+    /// One lane's rounds on `channel` until `shutdown` or a loss.
+    async fn rounds(
         &self,
         conn: Arc<Connection>,
         channel: Channel,
@@ -568,6 +652,18 @@ mod tests {
         assert!(RelaySettings::default().check().is_ok());
         let setting = |settings| refused(settings).0;
         assert_eq!(setting(RelaySettings::default().lease(0, ms(10))), "lease");
+        for rounds in [0, MAX_ROUNDS_IN_FLIGHT + 1] {
+            assert_eq!(
+                refused(RelaySettings::default().rounds_in_flight(rounds)),
+                ("rounds_in_flight", rounds.to_string())
+            );
+        }
+        for rounds in [1, DEFAULT_ROUNDS_IN_FLIGHT, MAX_ROUNDS_IN_FLIGHT] {
+            assert!(RelaySettings::default()
+                .rounds_in_flight(rounds)
+                .check()
+                .is_ok());
+        }
         assert_eq!(setting(RelaySettings::default().relay_id("")), "relay_id");
         assert_eq!(
             setting(RelaySettings::default().lease(5, Duration::ZERO)),

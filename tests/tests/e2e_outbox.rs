@@ -438,6 +438,152 @@ async fn ordering_keys_reach_the_queue_in_id_order_across_three_relays() {
     world.cleanup().await;
 }
 
+/// A store whose lease of one row stalls until the test lets it go: the round that
+/// leased the row is stuck after its lease committed and before publishing.
+struct StallsOnRow {
+    inner: Arc<Store<PgConnection>>,
+    row: i64,
+    stalled: std::sync::atomic::AtomicBool,
+    release: std::sync::Mutex<bool>,
+    released: std::sync::Condvar,
+}
+
+impl StallsOnRow {
+    fn let_go(&self) {
+        *self.release.lock().unwrap() = true;
+        self.released.notify_all();
+    }
+}
+
+impl OutboxStore for StallsOnRow {
+    fn lease(&self, relay: &str, limit: usize, lease_for: Duration) -> inbox_core::Result<Lease> {
+        let lease = self.inner.lease(relay, limit, lease_for)?;
+        if lease.rows.iter().any(|r| r.id == self.row) {
+            self.stalled
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let mut go = self.release.lock().unwrap();
+            while !*go {
+                go = self.released.wait(go).unwrap();
+            }
+        }
+        Ok(lease)
+    }
+
+    fn mark_published(&self, relay: &str, ids: &[i64]) -> inbox_core::Result<usize> {
+        self.inner.mark_published(relay, ids)
+    }
+
+    fn record_failures(&self, relay: &str, f: &[OutboxFailure]) -> inbox_core::Result<()> {
+        self.inner.record_failures(relay, f)
+    }
+
+    fn oldest_unpublished_age(&self) -> inbox_core::Result<Option<Duration>> {
+        self.inner.oldest_unpublished_age()
+    }
+
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.inner.now()
+    }
+
+    fn wait_for_enqueue(&self, timeout: Duration) -> inbox_core::Result<bool> {
+        self.inner.wait_for_enqueue(timeout)
+    }
+}
+
+/// Rounds in flight at once: while one round is stuck between its lease and its
+/// publishing, the relay's other round goes on publishing, and still never takes the
+/// stuck row's ordering key's next row, which would overtake it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_round_does_not_stop_the_next_nor_let_its_keys_next_row_overtake() {
+    let Some(world) = World::new() else { return };
+    let conn = amqp::connect(&world.url).await;
+    world.topology.declare(&conn).await.unwrap();
+    let (channel, queue) = world.bound_queue(&conn, "overlap", "overlap.#").await;
+    let mut db = world.db.connect();
+    let now = world.store.now();
+    let row = |name: &str, key: Option<&str>| {
+        let msg = OutboxMessage::new(
+            MessageKey::new(format!("overlap-{name}")).unwrap(),
+            world.exchange(),
+            "overlap.event",
+            name.as_bytes().to_vec(),
+        );
+        match key {
+            Some(key) => msg.with_ordering_key(key),
+            None => msg,
+        }
+    };
+    let first = match enqueue(&mut db, &row("k1", Some("k")), now).unwrap() {
+        EnqueueOutcome::Enqueued { id } => id,
+        other => panic!("{other:?}"),
+    };
+    for i in 0..20 {
+        enqueue(&mut db, &row(&format!("x{i}"), None), now).unwrap();
+    }
+    enqueue(&mut db, &row("k2", Some("k")), now).unwrap();
+
+    let store = Arc::new(StallsOnRow {
+        inner: Arc::clone(&world.store),
+        row: first,
+        stalled: false.into(),
+        release: false.into(),
+        released: std::sync::Condvar::new(),
+    });
+    let relay = Relay::new(world.url.clone(), Arc::clone(&store)).with_settings(
+        RelaySettings::default()
+            .relay_id("overlap")
+            .rounds_in_flight(2)
+            .lease(1, Duration::from_secs(60))
+            .poll_interval(ms(50)),
+    );
+    let stats = relay.stats();
+    let shutdown = CancellationToken::new();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    // The other round publishes every unkeyed row while the first is stuck...
+    let others = eventually(Duration::from_secs(30), || {
+        store.stalled.load(std::sync::atomic::Ordering::SeqCst) && stats.snapshot().published == 20
+    })
+    .await;
+    // ...and leaves k2 alone: its key's earlier row k1 is leased, not published.
+    tokio::time::sleep(ms(500)).await;
+    let (published, unpublished) = (stats.snapshot().published, world.unpublished());
+    store.let_go();
+    assert!(others, "published while a round was stuck: {published}");
+    assert_eq!((published, unpublished), (20, 2), "k2 must wait for k1");
+    assert!(eventually(Duration::from_secs(30), || world.unpublished() == 0).await);
+    shutdown.cancel();
+    relaying.await.unwrap().unwrap();
+
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "reader".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let mut keyed = Vec::new();
+    for _ in 0..22 {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let body = String::from_utf8(d.data.clone()).unwrap();
+        if body.starts_with('k') {
+            keyed.push(body);
+        }
+        d.ack(Default::default()).await.unwrap();
+    }
+    assert_eq!(keyed, ["k1", "k2"]);
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    world.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
     let Some(world) = World::new() else { return };
