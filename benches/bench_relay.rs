@@ -12,6 +12,8 @@
 //!   relay woken by PostgreSQL NOTIFY (one round in flight and the default) and with
 //!   polling every 100 ms. The achieved rate is printed beside the offered one.
 //!
+//! `BENCH_ONLY=throughput` or `BENCH_ONLY=latency` runs one half alone.
+//!
 //! `DATABASE_URL` and `AMQP_URL` as for the tests. Fresh schemas and queue names per
 //! run, removed afterwards.
 
@@ -23,7 +25,7 @@ use diesel::connection::SimpleConnection;
 use diesel::{Connection as _, PgConnection};
 use futures_lite::StreamExt;
 use inbox_amqp::{CancellationToken, Relay, RelaySettings, DEFAULT_ROUNDS_IN_FLIGHT};
-use inbox_benches::{env_or, service_urls};
+use inbox_benches::{cpu_ticks, cpu_ticks_of, env_or, service_urls, TICKS_PER_SECOND};
 use inbox_core::{MessageKey, OutboxMessage, OutboxStore, RedactedError};
 use inbox_diesel::{enqueue, Store};
 use lapin::options::{
@@ -129,7 +131,7 @@ impl Bench {
 
     /// Messages per second from a backlog of `events` rows; with `ordered`, every row
     /// has one of 1,000 ordering keys, interleaved.
-    async fn throughput(&self, case: &Case, events: usize) -> f64 {
+    async fn throughput(&self, case: &Case, events: usize) -> (f64, Cpu) {
         let Case {
             relays,
             rounds,
@@ -178,6 +180,7 @@ impl Bench {
             })
             .collect();
         let started = Instant::now();
+        let before = cpu();
         loop {
             let published: u64 = stats.iter().map(|s| s.snapshot().published).sum();
             if published as usize >= events {
@@ -186,10 +189,14 @@ impl Bench {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let elapsed = started.elapsed();
+        let used = cpu().minus(&before);
         shutdown.cancel();
         self.remove(&conn, &exchange, &queue).await;
         self.drop_schema(&name);
-        events as f64 / elapsed.as_secs_f64()
+        (
+            events as f64 / elapsed.as_secs_f64(),
+            used.per_row(events, elapsed),
+        )
     }
 
     async fn latency(&self, rate: u64, seconds: u64, notify: bool, rounds: usize) -> Latency {
@@ -307,6 +314,49 @@ impl Bench {
     }
 }
 
+/// CPU seconds used by the relay's process, PostgreSQL and RabbitMQ; once divided by
+/// [`Cpu::per_row`], microseconds per row, and `busy` the share of the machine's
+/// cores the three kept busy.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    relay: f64,
+    postgres: f64,
+    rabbitmq: f64,
+    busy: f64,
+}
+
+fn cpu() -> Cpu {
+    let seconds = |ticks: u64| ticks as f64 / TICKS_PER_SECOND;
+    Cpu {
+        relay: seconds(cpu_ticks(std::process::id()).unwrap_or(0)),
+        postgres: seconds(cpu_ticks_of("postgres")),
+        rabbitmq: seconds(cpu_ticks_of("beam.smp")),
+        busy: 0.0,
+    }
+}
+
+impl Cpu {
+    fn minus(&self, earlier: &Cpu) -> Cpu {
+        Cpu {
+            relay: self.relay - earlier.relay,
+            postgres: self.postgres - earlier.postgres,
+            rabbitmq: self.rabbitmq - earlier.rabbitmq,
+            busy: 0.0,
+        }
+    }
+
+    fn per_row(&self, rows: usize, elapsed: Duration) -> Cpu {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+        let us = |s: f64| s * 1e6 / rows as f64;
+        Cpu {
+            relay: us(self.relay),
+            postgres: us(self.postgres),
+            rabbitmq: us(self.rabbitmq),
+            busy: (self.relay + self.postgres + self.rabbitmq) / (elapsed.as_secs_f64() * cores),
+        }
+    }
+}
+
 /// A throughput case.
 struct Case {
     label: &'static str,
@@ -335,6 +385,8 @@ async fn main() {
     let rounds: usize = env_or("BENCH_ROUNDS", 1).max(1);
     let rate: u64 = env_or("BENCH_RATE", 1_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 6);
+    // `throughput` or `latency` runs that half alone.
+    let only: String = env_or("BENCH_ONLY", String::new());
     let bench = Bench {
         db_url,
         amqp_url,
@@ -384,12 +436,21 @@ async fn main() {
          default rounds in flight: {default}"
     );
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    let mut cpus: Vec<Cpu> = vec![Cpu::default(); cases.len()];
+    let rounds = if only == "latency" { 0 } else { rounds };
     for _ in 0..rounds {
-        for (case, seen) in cases.iter().zip(&mut rates) {
-            seen.push(bench.throughput(case, events).await);
+        for ((case, seen), used) in cases.iter().zip(&mut rates).zip(&mut cpus) {
+            let (rate, cpu) = bench.throughput(case, events).await;
+            seen.push(rate);
+            *used = cpu; // the last round's
         }
     }
-    for (case, seen) in cases.iter().zip(&mut rates) {
+    for ((case, seen), used) in cases
+        .iter()
+        .zip(&mut rates)
+        .zip(&cpus)
+        .filter(|((_, s), _)| !s.is_empty())
+    {
         let (low, high) = (
             seen.iter().copied().fold(f64::INFINITY, f64::min),
             seen.iter().copied().fold(0.0, f64::max),
@@ -399,8 +460,22 @@ async fn main() {
             case.label,
             median(seen)
         );
+        println!(
+            "{:<30} CPU per row: relay {:.0} us, PostgreSQL {:.0} us, RabbitMQ {:.0} us; \
+             {:.0}% of the cores busy",
+            "",
+            used.relay,
+            used.postgres,
+            used.rabbitmq,
+            used.busy * 100.0
+        );
     }
-    for (notify, rounds) in [(true, 1), (true, default), (false, default)] {
+    let latency_cases = if only == "throughput" {
+        &[][..]
+    } else {
+        &[(true, 1), (true, default), (false, default)][..]
+    };
+    for &(notify, rounds) in latency_cases {
         let l = bench.latency(rate, seconds, notify, rounds).await;
         let mode = if notify {
             format!("LISTEN/NOTIFY, {rounds} round(s)")

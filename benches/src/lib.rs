@@ -82,6 +82,22 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(user + system)
 }
 
+/// CPU time (as [`cpu_ticks`]) used so far by the live processes whose command name
+/// is `comm` (`postgres`, `beam.smp`): a server's share of a run is the difference
+/// of two readings, while its processes stay up.
+pub fn cpu_ticks_of(comm: &str) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|name| name.trim_end() == comm)
+        })
+        .filter_map(cpu_ticks)
+        .sum()
+}
+
 /// Linux's `USER_HZ`, the unit of [`cpu_ticks`].
 pub const TICKS_PER_SECOND: f64 = 100.0;
 

@@ -147,6 +147,47 @@ impl Scene {
         })
     }
 
+    /// Blocks (up to a minute) until the consumer has processed `n` events.
+    fn reached(&self, stats: &ConsumerStats, n: usize) -> bool {
+        let n = u64::try_from(n).unwrap();
+        self.runtime
+            .block_on(amqp::eventually(Duration::from_secs(60), || {
+                stats.snapshot().processed >= n
+            }))
+    }
+
+    /// The end of every scenario: waits (up to two minutes) for every distinct event
+    /// to be settled and then for every copy to be delivered, stops the consumer,
+    /// prints `what` with its counters and checks the verdict; `reconnected` when the
+    /// scenario must have made the consumer reconnect.
+    fn finish(&self, what: &str, end: Ending<'_>, reconnected: bool) {
+        let Ending {
+            workload,
+            published,
+            stats,
+            shutdown,
+            running,
+        } = end;
+        let all = i64::try_from(workload.events.len()).unwrap();
+        let (db, schema) = (self.db.url().to_owned(), self.db.schema.clone());
+        let done = self
+            .runtime
+            .block_on(amqp::eventually(Duration::from_secs(120), || {
+                settled(&db, &schema) >= all
+            }));
+        let drained = self.drained(&stats, published);
+        shutdown.cancel();
+        self.runtime.block_on(running).unwrap().unwrap();
+        let stats = stats.snapshot();
+        eprintln!("{what}: {stats:?}");
+        assert!(done, "the consumer stalled: {stats:?}");
+        assert!(drained, "copies left undelivered in the queue: {stats:?}");
+        if reconnected {
+            assert!(stats.reconnects >= 1, "{stats:?}");
+        }
+        self.verdict(workload, published);
+    }
+
     fn consumer(&self) -> Consumer<Store<PgConnection>> {
         self.consumer_of(self.cluster.url_list())
     }
@@ -187,6 +228,15 @@ impl Scene {
     }
 }
 
+/// A running scenario, handed to [`Scene::finish`].
+struct Ending<'w> {
+    workload: &'w Workload,
+    published: usize,
+    stats: Arc<ConsumerStats>,
+    shutdown: CancellationToken,
+    running: tokio::task::JoinHandle<inbox_amqp::Result<()>>,
+}
+
 /// Claims settled (done or dead) in `schema`.
 fn settled(db_url: &str, schema: &str) -> i64 {
     use diesel::connection::SimpleConnection;
@@ -225,12 +275,7 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
-    let kill_after = u64::try_from(events() / 10).unwrap();
-    let started = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(60), || {
-            stats.snapshot().processed >= kill_after
-        }));
+    let started = scene.reached(&stats, events() / 10);
     assert!(
         started,
         "the consumer did not start: {:?}",
@@ -242,26 +287,19 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
         at_kill.processed < u64::try_from(events()).unwrap(),
         "the kill did not land mid-stream: {at_kill:?}"
     );
-    let all = i64::try_from(workload.events.len()).unwrap();
-    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
-    let done = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(120), || {
-            settled(&db, &schema) >= all
-        }));
-    let drained = scene.drained(&stats, published);
-    shutdown.cancel();
-    scene.runtime.block_on(running).unwrap().unwrap();
-    let stats = stats.snapshot();
-    eprintln!(
-        "leader node {leader} killed at {} processed; new leader {:?}; {stats:?}",
-        at_kill.processed,
-        scene.cluster.leader_of(&queue)
+    let what = format!(
+        "leader node {leader} killed at {} processed",
+        at_kill.processed
     );
-    assert!(done, "the consumer stalled after the kill: {stats:?}");
-    assert!(drained, "copies left undelivered in the queue: {stats:?}");
-    assert!(stats.reconnects >= 1, "{stats:?}");
-    scene.verdict(&workload, published);
+    let end = Ending {
+        workload: &workload,
+        published,
+        stats,
+        shutdown,
+        running,
+    };
+    scene.finish(&what, end, true);
+    eprintln!("new leader {:?}", scene.cluster.leader_of(&queue));
 }
 
 /// A rolling restart of the three nodes (each stopped and started again in turn,
@@ -281,31 +319,19 @@ fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
     let mut published = 0;
     for node in 0..3 {
         published += scene.publish_range(&workload, node * wave..(node + 1) * wave);
-        let mid = u64::try_from(node * wave + wave / 10).unwrap();
-        let started = scene
-            .runtime
-            .block_on(amqp::eventually(Duration::from_secs(60), || {
-                stats.snapshot().processed >= mid
-            }));
+        let started = scene.reached(&stats, node * wave + wave / 10);
         assert!(started, "wave {node} not consumed: {:?}", stats.snapshot());
         scene.cluster.stop_node(node).unwrap();
         scene.cluster.restart_node(node).unwrap();
     }
-    let all = i64::try_from(workload.events.len()).unwrap();
-    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
-    let done = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(120), || {
-            settled(&db, &schema) >= all
-        }));
-    let drained = scene.drained(&stats, published);
-    shutdown.cancel();
-    scene.runtime.block_on(running).unwrap().unwrap();
-    let stats = stats.snapshot();
-    eprintln!("rolling restart: {stats:?}");
-    assert!(done, "the consumer stalled: {stats:?}");
-    assert!(drained, "copies left undelivered in the queue: {stats:?}");
-    scene.verdict(&workload, published);
+    let end = Ending {
+        workload: &workload,
+        published,
+        stats,
+        shutdown,
+        running,
+    };
+    scene.finish("rolling restart", end, false);
 }
 
 /// The consumer's first node reached through a proxy that then cuts it off (the
@@ -324,12 +350,7 @@ fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
-    let cut_after = u64::try_from(events() / 10).unwrap();
-    let started = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(60), || {
-            stats.snapshot().processed >= cut_after
-        }));
+    let started = scene.reached(&stats, events() / 10);
     assert!(
         started,
         "the consumer did not start: {:?}",
@@ -342,20 +363,12 @@ fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
         at_cut.processed < u64::try_from(events()).unwrap(),
         "the cut did not land mid-stream: {at_cut:?}"
     );
-    let all = i64::try_from(workload.events.len()).unwrap();
-    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
-    let done = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(120), || {
-            settled(&db, &schema) >= all
-        }));
-    let drained = scene.drained(&stats, published);
-    shutdown.cancel();
-    scene.runtime.block_on(running).unwrap().unwrap();
-    let stats = stats.snapshot();
-    eprintln!("cut at {} processed: {stats:?}", at_cut.processed);
-    assert!(done, "the consumer stalled after the cut: {stats:?}");
-    assert!(drained, "copies left undelivered in the queue: {stats:?}");
-    assert!(stats.reconnects >= 1, "{stats:?}");
-    scene.verdict(&workload, published);
+    let end = Ending {
+        workload: &workload,
+        published,
+        stats,
+        shutdown,
+        running,
+    };
+    scene.finish(&format!("cut at {} processed", at_cut.processed), end, true);
 }
