@@ -30,9 +30,10 @@ pub const MAX_ROUNDS_IN_FLIGHT: usize = 32;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RelaySettings {
-    /// The relay's name, recorded as `leased_by` (default:
-    /// `relay-<host>-<pid>-<random>-<n>`, unique across containers where every process
-    /// is pid 1).
+    /// The relay's name (default: `relay-<host>-<pid>-<random>-<n>`, unique across
+    /// containers where every process is pid 1). Each round leases as
+    /// `<relay_id>/<32 random hex digits>`, recorded as `leased_by`: a round marks
+    /// and records failures only of rows its own lease holds.
     pub relay_id: String,
     /// Most rows leased at once (default 500).
     pub batch_size: usize,

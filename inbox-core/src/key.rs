@@ -51,6 +51,15 @@ impl MessageKey {
     /// are length-prefixed, so `("a:b", "c")` and `("a", "b:c")` never collide, and a
     /// different namespace (a tenant, a service) never collides with another.
     ///
+    /// The object id must never name two objects. An id drawn from a database
+    /// sequence (`BIGSERIAL`) can: a failover to an asynchronous standby loses the
+    /// last committed transactions together with the sequence's advance, and the
+    /// next object gets a lost object's id. If the lost object's message had already
+    /// left, the new object's message has its key and is dropped as a duplicate. On
+    /// such a database derive from an identity that does not come round again (a
+    /// random UUID column, a business key), or keep commits on a synchronous standby
+    /// (docs/postgres-failover.md).
+    ///
     /// ```
     /// use inbox_core::MessageKey;
     /// let a = MessageKey::derive("billing", "usage-event-981", "usage.recorded");

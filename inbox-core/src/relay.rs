@@ -14,7 +14,8 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RelayRound {
-    /// The relay's name, recorded as `leased_by`.
+    /// The relay's name. A round leases as `<relay>/<token>`, the token 32 random hex
+    /// digits drawn per round ([`RelayRound::run`]), recorded as `leased_by`.
     pub relay: String,
     /// Most rows leased at once.
     pub limit: usize,
@@ -64,7 +65,13 @@ impl RelayRound {
         O: OutboxStore + ?Sized,
         P: OutboxPublisher + ?Sized,
     {
-        let lease = outbox.lease(&self.relay, self.limit, self.lease_for)?;
+        // The lease's holder is this round alone: a late mark or failure of this round
+        // only touches rows this very lease holds. The relay's name alone would not
+        // do: after a failover that lost committed transactions, the outbox's id
+        // sequence hands out the lost ids again, and another round of the same relay
+        // may hold a new row under an id this round published an old row as.
+        let holder = format!("{}/{}", self.relay, uuid::Uuid::new_v4().simple());
+        let lease = outbox.lease(&holder, self.limit, self.lease_for)?;
         let mut report = RoundReport {
             leased: lease.rows.len() + lease.unreadable.len(),
             ..RoundReport::default()
@@ -100,12 +107,12 @@ impl RelayRound {
             .collect();
         // Marked only after the publisher confirmed: a relay that dies here leaves
         // the rows leased, and they are published again after the lease expires.
-        match outbox.mark_published(&self.relay, &publication.published) {
+        match outbox.mark_published(&holder, &publication.published) {
             Ok(marked) => report.marked = marked,
             Err(err) => report.mark_error = Some(err),
         }
         if !report.failures.is_empty() {
-            if let Err(err) = outbox.record_failures(&self.relay, &report.failures) {
+            if let Err(err) = outbox.record_failures(&holder, &report.failures) {
                 report.record_error = Some(err);
             }
         }
@@ -246,21 +253,30 @@ mod tests {
         /// How many of the marked rows are still leased.
         still_leased: usize,
         fail_mark: bool,
+        /// The holder of the last lease.
+        holder: Mutex<Option<String>>,
     }
 
     impl OutboxStore for FakeOutbox {
         fn lease(&self, relay: &str, _: usize, _: Duration) -> Result<Lease> {
-            assert_eq!(relay, "r");
+            // The round's own holder: the relay's name and 32 random hex digits.
+            let token = relay.strip_prefix("r/").expect(relay);
+            assert!(token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit()));
+            let mut holder = self.holder.lock().unwrap();
+            assert_ne!(holder.as_deref(), Some(relay), "a token per round");
+            *holder = Some(relay.to_owned());
             Ok(self.lease.clone())
         }
-        fn mark_published(&self, _: &str, ids: &[i64]) -> Result<usize> {
+        fn mark_published(&self, relay: &str, ids: &[i64]) -> Result<usize> {
+            assert_eq!(self.holder.lock().unwrap().as_deref(), Some(relay));
             if self.fail_mark {
                 return Err(Error::Store("database went away".into()));
             }
             self.marked.lock().unwrap().extend_from_slice(ids);
             Ok(ids.len().min(self.still_leased))
         }
-        fn record_failures(&self, _: &str, failures: &[OutboxFailure]) -> Result<()> {
+        fn record_failures(&self, relay: &str, failures: &[OutboxFailure]) -> Result<()> {
+            assert_eq!(self.holder.lock().unwrap().as_deref(), Some(relay));
             self.recorded.lock().unwrap().extend_from_slice(failures);
             Ok(())
         }
@@ -318,6 +334,7 @@ mod tests {
             recorded: Mutex::new(vec![]),
             still_leased: usize::MAX,
             fail_mark: false,
+            holder: Mutex::new(None),
         }
     }
 

@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use inbox_core::{
     relay_in_process, Clock, Decision, EnqueueOutcome, InProcessTransport, ManualClock, MessageKey,
-    OutboxFailure, OutboxFate, OutboxMessage, OutboxStore,
+    OutboxFailure, OutboxFate, OutboxMessage, OutboxStore, Publication,
 };
 use inbox_diesel::{
     enqueue, enqueue_all, enqueue_with, ordering_lock_stripe, ClaimStatus, EnqueueLimits, Error,
@@ -984,6 +984,89 @@ mod postgres_only {
             .map(|n| format!("{prefix}-{n}"))
             .find(|k| pred(ordering_lock_stripe(k)))
             .unwrap()
+    }
+
+    /// A publisher standing in for a round that dies before any confirm: nothing
+    /// settled, its rows stay leased.
+    struct DiesMidRound;
+
+    impl inbox_core::OutboxPublisher for DiesMidRound {
+        fn publish(&mut self, _: &[inbox_core::OutboxRow], _: Duration) -> Publication {
+            let mut died = Publication::default();
+            died.lost = Some("the round died".into());
+            died
+        }
+    }
+
+    /// Publishes by confirming every row, after `meanwhile` ran (while the rows are
+    /// "on the wire").
+    struct ConfirmsAfter<F: FnMut()>(F);
+
+    impl<F: FnMut()> inbox_core::OutboxPublisher for ConfirmsAfter<F> {
+        fn publish(&mut self, rows: &[inbox_core::OutboxRow], _: Duration) -> Publication {
+            (self.0)();
+            let mut publication = Publication::default();
+            for row in rows {
+                publication.confirmed(row.id);
+            }
+            publication
+        }
+    }
+
+    /// A failover that loses committed transactions rolls the outbox's rows back
+    /// together with their id sequence, so an id comes round again for a new row. A
+    /// round that published the lost row under that id and marks it after the
+    /// failover must not mark the new row, which another round of the same relay
+    /// holds and has not published: a round's lease is its own (`<relay>/<random
+    /// token>` in `leased_by`), not the relay's. With the relay's name as the holder,
+    /// the late mark marks the new row published, and it is never sent.
+    #[test]
+    fn a_late_mark_after_the_ids_rolled_back_leaves_the_new_row_under_that_id_alone() {
+        let Some(fx) = PgFixture::new() else { return };
+        let clock = ManualClock::new(start_time());
+        let store = store_on(&fx, &clock);
+        let lost = id_of(enqueue_committed(&store, &msg("lost")));
+        let round = inbox_core::RelayRound::new("relay-1", 10).lease_for(LEASE);
+        let mut new_row = None;
+        let report = round
+            .run(
+                &store,
+                &mut ConfirmsAfter(|| {
+                    // The failover: the row and its id are gone on the new primary.
+                    let mut conn = fx.connect();
+                    diesel::sql_query("DELETE FROM outbox_messages WHERE id = $1")
+                        .bind::<diesel::sql_types::BigInt, _>(lost)
+                        .execute(&mut conn)
+                        .unwrap();
+                    diesel::sql_query(
+                        "SELECT setval(pg_get_serial_sequence('outbox_messages', 'id'), $1, false)",
+                    )
+                    .bind::<diesel::sql_types::BigInt, _>(lost)
+                    .execute(&mut conn)
+                    .unwrap();
+                    let id = id_of(enqueue_committed(&store, &msg("new")));
+                    assert_eq!(id, lost, "the id came round again");
+                    // Another round of the same relay leases the new row, then dies.
+                    let other = round.run(&store, &mut DiesMidRound).unwrap();
+                    assert_eq!(other.leased, 1);
+                    new_row = Some(id);
+                }),
+            )
+            .unwrap();
+        assert_eq!(new_row, Some(lost));
+        assert_eq!((report.confirmed, report.marked), (1, 0), "{report:?}");
+        let stored = fx.connect().outbox();
+        assert_eq!(stored.len(), 1);
+        assert_eq!(stored[0].published_at, None, "the new row is not published");
+        let holder = stored[0].leased_by.clone().unwrap();
+        let token = holder.strip_prefix("relay-1/").unwrap();
+        assert_eq!(token.len(), 32, "{holder}");
+        assert!(token.bytes().all(|b| b.is_ascii_hexdigit()), "{holder}");
+
+        // Once the dead round's lease expires, the new row goes out.
+        clock.advance(LEASE);
+        let published = round.run(&store, &mut ConfirmsAfter(|| {})).unwrap();
+        assert_eq!((published.leased, published.marked), (1, 1));
     }
 
     #[test]
