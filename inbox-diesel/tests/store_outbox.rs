@@ -1464,6 +1464,53 @@ mod postgres_only {
         assert_eq!(published.len(), 5);
     }
 
+    /// The LISTEN connection killed while a relay waits on it: the wait fails at
+    /// once with the error (diesel's notification iterator repeats a broken
+    /// connection's error without end, and collecting it filled the memory), and the
+    /// next wait listens on a new connection and is woken by a commit.
+    #[test]
+    fn a_killed_listen_connection_fails_the_wait_and_the_next_wait_listens_again() {
+        let Some(fx) = PgFixture::new() else { return };
+        let name = inbox_test_support::unique_name("listener");
+        let sep = if fx.url().contains('?') { '&' } else { '?' };
+        let store =
+            Store::<PgConnection>::builder(format!("{}{sep}application_name={name}", fx.url()))
+                .schema(fx.schema.clone())
+                .pool_size(1)
+                .build()
+                .unwrap();
+        assert!(store.wait_for_enqueue(Duration::from_secs(10)).unwrap());
+        let killed = diesel::sql_query(
+            "SELECT count(pg_terminate_backend(pid))::int AS n FROM pg_stat_activity \
+             WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind::<diesel::sql_types::Text, _>(&name)
+        .get_result::<Int>(&mut fx.connect())
+        .unwrap()
+        .n;
+        assert_eq!(killed, 1, "the store's LISTEN connection");
+        let (tx, rx) = mpsc::channel();
+        {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(store.wait_for_enqueue(Duration::from_secs(5)));
+            });
+        }
+        let failed = rx
+            .recv_timeout(Duration::from_secs(8))
+            .expect("the wait on a killed connection came back");
+        assert!(failed.is_err(), "{failed:?}");
+        // Listening again: a fresh connection reports a possible missed enqueue, then
+        // a commit wakes it.
+        assert!(store.wait_for_enqueue(Duration::from_secs(10)).unwrap());
+        let waiter = {
+            let store = store.clone();
+            std::thread::spawn(move || store.wait_for_enqueue(Duration::from_secs(30)).unwrap())
+        };
+        id_of(enqueue_committed(&store, &msg("after")));
+        assert!(waiter.join().unwrap(), "woken by the commit");
+    }
+
     #[test]
     fn wait_for_enqueue_wakes_on_commit_only() {
         let Some(fx) = PgFixture::new() else { return };

@@ -65,19 +65,26 @@ impl Listener {
                 self.conn.insert(conn)
             }
         };
-        let received: Vec<_> = conn.notifications_iter().collect();
-        for notification in received {
+        // diesel's iterator does not end at an error: on a broken connection it
+        // yields the error again and again (libpq's message growing each time), so
+        // the first error ends the check.
+        let mut broken = None;
+        for notification in conn.notifications_iter() {
             match notification {
                 Ok(n) if n.channel == OUTBOX_CHANNEL && n.payload == self.schema => {
                     self.wakeups += 1;
                 }
                 Ok(_) => {}
                 Err(err) => {
-                    // Broken: the next wait opens a new connection.
-                    self.conn = None;
-                    return Err(err.into());
+                    broken = Some(err);
+                    break;
                 }
             }
+        }
+        if let Some(err) = broken {
+            // Broken: the next wait opens a new connection.
+            self.conn = None;
+            return Err(err.into());
         }
         Ok((before, self.wakeups))
     }
