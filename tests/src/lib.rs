@@ -10,6 +10,7 @@ pub mod amqp;
 #[cfg(feature = "testcontainers")]
 pub mod containers;
 pub mod metrics;
+pub mod pg_cluster;
 pub mod rabbit_cluster;
 pub mod services;
 pub mod spans;
