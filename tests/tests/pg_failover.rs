@@ -14,7 +14,8 @@
 //!
 //! The primary and the standby are the test's own ([`PgPair`]); the broker is the
 //! shared one, with names of the test's own. `INBOX_FAILOVER_LONG=1` writes ten times
-//! as many events. Each scenario prints its verdict line and how long the consumer
+//! as many events; `INBOX_FAILOVER_ROUNDS=n` runs each scenario `n` times on new
+//! pairs and prints the p50 and the longest of the times without progress. Each scenario prints its verdict line and how long the consumer
 //! and the relay made no progress around the kill.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
@@ -496,33 +497,38 @@ fn report(what: &str, run: &Run, held: &Holdings, workload: &Workload) -> (usize
 #[test]
 fn kill_dash_nine_of_the_primary_and_promotion_of_the_synchronous_standby_lose_and_double_nothing()
 {
-    let Some(mut scene) = Scene::new(true) else {
-        return;
-    };
-    assert!(scene.pair.synchronous());
-    let workload = Workload::generate(events(), 0, 71);
-    let run = scene.run(&workload);
-    let held = scene.holdings();
-    let (lost, unapplied, without_source) = report("synchronous", &run, &held, &workload);
-    assert_eq!(run.committed.len(), workload.events.len());
-    assert_eq!(lost, 0, "commits the producers saw were lost");
-    assert_eq!(held.ledger.len(), workload.events.len());
-    assert_eq!(
-        held.outbox,
-        i64::try_from(workload.events.len()).unwrap(),
-        "one outbox row per event"
-    );
-    assert_eq!(
-        (unapplied, without_source),
-        (0, 0),
-        "every event applied, once"
-    );
-    assert_eq!(
-        held.projection,
-        workload.expected_totals(),
-        "the projection equals the ledger"
-    );
-    scene.cleanup();
+    let mut gaps = Gaps::default();
+    for round in 0..rounds() {
+        let Some(mut scene) = Scene::new(true) else {
+            return;
+        };
+        assert!(scene.pair.synchronous());
+        let workload = Workload::generate(events(), 0, 71 + round as u64);
+        let run = scene.run(&workload);
+        let held = scene.holdings();
+        let (lost, unapplied, without_source) = report("synchronous", &run, &held, &workload);
+        assert_eq!(run.committed.len(), workload.events.len());
+        assert_eq!(lost, 0, "commits the producers saw were lost");
+        assert_eq!(held.ledger.len(), workload.events.len());
+        assert_eq!(
+            held.outbox,
+            i64::try_from(workload.events.len()).unwrap(),
+            "one outbox row per event"
+        );
+        assert_eq!(
+            (unapplied, without_source),
+            (0, 0),
+            "every event applied, once"
+        );
+        assert_eq!(
+            held.projection,
+            workload.expected_totals(),
+            "the projection equals the ledger"
+        );
+        scene.cleanup();
+        gaps.add(&run);
+    }
+    gaps.print("synchronous");
 }
 
 /// Asynchronous replication: the standby may lag, and the failover loses what it
@@ -531,19 +537,63 @@ fn kill_dash_nine_of_the_primary_and_promotion_of_the_synchronous_standby_lose_a
 /// its claim, so a lost claim took its effect with it and nothing is applied twice).
 #[test]
 fn kill_dash_nine_of_the_primary_and_promotion_of_an_asynchronous_standby_is_measured() {
-    let Some(mut scene) = Scene::new(false) else {
-        return;
-    };
-    assert!(!scene.pair.synchronous());
-    let workload = Workload::generate(events(), 0, 73);
-    let run = scene.run(&workload);
-    let held = scene.holdings();
-    report("asynchronous", &run, &held, &workload);
-    assert_eq!(run.committed.len(), workload.events.len());
-    assert_eq!(
-        held.projection,
-        totals_of(&workload, &held.claimed),
-        "the projection is the settled claims' effects, each once"
-    );
-    scene.cleanup();
+    let mut gaps = Gaps::default();
+    for round in 0..rounds() {
+        let Some(mut scene) = Scene::new(false) else {
+            return;
+        };
+        assert!(!scene.pair.synchronous());
+        let workload = Workload::generate(events(), 0, 73 + round as u64);
+        let run = scene.run(&workload);
+        let held = scene.holdings();
+        report("asynchronous", &run, &held, &workload);
+        assert_eq!(run.committed.len(), workload.events.len());
+        assert_eq!(
+            held.projection,
+            totals_of(&workload, &held.claimed),
+            "the projection is the settled claims' effects, each once"
+        );
+        scene.cleanup();
+        gaps.add(&run);
+    }
+    gaps.print("asynchronous");
+}
+
+/// Rounds of each scenario (`INBOX_FAILOVER_ROUNDS`, default 1), each on a new pair.
+fn rounds() -> usize {
+    std::env::var("INBOX_FAILOVER_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// The times without progress of every round.
+#[derive(Default)]
+struct Gaps {
+    promotion: Vec<Duration>,
+    consumer: Vec<Duration>,
+    relay: Vec<Duration>,
+}
+
+impl Gaps {
+    fn add(&mut self, run: &Run) {
+        self.promotion.push(run.promoted_after);
+        self.consumer.push(run.consumer_gap);
+        self.relay.push(run.relay_gap);
+    }
+
+    fn print(mut self, what: &str) {
+        let mut line = format!("{what}, {} round(s), p50 and max:", self.consumer.len());
+        for (name, gaps) in [
+            ("promotion", &mut self.promotion),
+            ("consumer stopped", &mut self.consumer),
+            ("relay stopped", &mut self.relay),
+        ] {
+            gaps.sort();
+            let (p50, max) = (gaps[gaps.len() / 2], gaps[gaps.len() - 1]);
+            line.push_str(&format!(" {name} {p50:.0?} / {max:.0?};"));
+        }
+        eprintln!("{line}");
+    }
 }
