@@ -1,7 +1,7 @@
 //! What the consumer and the relay share about their broker connection: connecting
 //! with a name and a bounded handshake, the reconnect backoff, goodbyes that never
-//! wait long on a dead connection, and why a session ended (the loop that uses them
-//! is in `supervisor`).
+//! wait long on a dead connection, the watch that gives up on work outliving its
+//! connection, and why a session ended (the loop that uses them is in `supervisor`).
 
 use std::future::Future;
 use std::path::Path;
@@ -150,6 +150,57 @@ const GOODBYE_WAIT: Duration = Duration::from_secs(2);
 pub(crate) async fn goodbye<T>(what: &str, fut: impl Future<Output = T>) {
     if tokio::time::timeout(GOODBYE_WAIT, fut).await.is_err() {
         tracing::debug!(what, "the broker did not answer in time; giving up on it");
+    }
+}
+
+/// How often [`while_connected`] looks at its connection.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+
+/// Runs `work` (a declaration, a session) on `conn` until it ends, or gives up on it
+/// once `conn` has not been connected for [`GOODBYE_WAIT`]: `Err(gone(why))`, the
+/// future dropped (a session's tasks aborted with it).
+///
+/// lapin rejects the calls in flight when its connection fails, but not every one: a
+/// call made as the connection fails (a channel being opened, a queue being declared)
+/// can wait forever. Under repeated cuts a declaration was seen never to return on a
+/// connection lapin had marked failed, and its consumer stalled for good. Work that
+/// ends on its own after a loss (the usual case: its calls fail and its tasks drain)
+/// is given [`GOODBYE_WAIT`] to do so. Dropping the rest loses nothing: what its
+/// tasks held unacked goes back to the queue with the dead connection, and a batch a
+/// store thread commits after the drop is a duplicate when it comes back.
+pub(crate) async fn while_connected<T, E>(
+    conn: &Connection,
+    work: impl Future<Output = std::result::Result<T, E>>,
+    gone: impl FnOnce(String) -> E,
+) -> std::result::Result<T, E> {
+    let mut work = std::pin::pin!(work);
+    let mut tick = tokio::time::interval(WATCH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut dead_since: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            biased;
+            done = &mut work => return done,
+            _ = tick.tick() => {}
+        }
+        if conn.status().connected() {
+            dead_since = None;
+            continue;
+        }
+        let since = *dead_since.get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() >= GOODBYE_WAIT {
+            let status = conn.status();
+            let state = if status.errored() {
+                "failed"
+            } else if status.closing() || status.closed() {
+                "closed"
+            } else {
+                "not connected"
+            };
+            return Err(gone(format!(
+                "the connection {state} and calls on it did not return within {GOODBYE_WAIT:?}"
+            )));
+        }
     }
 }
 

@@ -21,6 +21,17 @@ pub enum Error {
         /// How long the handshake was given.
         after: std::time::Duration,
     },
+    /// A connection's declarations were given up on: the connection failed while
+    /// they were under way and one of them never returned. A consumer or relay that
+    /// had connected before reconnects after it; the first connection of a run fails
+    /// with it.
+    #[error("declaring on {url} was given up: {why}")]
+    Unanswered {
+        /// The URL, password redacted.
+        url: String,
+        /// What went unanswered, and for how long.
+        why: String,
+    },
     /// The TLS handshake with the broker of an `amqps://` URL failed: its certificate
     /// is not trusted (`UnknownIssuer`: give its CA with `ca_cert`), is for another
     /// name, or no protocol is common; rustls's reason is the source.

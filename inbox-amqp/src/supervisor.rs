@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::brokers::BrokerUrls;
 use crate::connect::SessionEnd;
-use crate::connect::{close_connection, full_jitter, open, pause};
+use crate::connect::{close_connection, full_jitter, open, pause, while_connected};
 use crate::connection::ConnectionSettings;
 use crate::election::awaits_election;
 use crate::tls::Tls;
@@ -95,6 +95,10 @@ impl<'a> Supervisor<'a> {
     /// its queue's delivery limit. A [`SessionEnd::Relaxed`] session reconnects at
     /// once. `reconnected` is called on every connection after the first.
     ///
+    /// The connection is watched while it declares and while its session runs (see
+    /// [`while_connected`]): once it has not been connected for 2 s, the declaration
+    /// ([`Error::Unanswered`]) or the session ([`SessionEnd::Lost`]) is given up on.
+    ///
     /// A declaration answered that a quorum queue has no leader yet (an election, see
     /// [`crate::election`]) is not fatal, even the first: it is tried again after
     /// the backoff, on the next URL.
@@ -148,7 +152,15 @@ impl<'a> Supervisor<'a> {
             if many {
                 tracing::debug!(url = %redact_url(url), "connected");
             }
-            let declared = match declare(Arc::clone(&conn)).await {
+            // A connection that fails with a declaration lapin never returns is
+            // given up on (see `while_connected`); a broker that stops answering
+            // fails the connection by its heartbeats.
+            let unanswered = |why| Error::Unanswered {
+                url: redact_url(url),
+                why,
+            };
+            let declaring = declare(Arc::clone(&conn));
+            let declared = match while_connected(&conn, declaring, unanswered).await {
                 Ok(declared) => declared,
                 Err(err) => {
                     let electing = awaits_election(&err);
@@ -174,7 +186,8 @@ impl<'a> Supervisor<'a> {
             connected_before = true;
 
             let started = Instant::now();
-            let end = session(Arc::clone(&conn), declared).await;
+            let session = session(Arc::clone(&conn), declared);
+            let end = while_connected(&conn, session, SessionEnd::Lost).await;
             close_connection(&conn, self.goodbye).await;
             match end {
                 Ok(()) => return Ok(()),
@@ -314,5 +327,159 @@ mod tests {
         ));
         assert!(ran.is_ok(), "{ran:?}");
         assert_eq!(declared.get(), 3, "declared until the queue had a leader");
+    }
+
+    /// A loopback proxy to `target` (host:port): calling the returned cut drops
+    /// every connection open through it (lapin sees its connection fail); later
+    /// connections go through.
+    async fn proxy(target: String) -> (String, Arc<tokio::sync::watch::Sender<u64>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("bind: {e}"));
+        let addr = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"));
+        let cut = Arc::new(tokio::sync::watch::Sender::new(0u64));
+        let cuts = Arc::clone(&cut);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut cut = cuts.subscribe();
+                let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        (format!("amqp://guest:guest@{addr}/%2f"), cut)
+    }
+
+    /// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
+    fn broker() -> Option<String> {
+        let Ok(url) = std::env::var("AMQP_URL") else {
+            assert!(
+                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
+                "AMQP_URL"
+            );
+            return None;
+        };
+        let uri: lapin::uri::AMQPUri = url.parse().unwrap_or_else(|e| panic!("{e}"));
+        Some(format!("{}:{}", uri.authority.host, uri.authority.port))
+    }
+
+    /// What a run of `supervisor` on `url` did: the declarations and sessions it
+    /// started, its reconnects, and how it ended (`None`: it hung for 20 s).
+    struct Runs {
+        declared: usize,
+        sessions: usize,
+        reconnects: usize,
+        ended: Option<Result<()>>,
+    }
+
+    /// Runs a supervisor whose `stuck`-th declaration (or session, when `session`)
+    /// cuts its own connection and then waits forever, as a lapin call does that the
+    /// connection's failure never answers; every other declaration and session ends
+    /// at once, the session with a loss until the `stuck`-th has passed.
+    fn run_with_a_stuck_call(broker: String, session_stuck: bool, stuck: usize) -> Runs {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let declared = std::cell::Cell::new(0);
+        let sessions = std::cell::Cell::new(0);
+        let reconnects = std::cell::Cell::new(0);
+        let ended = runtime.block_on(async {
+            let (url, cut) = proxy(broker).await;
+            let settings = ConnectionSettings::default()
+                .backoff(Duration::from_millis(10), Duration::from_millis(50));
+            let supervisor =
+                Supervisor::new(&url, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"));
+            let shutdown = CancellationToken::new();
+            let stuck_call = |cut: Arc<tokio::sync::watch::Sender<u64>>| async move {
+                cut.send_modify(|n| *n += 1);
+                std::future::pending::<()>().await;
+            };
+            let running = supervisor.run(
+                &shutdown,
+                |_| {
+                    declared.set(declared.get() + 1);
+                    let now = !session_stuck && declared.get() == stuck;
+                    let cut = Arc::clone(&cut);
+                    async move {
+                        if now {
+                            stuck_call(cut).await;
+                        }
+                        Ok(())
+                    }
+                },
+                |_, ()| {
+                    sessions.set(sessions.get() + 1);
+                    let n = sessions.get();
+                    let now = session_stuck && n == stuck;
+                    let cut = Arc::clone(&cut);
+                    async move {
+                        if now {
+                            stuck_call(cut).await;
+                        }
+                        if n < stuck {
+                            Err(SessionEnd::Lost("again".into()))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                },
+                || reconnects.set(reconnects.get() + 1),
+            );
+            tokio::time::timeout(Duration::from_secs(20), running)
+                .await
+                .ok()
+        });
+        Runs {
+            declared: declared.get(),
+            sessions: sessions.get(),
+            reconnects: reconnects.get(),
+            ended,
+        }
+    }
+
+    /// A session whose connection fails under a call that never returns is given
+    /// up on once the connection has been down for `GOODBYE_WAIT`: the supervisor
+    /// reconnects (without the watch it waits forever).
+    #[test]
+    fn a_session_stuck_on_a_failed_connection_is_given_up() {
+        let Some(broker) = broker() else { return };
+        let runs = run_with_a_stuck_call(broker, true, 1);
+        let ended = runs
+            .ended
+            .expect("the supervisor hung on the stuck session");
+        assert!(ended.is_ok(), "{ended:?}");
+        assert_eq!(
+            (runs.declared, runs.sessions, runs.reconnects),
+            (2, 2, 1),
+            "declarations, sessions, reconnects"
+        );
+    }
+
+    /// The same for a declaration of a later connection (the first connection's
+    /// declaration must succeed): it is given up on, and the next connection
+    /// declares again.
+    #[test]
+    fn a_declaration_stuck_on_a_failed_connection_is_given_up() {
+        let Some(broker) = broker() else { return };
+        let runs = run_with_a_stuck_call(broker, false, 2);
+        let ended = runs
+            .ended
+            .expect("the supervisor hung on the stuck declaration");
+        assert!(ended.is_ok(), "{ended:?}");
+        assert_eq!(
+            (runs.declared, runs.sessions, runs.reconnects),
+            (3, 2, 1),
+            "declarations, sessions, reconnects"
+        );
     }
 }

@@ -188,7 +188,13 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
         let declare = async {
             let conn =
                 crate::connect::open_first(&self.url, name, within, Some(FRAME_MAX), ca).await?;
-            let declared = self.shared.topology.declare(&conn).await;
+            let declaring = self.shared.topology.declare(&conn);
+            let declared =
+                crate::connect::while_connected(&conn, declaring, |why| Error::Unanswered {
+                    url: inbox_core::redact_url(&self.url),
+                    why,
+                })
+                .await;
             crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
             declared
         };
