@@ -85,6 +85,9 @@ impl ProjectionRow for Total {
 struct Order {
     #[diesel(sql_type = BigInt)]
     id: i64,
+    /// The order's identity on the wire (see [`order_key`]).
+    #[diesel(sql_type = Text)]
+    order_ref: String,
     #[diesel(embed)]
     total: Total,
 }
@@ -109,10 +112,11 @@ impl Rebuild<PgConnection> for CustomerTotals {
         c: &mut PgConnection,
         _: &&str,
     ) -> Result<Vec<SourceEvent<Total>>, HookError> {
-        let orders = sql_query("SELECT id, customer, cents FROM orders").load::<Order>(c)?;
+        let orders =
+            sql_query("SELECT id, order_ref, customer, cents FROM orders").load::<Order>(c)?;
         Ok(orders
             .into_iter()
-            .map(|o| (order_key(o.id), o.total))
+            .map(|o| (order_key(&o.order_ref), o.total))
             .collect())
     }
     fn recompute(&self, _: &&str, source: &[SourceEvent<Total>]) -> Vec<Total> {
@@ -138,10 +142,38 @@ impl Rebuild<PgConnection> for CustomerTotals {
     }
 }
 
-/// The message key of an order: the same for a retried producer transaction.
-fn order_key(id: i64) -> MessageKey {
-    MessageKey::derive("shop", &format!("order:{id}"), "order.placed")
+/// The message key of an order, from its `order_ref`: what the order row says, so the
+/// rebuild finds the key its producer gave. Not from `id`: a sequence can hand an id
+/// out again after a failover that lost the order (the row and the sequence roll
+/// back together), and the new order's message would then be dropped as the lost
+/// one's duplicate. `order_ref` is random for a new order (the id, as text, for an
+/// order placed before the column existed: its key stays what it was).
+fn order_key(order_ref: &str) -> MessageKey {
+    MessageKey::derive("shop", &format!("order:{order_ref}"), "order.placed")
 }
+
+/// Creates the service's tables (a setup step: after the framework's migrations,
+/// under their lock); an `orders` table from before `order_ref` gets the column, each
+/// existing order's set to its id (the key its message already has).
+fn tables(c: &mut PgConnection) -> QueryResult<()> {
+    c.batch_execute(TABLES)
+}
+
+const TABLES: &str = "
+    CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY,
+        order_ref TEXT NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
+        customer TEXT NOT NULL, cents BIGINT NOT NULL);
+    DO $$ BEGIN
+        IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()
+                       AND table_name = 'orders' AND column_name = 'order_ref') THEN
+            ALTER TABLE orders ADD COLUMN order_ref TEXT UNIQUE;
+            UPDATE orders SET order_ref = id::text;
+            ALTER TABLE orders ALTER COLUMN order_ref SET DEFAULT gen_random_uuid()::text,
+                ALTER COLUMN order_ref SET NOT NULL;
+        END IF;
+    END $$;
+    CREATE TABLE IF NOT EXISTS customer_totals (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL);
+    CREATE TABLE IF NOT EXISTS credit_limits (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)";
 
 #[derive(Parser)]
 #[command(name = "order_service", about = "An order service on inbox-outbox")]
@@ -171,7 +203,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
         Command::Ops(ops) => return Ok(inbox_outbox::cli::run(&cli.inbox, ops)),
         Command::Projections(cmd) => {
             return Ok(run_projections(&cli.inbox, cmd, |b| {
-                b.projection(CustomerTotals)
+                b.projection(CustomerTotals).setup(tables)
             }))
         }
         _ => {}
@@ -180,11 +212,8 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
         .inbox
         .store_builder::<PgConnection>()?
         .projection(CustomerTotals)
+        .setup(tables)
         .build()?;
-    store.connection()?.batch_execute(
-        "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, customer TEXT NOT NULL, cents BIGINT NOT NULL);
-         CREATE TABLE IF NOT EXISTS customer_totals (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL);
-         CREATE TABLE IF NOT EXISTS credit_limits (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)")?;
     let topology = cli.inbox.topology("shop")?;
     match cli.command {
         Command::Place { customer, cents } => store.connection()?.transaction(|c| {
@@ -193,7 +222,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
                     .bind::<Text, _>(customer)
                     .bind::<BigInt, _>(cents)
                     .get_result(c)?;
-            let (id, Total { customer, cents }) = (o.id, o.total);
+            let (id, key, Total { customer, cents }) = (o.id, order_key(&o.order_ref), o.total);
             let body = serde_json::to_vec(&OrderPlaced {
                 order_id: id,
                 customer,
@@ -201,7 +230,7 @@ fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
             })?;
             enqueue(
                 c,
-                &topology.message(order_key(id), "order.placed", body),
+                &topology.message(key, "order.placed", body),
                 store.clock().now(),
             )?;
             println!("order {id} placed");

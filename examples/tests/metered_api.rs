@@ -1449,3 +1449,147 @@ fn two_instances_set_up_one_fresh_schema_at_once() {
         .unwrap();
     other.join().unwrap().unwrap();
 }
+
+/// A failover that loses a usage rolls its row back with the sequence that numbered
+/// it, so the next usage can get its id; the lost usage's settlement message may be
+/// in the broker already. That message must not settle the usage that took the id
+/// (it would refund a request still being served), and the new usage's own message
+/// must not share its key (it would be dropped as a duplicate). The loss is made by
+/// hand: the debit's transaction rolled back and the sequence set back, as the
+/// promoted standby has them.
+#[test]
+fn a_stale_settlement_of_a_usage_lost_in_a_failover_leaves_the_usage_that_took_its_id_alone() {
+    use diesel::connection::SimpleConnection;
+    use inbox_examples::metered::db;
+    let Some((pg, _)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    let store = inbox_diesel::Store::<PgConnection>::builder(&pg)
+        .schema(&schema.name)
+        .build()
+        .unwrap();
+    drop(store);
+    let mut conn = schema.connect();
+    db::create_schema(&mut conn).unwrap();
+    let now = chrono::Utc::now();
+    let account = db::create_account(&mut conn, 1_000, now).unwrap();
+    let key = db::create_key(&mut conn, account, b"digest", 1_000, now)
+        .unwrap()
+        .unwrap();
+    let debit = db::Debit {
+        account,
+        key_id: key,
+        amount: 10,
+        model: "m",
+        idempotency: None,
+        deadline: now,
+        settle_at: now,
+        exchange: "metered",
+    };
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        message_key: String,
+        #[diesel(sql_type = Binary)]
+        payload: Vec<u8>,
+    }
+    let outbox = |conn: &mut PgConnection| -> Vec<Row> {
+        diesel::sql_query("SELECT message_key, payload FROM outbox_messages ORDER BY id")
+            .load(conn)
+            .unwrap()
+    };
+    // The lost usage: debited, its message read (as the broker got it), then gone.
+    let mut lost = None;
+    let rolled_back = conn.transaction(|conn| -> QueryResult<()> {
+        let (id, _) = db::debit(conn, &debit, now).unwrap();
+        lost = Some((id, outbox(conn).pop().unwrap()));
+        Err(diesel::result::Error::RollbackTransaction)
+    });
+    assert!(rolled_back.is_err());
+    let (lost_id, lost_row) = lost.unwrap();
+    conn.batch_execute(&format!(
+        "SELECT setval('usage_events_id_seq', {lost_id}, false)"
+    ))
+    .unwrap();
+
+    let (id, _) = db::debit(&mut conn, &debit, now).unwrap();
+    assert_eq!(id, lost_id, "the id came round again");
+    let new_row = outbox(&mut conn).pop().unwrap();
+    assert_ne!(
+        new_row.message_key, lost_row.message_key,
+        "the new usage's settlement has a key of its own"
+    );
+    let stale: db::SettlementDue = serde_json::from_slice(&lost_row.payload).unwrap();
+    assert_eq!(stale.usage_id, id);
+    assert!(
+        !db::settle(&mut conn, &stale, now).unwrap(),
+        "the stale settlement refunded the usage that took its id"
+    );
+    assert_eq!(db::usage(&mut conn, id).unwrap().unwrap().status, "debited");
+    let own: db::SettlementDue = serde_json::from_slice(&new_row.payload).unwrap();
+    assert!(
+        db::settle(&mut conn, &own, now).unwrap(),
+        "its own settles it"
+    );
+    assert_eq!(
+        db::usage(&mut conn, id).unwrap().unwrap().status,
+        "refunded"
+    );
+}
+
+/// A `usage_events` table from before `usage_ref` gets the column when the service
+/// starts: each existing usage's is its id, so its settlement message (keyed by the
+/// id) keeps its key; a new usage's is random.
+#[test]
+fn a_usage_table_from_before_usage_ref_keeps_each_usage_s_key() {
+    use diesel::connection::SimpleConnection;
+    use inbox_examples::metered::db;
+    let Some((pg, _)) = services() else {
+        return;
+    };
+    let schema = Schema::new(&pg);
+    drop(
+        inbox_diesel::Store::<PgConnection>::builder(&pg)
+            .schema(&schema.name)
+            .build()
+            .unwrap(),
+    );
+    let mut conn = schema.connect();
+    db::create_schema(&mut conn).unwrap();
+    let now = chrono::Utc::now();
+    let account = db::create_account(&mut conn, 1_000, now).unwrap();
+    let key = db::create_key(&mut conn, account, b"digest", 1_000, now)
+        .unwrap()
+        .unwrap();
+    let debit = db::Debit {
+        account,
+        key_id: key,
+        amount: 10,
+        model: "m",
+        idempotency: None,
+        deadline: now,
+        settle_at: now,
+        exchange: "metered",
+    };
+    let (old, _) = db::debit(&mut conn, &debit, now).unwrap();
+    conn.batch_execute("ALTER TABLE usage_events DROP COLUMN usage_ref")
+        .unwrap();
+    db::create_schema(&mut conn).unwrap();
+    let (new, _) = db::debit(&mut conn, &debit, now).unwrap();
+    #[derive(QueryableByName)]
+    struct Ref {
+        #[diesel(sql_type = Text)]
+        usage_ref: String,
+    }
+    let usage_ref = |conn: &mut PgConnection, id: i64| {
+        diesel::sql_query("SELECT usage_ref FROM usage_events WHERE id = $1")
+            .bind::<BigInt, _>(id)
+            .get_result::<Ref>(conn)
+            .unwrap()
+            .usage_ref
+    };
+    assert_eq!(usage_ref(&mut conn, old), old.to_string());
+    let fresh = usage_ref(&mut conn, new);
+    assert_eq!(fresh.len(), 36, "a UUID: {fresh}");
+}

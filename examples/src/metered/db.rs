@@ -298,6 +298,8 @@ pub struct Debit<'a> {
 struct Debited {
     #[diesel(sql_type = BigInt)]
     usage_id: i64,
+    #[diesel(sql_type = Text)]
+    usage_ref: String,
     #[diesel(sql_type = BigInt)]
     balance: i64,
 }
@@ -320,19 +322,25 @@ const DEBIT: &str = "\
         INSERT INTO usage_events (account_id, api_key_id, amount, model, idempotency_key, \
             lease_token, status, deadline_at, created_at) \
         SELECT $1, k.id, $3, $4, $5, $6, 'debited', $7, $8 FROM k \
-        RETURNING id \
+        RETURNING id, usage_ref \
     ), led AS ( \
         INSERT INTO ledger (account_id, usage_id, kind, amount, created_at) \
         SELECT $1, u.id, 'debit', -$3, $8 FROM u \
         RETURNING usage_id \
     ) \
-    SELECT led.usage_id AS usage_id, bal.balance AS balance FROM led, bal";
+    SELECT led.usage_id AS usage_id, u.usage_ref AS usage_ref, bal.balance AS balance \
+    FROM led, bal, u";
 
 /// The settlement message's body.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct SettlementDue {
     /// The usage to settle.
     pub usage_id: i64,
+    /// Its `usage_ref`: a message for a usage a failover lost names an id the
+    /// sequence may have handed to another usage since, and must leave that one
+    /// alone. Absent in a message written before the column (it settles by id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage_ref: Option<String>,
 }
 
 /// Debits, marks the idempotency record committed (fenced by its token) and
@@ -372,10 +380,13 @@ pub fn debit(
         }
         let body = serde_json::to_vec(&SettlementDue {
             usage_id: row.usage_id,
+            usage_ref: Some(row.usage_ref.clone()),
         })
         .map_err(DebitError::Encode)?;
         let message = OutboxMessage::new(
-            MessageKey::derive("metered", &row.usage_id.to_string(), SETTLEMENT_TYPE),
+            // From usage_ref, not the id (see `SettlementDue::usage_ref`); a usage
+            // from before the column has its id as usage_ref, and the same key.
+            MessageKey::derive("metered", &row.usage_ref, SETTLEMENT_TYPE),
             d.exchange,
             SETTLEMENT_TYPE,
             body,
@@ -447,7 +458,7 @@ struct Refunded {
 const REFUND: &str = "\
     WITH u AS ( \
         SELECT id, account_id, api_key_id, amount FROM usage_events \
-        WHERE id = $1 AND status = $3 \
+        WHERE id = $1 AND status = $3 AND ($4::text IS NULL OR usage_ref = $4) \
     ), bal AS ( \
         UPDATE accounts a SET balance = a.balance + u.amount FROM u \
         WHERE a.id = u.account_id RETURNING a.id \
@@ -456,7 +467,8 @@ const REFUND: &str = "\
         WHERE kk.id = u.api_key_id AND EXISTS (SELECT 1 FROM bal) RETURNING kk.id \
     ), mark AS ( \
         UPDATE usage_events e SET status = 'refunded', settled_at = $2 \
-        WHERE e.id = $1 AND e.status = $3 AND EXISTS (SELECT 1 FROM k) \
+        WHERE e.id = $1 AND e.status = $3 AND ($4::text IS NULL OR e.usage_ref = $4) \
+            AND EXISTS (SELECT 1 FROM k) \
         RETURNING e.id, e.account_id, e.amount, e.idempotency_key, e.lease_token \
     ), led AS ( \
         INSERT INTO ledger (account_id, usage_id, kind, amount, created_at) \
@@ -487,7 +499,19 @@ pub fn refund(
     usage_id: i64,
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
-    refund_from(conn, usage_id, "debited", now)
+    refund_from(conn, usage_id, None, "debited", now)
+}
+
+/// The settlement of `due`: refunds its usage if it is still `debited` and is the
+/// usage the message was written for (its `usage_ref`, when the message has one: a
+/// failover that lost the usage can have handed its id to another since); returns
+/// whether this call refunded it.
+pub fn settle(
+    conn: &mut PgConnection,
+    due: &SettlementDue,
+    now: DateTime<Utc>,
+) -> inbox_diesel::Result<bool> {
+    refund_from(conn, due.usage_id, due.usage_ref.as_deref(), "debited", now)
 }
 
 /// An operator's refund of a delivered usage: the same statement from `delivered`,
@@ -498,12 +522,13 @@ pub fn refund_delivered(
     usage_id: i64,
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
-    refund_from(conn, usage_id, "delivered", now)
+    refund_from(conn, usage_id, None, "delivered", now)
 }
 
 fn refund_from(
     conn: &mut PgConnection,
     usage_id: i64,
+    usage_ref: Option<&str>,
     from: &'static str,
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
@@ -512,6 +537,7 @@ fn refund_from(
             .bind::<BigInt, _>(usage_id)
             .bind::<Timestamptz, _>(now)
             .bind::<Text, _>(from)
+            .bind::<Nullable<Text>, _>(usage_ref)
             .get_result(conn)
             .optional()?;
         let Some(row) = row else {

@@ -21,8 +21,12 @@ CREATE TABLE IF NOT EXISTS api_keys (
     CONSTRAINT spend_within_cap CHECK (spent <= spend_cap)
 );
 
+-- usage_ref is a usage's identity outside this database (its settlement message's
+-- key and body): random, where an id from the sequence can come round again after a
+-- failover that lost the usage.
 CREATE TABLE IF NOT EXISTS usage_events (
     id               BIGSERIAL   PRIMARY KEY,
+    usage_ref        TEXT        NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
     account_id       BIGINT      NOT NULL REFERENCES accounts (id),
     api_key_id       BIGINT      NOT NULL REFERENCES api_keys (id),
     amount           BIGINT      NOT NULL CHECK (amount > 0),
@@ -34,6 +38,17 @@ CREATE TABLE IF NOT EXISTS usage_events (
     created_at       TIMESTAMPTZ NOT NULL,
     settled_at       TIMESTAMPTZ
 );
+-- A table from before usage_ref: each usage's is its id, the key its settlement
+-- message already has.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()
+                   AND table_name = 'usage_events' AND column_name = 'usage_ref') THEN
+        ALTER TABLE usage_events ADD COLUMN usage_ref TEXT UNIQUE;
+        UPDATE usage_events SET usage_ref = id::text;
+        ALTER TABLE usage_events ALTER COLUMN usage_ref SET DEFAULT gen_random_uuid()::text,
+            ALTER COLUMN usage_ref SET NOT NULL;
+    END IF;
+END $$;
 CREATE INDEX IF NOT EXISTS usage_events_by_key ON usage_events (account_id, idempotency_key);
 
 -- Append-only: a balance always equals the sum of its account's rows.

@@ -84,7 +84,7 @@ impl Handler<PgConnection> for Settler {
         msg: SettlementDue,
         _ctx: &MessageContext<'_>,
     ) -> Result<(), HandlerError> {
-        if db::refund(conn, msg.usage_id, self.clock.now())? {
+        if db::settle(conn, &msg, self.clock.now())? {
             self.stats.refunded.add(1);
             tracing::warn!(
                 usage_id = msg.usage_id,
