@@ -36,6 +36,31 @@ impl AmqpPublisher {
         }
     }
 
+    /// Closes the channel and opens a fresh one in confirm mode (by `deadline`);
+    /// `Err` says why none could be opened (the session then reconnects).
+    ///
+    /// Done after every round with a nacked row. A channel that published while its
+    /// quorum queue had no leader (the leader's node killed) can go on being nacked
+    /// for every publish after the queue has a new leader, while a new channel on the
+    /// same connection is acked at once (seen with RabbitMQ 3.10 in
+    /// `rabbit_cluster::kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing`:
+    /// thousands of nacks in three minutes, every row's attempts counting towards its
+    /// death). A nack for a cause that lasts (a queue over its length) costs a new
+    /// channel per round, which is cheap.
+    async fn replace_channel(&mut self, deadline: Instant) -> std::result::Result<(), String> {
+        crate::connect::close_channel(&self.channel, "nacked; replaced").await;
+        match tokio::time::timeout_at(deadline, confirm_channel(&self.conn)).await {
+            Ok(Ok(fresh)) => {
+                self.channel = fresh;
+                Ok(())
+            }
+            Ok(Err(err)) => Err(format!("replacing a nacked channel failed: {err}")),
+            Err(_) => {
+                Err("replacing a nacked channel: no answer before the lease expired".to_owned())
+            }
+        }
+    }
+
     /// Of the last publication's failures: how many were returned, nacked, and
     /// failed on their own.
     pub(crate) fn failure_kinds(&self) -> (u64, u64, u64) {
@@ -53,7 +78,14 @@ impl OutboxPublisher for AmqpPublisher {
         let handle = self.handle.clone();
         let round = handle.block_on(async {
             let deadline = Instant::now() + within;
-            publish(&self.conn, &mut self.channel, rows, deadline).await
+            let mut round = publish(&self.conn, &mut self.channel, rows, deadline).await;
+            let nacked = round.failed.iter().any(|f| f.kind == FailureKind::Nacked);
+            if nacked && round.lost.is_none() {
+                if let Err(reason) = self.replace_channel(deadline).await {
+                    round.lost = Some(reason);
+                }
+            }
+            round
         });
         self.kinds = round.failed.iter().map(|f| f.kind).collect();
         let mut publication = Publication::default();

@@ -3,8 +3,9 @@
 //! published and a verdict at the end: none lost, none doubled (duplicates are
 //! published on purpose), the projection equals the ledger, the queue drained.
 //!
-//! The consumer is given the three nodes' URLs in one setting; the group's queues are
-//! quorum queues with a replica on each node. The short form runs in CI; the long
+//! The consumer (and, in one scenario, the relay publishing the outbox) is given the
+//! three nodes' URLs in one setting; the group's queues are quorum queues with a
+//! replica on each node. The short form runs in CI; the long
 //! form (`INBOX_CLUSTER_LONG=1`) publishes ten times as much.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
@@ -13,9 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::PgConnection;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Topology};
+use inbox_amqp::{
+    CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Relay, RelaySettings, Topology,
+};
 use inbox_core::ConsumerGroup;
-use inbox_diesel::Store;
+use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{
     diff_totals, quick_policy, DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE,
 };
@@ -371,4 +374,141 @@ fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
         running,
     };
     scene.finish(&format!("cut at {} processed", at_cut.processed), end, true);
+}
+
+/// The outbox into the cluster: producers enqueue every event (about 1,000 a second)
+/// while a relay publishes them to the cluster and the consumer applies them, both
+/// connected first to the node leading the group's queue, which is killed with
+/// `kill -9` once a third are enqueued. The relay's unconfirmed publishes are
+/// published again once their lease expires; every outbox row ends published, every
+/// event applied once.
+#[test]
+fn kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let workload = Workload::generate(events(), 0, 53);
+    let queue = scene.queue();
+    let leader = scene
+        .cluster
+        .leader_of(&queue)
+        .expect("the queue has a leader");
+    // The leader's node first: the relay and the consumer connect to it, and lose it.
+    let urls = scene.cluster.urls();
+    let mut list = vec![urls[leader].clone()];
+    list.extend(
+        (0..urls.len())
+            .filter(|i| *i != leader)
+            .map(|i| urls[i].clone()),
+    );
+    let list = list.join(" ");
+    let consumer = scene.consumer_of(list.clone());
+    let stats = consumer.stats();
+    let relay = Relay::new(list, Arc::clone(&scene.store)).with_settings(
+        RelaySettings::default()
+            .relay_id("cluster")
+            .lease(100, Duration::from_secs(2))
+            .poll_interval(Duration::from_millis(20))
+            .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+            .connect_timeout(Duration::from_secs(2)),
+    );
+    let relayed = relay.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
+
+    let enqueued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let producer = {
+        let (store, enqueued) = (Arc::clone(&scene.store), Arc::clone(&enqueued));
+        let (events, exchange) = (workload.events.clone(), scene.topology.exchange());
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            for (i, (key, event)) in events.iter().enumerate() {
+                let due = started + Duration::from_secs_f64(i as f64 / 1_000.0);
+                if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let body = serde_json::to_vec(event).unwrap();
+                let msg =
+                    inbox_core::OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
+                let mut conn = store.connection().unwrap();
+                enqueue(&mut conn, &msg, store.clock().now()).unwrap();
+                enqueued.store(i + 1, std::sync::atomic::Ordering::SeqCst);
+            }
+        })
+    };
+    let third = events() / 3;
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            enqueued.load(std::sync::atomic::Ordering::SeqCst) >= third
+                && relayed.snapshot().published > 0
+                && stats.snapshot().processed > 0
+        }));
+    assert!(
+        started,
+        "the relay or the consumer did not start: {:?} {:?}",
+        relayed.snapshot(),
+        stats.snapshot()
+    );
+    scene.cluster.kill_node(leader).unwrap();
+    let at_kill = relayed.snapshot().published;
+    producer.join().unwrap();
+    assert!(
+        at_kill < u64::try_from(events()).unwrap(),
+        "the kill did not land while the relay published ({at_kill} published)"
+    );
+
+    // Every row published, every event settled, the queue drained.
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let all = i64::try_from(events()).unwrap();
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(180), || {
+            unpublished(&db, &schema) == 0 && settled(&db, &schema) >= all
+        }));
+    let published = usize::try_from(relayed.snapshot().published).unwrap();
+    let drained = scene.drained(&stats, published);
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    scene.runtime.block_on(relaying).unwrap().unwrap();
+    let (consumed, relayed) = (stats.snapshot(), relayed.snapshot());
+    eprintln!(
+        "leader node {leader} killed at {at_kill} relayed: relay {relayed:?}, consumer {consumed:?}"
+    );
+    assert!(
+        done,
+        "not every row published and applied: {relayed:?} {consumed:?}"
+    );
+    assert!(
+        drained,
+        "copies left undelivered in the queue: {consumed:?}"
+    );
+    assert!(
+        relayed.reconnects >= 1,
+        "the relay lost its node: {relayed:?}"
+    );
+    assert!(
+        consumed.reconnects >= 1,
+        "the consumer lost its node: {consumed:?}"
+    );
+    scene.verdict(&workload, published);
+}
+
+/// Outbox rows not yet published in `schema`.
+fn unpublished(db_url: &str, schema: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = PgConnection::establish(db_url).unwrap();
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
+        .unwrap();
+    diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL")
+        .get_result::<N>(&mut conn)
+        .map(|r| r.n)
+        .unwrap_or(i64::MAX)
 }
