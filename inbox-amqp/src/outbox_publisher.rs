@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use inbox_core::{OutboxPublisher, OutboxRow, Publication};
 
-use crate::publish::{publish_with_confirm, Confirmed, Pending};
+use crate::publish::{Confirmed, InFlight};
 use crate::TENANT_HEADER;
 
 /// Publishes rows on the relay's connection. Called by the core relay round on a
@@ -286,20 +286,23 @@ fn failed_span(span: &tracing::Span, settled: &Settled) {
     }
 }
 
-async fn basic_publish(
+/// Publishes `row` into `in_flight` on `channel`.
+async fn basic_publish<'r>(
+    in_flight: &mut InFlight<'r>,
     channel: &Channel,
-    row: &OutboxRow,
+    row: &'r OutboxRow,
     span: &tracing::Span,
-) -> lapin::Result<Pending> {
+) -> lapin::Result<()> {
     let msg = &row.message;
-    publish_with_confirm(
-        channel,
-        &msg.exchange,
-        &msg.routing_key,
-        &msg.payload,
-        properties(row, span),
-    )
-    .await
+    in_flight
+        .publish(
+            channel,
+            &msg.exchange,
+            &msg.routing_key,
+            &msg.payload,
+            properties(row, span),
+        )
+        .await
 }
 
 /// Whether a failed publication is the row's own doing: the broker closed the
@@ -384,12 +387,13 @@ async fn publish_pipelined<'r>(
     deadline: Instant,
     round: &mut Round,
 ) -> std::result::Result<Vec<&'r OutboxRow>, String> {
-    let mut pending = Vec::with_capacity(rows.len());
+    let mut in_flight = InFlight::default();
+    let mut spans = Vec::with_capacity(rows.len());
     let mut unsent = Vec::new();
     for (i, row) in rows.iter().enumerate() {
         let span = publish_span(row);
-        match basic_publish(channel, row, &span).await {
-            Ok(confirm) => pending.push((*row, confirm, span)),
+        match basic_publish(&mut in_flight, channel, row, &span).await {
+            Ok(()) => spans.push(span),
             Err(_) => {
                 // The channel is closing or closed; the confirms below say why.
                 unsent = rows[i..].to_vec();
@@ -397,11 +401,14 @@ async fn publish_pipelined<'r>(
             }
         }
     }
+    debug_assert_eq!(in_flight.len(), spans.len());
+    let Some(answers) = in_flight.answers_by(deadline).await else {
+        return Err(LEASE_RAN_OUT.to_owned());
+    };
     let mut unsettled = Vec::new();
-    for (row, confirm, span) in pending {
-        match tokio::time::timeout_at(deadline, confirm.answer()).await {
-            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
-            Ok(Ok(confirmed)) => {
+    for ((row, span), answer) in rows.iter().zip(spans).zip(answers) {
+        match answer {
+            Ok(confirmed) => {
                 let settled = settled(row, confirmed);
                 failed_span(&span, &settled);
                 match settled {
@@ -409,7 +416,7 @@ async fn publish_pipelined<'r>(
                     Settled::Failed(failure) => round.failed.push(failure),
                 }
             }
-            Ok(Err(_)) => unsettled.push(row),
+            Err(_) => unsettled.push(*row),
         }
     }
     unsettled.extend(unsent);
@@ -434,10 +441,15 @@ async fn publish_alone(
         }
     }
     let span = publish_span(row);
-    let published = match basic_publish(channel, row, &span).await {
-        Ok(confirm) => match tokio::time::timeout_at(deadline, confirm.answer()).await {
-            Err(_) => return Err(LEASE_RAN_OUT.to_owned()),
-            Ok(confirmed) => confirmed,
+    let mut in_flight = InFlight::default();
+    let published = match basic_publish(&mut in_flight, channel, row, &span).await {
+        Ok(()) => match in_flight.answers_by(deadline).await {
+            None => return Err(LEASE_RAN_OUT.to_owned()),
+            Some(answers) => match answers.into_iter().next() {
+                Some(answer) => answer,
+                // One answer per publication: not reached.
+                None => return Err("the broker's answer went missing".to_owned()),
+            },
         },
         Err(err) => Err(err),
     };

@@ -1,8 +1,25 @@
 //! Publishing with a publisher confirm: the one way the consumer (retry copies) and
 //! the relay (outbox rows) put a message on the broker.
+//!
+//! Publications sent together on one channel are answered together ([`InFlight`]),
+//! because lapin cannot say which of them the broker returned. RabbitMQ sends an
+//! unroutable `mandatory` message's `basic.return` before its ack, and may ack
+//! several publications in one `multiple` ack; lapin hands each return to whichever
+//! confirm it settles next, and settles the confirms of a `multiple` ack in no fixed
+//! order (a hash map's). With several publications in flight, a return was seen on
+//! a routable row's confirm and the unroutable row's ack came back clean: the relay
+//! marked a row published that no queue took, and published a delivered row again
+//! (`e2e_outbox::a_round_tells_its_returned_rows_from_the_rows_acked_with_them`: 10
+//! and 20 of 86 unroutable rows in two runs of a 600-row backlog). A return is therefore matched here by
+//! what it carries (exchange, routing key, `message_id` and body) against every
+//! publication of its set, whichever confirm lapin put it on.
 
+use inbox_core::display::Escaped;
+use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
-use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, PublisherConfirm};
+use tokio::time::Instant;
 
 /// How the broker answered a confirmed publication.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,49 +32,329 @@ pub(crate) enum Confirmed {
     Returned,
 }
 
-impl Confirmed {
-    fn of(confirmation: Confirmation) -> Self {
-        if confirmation.is_nack() {
-            Self::Nack
-        } else if confirmation.take_message().is_some() {
-            Self::Returned
-        } else {
-            Self::Ack
+/// What the broker sends back of a publication it returns, to know it again.
+#[derive(Debug, PartialEq, Eq)]
+struct Sent<'a> {
+    exchange: &'a str,
+    routing_key: &'a str,
+    message_id: Option<ShortString>,
+    body: &'a [u8],
+}
+
+impl<'a> Sent<'a> {
+    /// What a returned message carries.
+    fn returned(message: &'a BasicReturnMessage) -> Self {
+        Self {
+            exchange: message.exchange.as_str(),
+            routing_key: message.routing_key.as_str(),
+            message_id: message.properties.message_id().clone(),
+            body: &message.data,
         }
     }
 }
 
-/// A publication sent and not yet confirmed.
-pub(crate) struct Pending(PublisherConfirm);
+/// Publications sent on one channel with confirms and not yet answered, in the
+/// order they were sent. Their answers are awaited together ([`InFlight::answers`]).
+#[derive(Default)]
+pub(crate) struct InFlight<'a> {
+    sent: Vec<(Sent<'a>, PublisherConfirm)>,
+}
 
-impl Pending {
-    /// Waits for the broker's answer. `Err` when the channel closed first.
-    pub(crate) async fn answer(self) -> lapin::Result<Confirmed> {
-        self.0.await.map(Confirmed::of)
+impl<'a> InFlight<'a> {
+    /// Publishes `body` to `exchange` with `routing_key`, `mandatory` (an unroutable
+    /// message comes back as [`Confirmed::Returned`]), on `channel` (in confirm
+    /// mode: every publication of a set on the same one).
+    pub(crate) async fn publish(
+        &mut self,
+        channel: &Channel,
+        exchange: &'a str,
+        routing_key: &'a str,
+        body: &'a [u8],
+        properties: BasicProperties,
+    ) -> lapin::Result<()> {
+        let message_id = properties.message_id().clone();
+        let confirm = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await?;
+        let sent = Sent {
+            exchange,
+            routing_key,
+            message_id,
+            body,
+        };
+        self.sent.push((sent, confirm));
+        Ok(())
+    }
+
+    /// How many publications are in flight.
+    pub(crate) fn len(&self) -> usize {
+        self.sent.len()
+    }
+
+    /// [`InFlight::answers`], or `None` when `deadline` passes first.
+    pub(crate) async fn answers_by(
+        self,
+        deadline: Instant,
+    ) -> Option<Vec<lapin::Result<Confirmed>>> {
+        tokio::time::timeout_at(deadline, self.answers()).await.ok()
+    }
+
+    /// Waits for the broker's answer to each publication, in the order they were
+    /// sent: `Err` for one whose channel closed before it was answered.
+    ///
+    /// A publication is [`Confirmed::Returned`] when a return of the set carries
+    /// it, whichever confirm lapin put the return on; a nack stays a nack. A
+    /// return that carries none of them (the broker changed what it echoes, or a
+    /// return outlived the set it belonged to) cannot say whose it was: every
+    /// acked publication of the set is then taken as returned, to be published
+    /// again (a copy the consumers' inboxes absorb) rather than marked done when it
+    /// may have gone nowhere.
+    pub(crate) async fn answers(self) -> Vec<lapin::Result<Confirmed>> {
+        let mut answers = Vec::with_capacity(self.sent.len());
+        let mut returns = Vec::new();
+        let mut sent = Vec::with_capacity(self.sent.len());
+        for (publication, confirm) in self.sent {
+            answers.push(confirm.await.map(|confirmation| {
+                let nacked = confirmation.is_nack();
+                returns.extend(confirmation.take_message());
+                if nacked {
+                    Confirmed::Nack
+                } else {
+                    Confirmed::Ack
+                }
+            }));
+            sent.push(publication);
+        }
+        let returned: Vec<Sent<'_>> = returns.iter().map(Sent::returned).collect();
+        mark_returned(&sent, &returned, &mut answers);
+        answers
     }
 }
 
-/// Publishes `body` to `exchange` with `routing_key`, `mandatory` (an unroutable
-/// message comes back as [`Confirmed::Returned`]), on a channel in confirm mode.
-/// Several may be sent before their answers are awaited.
-pub(crate) async fn publish_with_confirm(
-    channel: &Channel,
-    exchange: &str,
-    routing_key: &str,
-    body: &[u8],
-    properties: BasicProperties,
-) -> lapin::Result<Pending> {
-    channel
-        .basic_publish(
-            exchange.into(),
-            routing_key.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
+/// Marks [`Confirmed::Returned`] each acked publication of `sent` (answered in
+/// `answers`, in the same order) that one of `returned` carries; when a return
+/// carries none of them, every acked one (see [`InFlight::answers`]).
+fn mark_returned(
+    sent: &[Sent<'_>],
+    returned: &[Sent<'_>],
+    answers: &mut [lapin::Result<Confirmed>],
+) {
+    let mut mark = |answer: &mut lapin::Result<Confirmed>| {
+        if matches!(answer, Ok(Confirmed::Ack)) {
+            *answer = Ok(Confirmed::Returned);
+        }
+    };
+    for message in returned {
+        let mut known = false;
+        for (publication, answer) in sent.iter().zip(answers.iter_mut()) {
+            if publication == message {
+                known = true;
+                mark(answer);
+            }
+        }
+        if !known {
+            tracing::warn!(
+                exchange = %Escaped(message.exchange),
+                routing_key = %Escaped(message.routing_key),
+                "the broker returned a message none of the publications in flight carried; taking every acked one as returned"
+            );
+            answers.iter_mut().for_each(&mut mark);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+    use super::*;
+
+    fn sent<'a>(routing_key: &'a str, id: &str, body: &'a [u8]) -> Sent<'a> {
+        Sent {
+            exchange: "",
+            routing_key,
+            message_id: Some(id.into()),
             body,
-            properties,
-        )
-        .await
-        .map(Pending)
+        }
+    }
+
+    fn acked(n: usize) -> Vec<lapin::Result<Confirmed>> {
+        (0..n).map(|_| Ok(Confirmed::Ack)).collect()
+    }
+
+    fn kinds(answers: &[lapin::Result<Confirmed>]) -> Vec<Option<Confirmed>> {
+        answers.iter().map(|a| a.as_ref().ok().copied()).collect()
+    }
+
+    #[test]
+    fn a_return_marks_the_publication_it_carries_and_no_other() {
+        let set = [
+            sent("q", "1", b"a"),
+            sent("q", "2", b"b"),
+            sent("q", "3", b"c"),
+        ];
+        let mut answers = acked(3);
+        mark_returned(&set, &[sent("q", "2", b"b")], &mut answers);
+        let ack = Some(Confirmed::Ack);
+        assert_eq!(
+            kinds(&answers),
+            [ack, Some(Confirmed::Returned), ack],
+            "whichever confirm lapin put the return on"
+        );
+        // Each field tells publications apart.
+        for other in [
+            sent("r", "2", b"b"),
+            sent("q", "9", b"b"),
+            sent("q", "2", b"x"),
+            Sent {
+                exchange: "ex",
+                ..sent("q", "2", b"b")
+            },
+            Sent {
+                message_id: None,
+                ..sent("q", "2", b"b")
+            },
+        ] {
+            let set = [other, sent("q", "2", b"b")];
+            let mut answers = acked(2);
+            mark_returned(&set, &[sent("q", "2", b"b")], &mut answers);
+            assert_eq!(
+                kinds(&answers),
+                [ack, Some(Confirmed::Returned)],
+                "{:?}",
+                set[0]
+            );
+        }
+    }
+
+    #[test]
+    fn a_nack_stays_a_nack_and_identical_publications_are_all_returned() {
+        let set = [
+            sent("q", "1", b"a"),
+            sent("q", "1", b"a"),
+            sent("q", "1", b"a"),
+        ];
+        let mut answers = vec![Ok(Confirmed::Nack), Ok(Confirmed::Ack), Ok(Confirmed::Ack)];
+        mark_returned(&set, &[sent("q", "1", b"a")], &mut answers);
+        assert_eq!(
+            kinds(&answers),
+            [
+                Some(Confirmed::Nack),
+                Some(Confirmed::Returned),
+                Some(Confirmed::Returned)
+            ],
+            "which of two identical publications came back is not known: neither is done"
+        );
+    }
+
+    #[test]
+    fn a_return_that_carries_no_publication_of_the_set_returns_every_acked_one() {
+        let set = [
+            sent("q", "1", b"a"),
+            sent("q", "2", b"b"),
+            sent("q", "3", b"c"),
+        ];
+        let mut answers = vec![Ok(Confirmed::Ack), Ok(Confirmed::Nack), Ok(Confirmed::Ack)];
+        mark_returned(&set, &[sent("elsewhere", "7", b"z")], &mut answers);
+        assert_eq!(
+            kinds(&answers),
+            [
+                Some(Confirmed::Returned),
+                Some(Confirmed::Nack),
+                Some(Confirmed::Returned)
+            ]
+        );
+        let mut answers = acked(3);
+        mark_returned(&set, &[], &mut answers);
+        assert_eq!(kinds(&answers), [Some(Confirmed::Ack); 3], "no return");
+    }
+
+    /// Against the broker of `AMQP_URL`: publications to a queue that exists and to
+    /// one that does not, interleaved on one channel and answered together, each
+    /// answered as what happened to it. RabbitMQ acks several at once here, and
+    /// lapin puts returns on other publications' confirms.
+    #[test]
+    fn each_publication_in_flight_is_answered_as_what_happened_to_it() {
+        let Ok(url) = std::env::var("AMQP_URL") else {
+            assert!(
+                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
+                "AMQP_URL"
+            );
+            return;
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        runtime.block_on(async {
+            let conn = Connection::connect(&url, ConnectionProperties::default())
+                .await
+                .unwrap_or_else(|e| panic!("connect: {e}"));
+            let channel = conn
+                .create_channel()
+                .await
+                .unwrap_or_else(|e| panic!("channel: {e}"));
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap_or_else(|e| panic!("confirm_select: {e}"));
+            let queue = channel
+                .queue_declare(
+                    "".into(),
+                    QueueDeclareOptions {
+                        exclusive: true,
+                        auto_delete: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("declare: {e}"))
+                .name()
+                .to_string();
+            let missing = format!("{queue}.missing");
+            let bodies: Vec<Vec<u8>> = (0..600).map(|n| format!("{n}").into_bytes()).collect();
+            let nowhere = |n: usize| n % 7 == 3;
+            for round in 0..5 {
+                let mut in_flight = InFlight::default();
+                for (n, body) in bodies.iter().enumerate() {
+                    let routing_key = if nowhere(n) { &missing } else { &queue };
+                    let properties =
+                        BasicProperties::default().with_message_id(format!("{round}-{n}").into());
+                    in_flight
+                        .publish(&channel, "", routing_key, body, properties)
+                        .await
+                        .unwrap_or_else(|e| panic!("publish: {e}"));
+                }
+                let answers = tokio::time::timeout(Duration::from_secs(30), in_flight.answers())
+                    .await
+                    .unwrap_or_else(|_| panic!("no answers in 30 s"));
+                assert_eq!(answers.len(), bodies.len());
+                for (n, answer) in answers.iter().enumerate() {
+                    let expected = if nowhere(n) {
+                        Confirmed::Returned
+                    } else {
+                        Confirmed::Ack
+                    };
+                    let answer = answer.as_ref().unwrap_or_else(|e| panic!("{n}: {e}"));
+                    assert_eq!(*answer, expected, "round {round}, publication {n}");
+                }
+            }
+            let _ = conn.close(200, "done".into()).await;
+        });
+    }
 }

@@ -644,6 +644,99 @@ async fn unroutable_message_is_recorded_and_retried_without_blocking_others() {
     world.cleanup().await;
 }
 
+/// The broker sends an unroutable row's return before its ack, and may ack several
+/// rows at once (`multiple`): lapin hands a return to whichever confirm it settles
+/// next, in no fixed order. A round of routable rows with unroutable ones among them
+/// must still tell which rows came back: every routable row reaches its queue once
+/// and is marked published, no unroutable row is marked published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_tells_its_returned_rows_from_the_rows_acked_with_them() {
+    const ROWS: usize = 600;
+    let Some(world) = World::declared().await else {
+        return;
+    };
+    let conn = amqp::connect(&world.url).await;
+    let (channel, queue) = world.bound_queue(&conn, "counted", "usage.counted").await;
+    let mut db = world.db.connect();
+    let now = world.store.now();
+    let mut routable = std::collections::BTreeSet::new();
+    for n in 0..ROWS {
+        let nowhere = n % 7 == 3;
+        let key = format!("{}-{n}", if nowhere { "nowhere" } else { "counted" });
+        let routing_key = if nowhere {
+            "usage.nowhere"
+        } else {
+            "usage.counted"
+        };
+        let msg = OutboxMessage::new(
+            MessageKey::new(&key).unwrap(),
+            world.exchange(),
+            routing_key,
+            key.clone().into_bytes(),
+        );
+        enqueue(&mut db, &msg, now).unwrap();
+        if !nowhere {
+            routable.insert(key);
+        }
+    }
+    let unroutable = (ROWS - routable.len()) as u64;
+    let shutdown = CancellationToken::new();
+    let relay = world.relay("r", &world.url);
+    let relayed = relay.stats();
+    let relaying = tokio::spawn(relay.run(shutdown.clone()));
+    // Every routable row published, every unroutable one returned at least twice.
+    let settled = eventually(Duration::from_secs(60), || {
+        let s = relayed.snapshot();
+        s.published >= routable.len() as u64 && s.returned >= 2 * unroutable
+    })
+    .await;
+    shutdown.cancel();
+    relaying.await.unwrap().unwrap();
+    let s: RelaySnapshot = relayed.snapshot();
+    assert!(settled, "{s:?}");
+    assert_eq!(s.published, routable.len() as u64, "{s:?}");
+    #[derive(QueryableByName)]
+    struct Key {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        message_key: String,
+    }
+    let published: std::collections::BTreeSet<String> =
+        diesel::sql_query("SELECT message_key FROM outbox_messages WHERE published_at IS NOT NULL")
+            .load::<Key>(&mut db)
+            .unwrap()
+            .into_iter()
+            .map(|k| k.message_key)
+            .collect();
+    assert_eq!(published, routable, "the rows marked published");
+    // What reached the queue: each routable row once.
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "counter".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let mut arrived = BTreeMap::<String, u32>::new();
+    while let Ok(Some(d)) = tokio::time::timeout(Duration::from_secs(2), consumer.next()).await {
+        let d = d.unwrap();
+        *arrived
+            .entry(String::from_utf8(d.data.clone()).unwrap())
+            .or_default() += 1;
+        d.ack(Default::default()).await.unwrap();
+    }
+    let doubled: Vec<_> = arrived.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "published twice: {doubled:?}");
+    let keys: std::collections::BTreeSet<String> = arrived.into_keys().collect();
+    assert_eq!(keys, routable, "the rows that reached the queue");
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    world.cleanup().await;
+}
+
 /// Writers commit `rows` events while a relay publishes them through a proxy that
 /// cuts its connection as `cuts` says once `cut_after` are published: the relay
 /// reconnects, never stalls, and the consumer applies every event exactly once.

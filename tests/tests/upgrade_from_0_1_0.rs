@@ -1493,6 +1493,7 @@ async fn postgres_upgrade_over_rabbitmq() {
             .backoff(ms(50), ms(500))
             .connect_timeout(Duration::from_secs(1)),
     );
+    let relayed = relay.stats();
     let relaying = tokio::spawn(relay.run(shutdown.clone()));
 
     // The copies 0.1.0's pending claims were waiting for.
@@ -1537,7 +1538,12 @@ async fn postgres_upgrade_over_rabbitmq() {
     assert_eq!(db.effects_of("c-done").unwrap(), 0);
     assert_eq!(db.effect_count().unwrap(), 7);
     let s = consumed.snapshot();
-    assert_eq!((s.processed, s.duplicates, s.dead_lettered), (7, 1, 0));
+    assert_eq!(
+        (s.processed, s.duplicates, s.dead_lettered),
+        (7, 1, 0),
+        "{s:?}, the relay: {:?}",
+        relayed.snapshot()
+    );
     // The row no exchange binding takes came back unroutable and died.
     let dead = store.dead_outbox_rows(10).unwrap();
     assert_eq!(dead.len(), 1);

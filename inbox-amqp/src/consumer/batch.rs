@@ -248,26 +248,34 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         if retries.is_empty() {
             return Ok(());
         }
-        let mut pending = Vec::with_capacity(retries.len());
-        for (i, delay, message_type) in retries {
-            let d = &r.deliveries[i];
-            // The copy comes back from its tier under the group queue's name as routing
-            // key: the type must travel in the `type` property.
-            let properties = d.properties.clone().with_type(message_type.as_str().into());
-            let tier = self.topology.retry_ladder().tier_for(delay);
-            let queue = self.topology.retry_queue(group, delay);
-            let published = publish_with_confirm(channel, "", &queue, &d.data, properties).await;
-            pending.push((i, tier, queue, published));
+        // The copies' tiers and properties first: the copies in flight borrow them.
+        let copies: Vec<_> = retries
+            .into_iter()
+            .map(|(i, delay, message_type)| {
+                let d = &r.deliveries[i];
+                // The copy comes back from its tier under the group queue's name as
+                // routing key: the type must travel in the `type` property.
+                let properties = d.properties.clone().with_type(message_type.as_str().into());
+                let tier = self.topology.retry_ladder().tier_for(delay);
+                let queue = self.topology.retry_queue(group, delay);
+                (i, tier, queue, properties)
+            })
+            .collect();
+        let mut in_flight = InFlight::default();
+        for (i, _, queue, properties) in &copies {
+            let d = &r.deliveries[*i];
+            in_flight
+                .publish(channel, "", queue, &d.data, properties.clone())
+                .await?;
         }
+        // Every copy's answer together: which copy a return was is known only then.
+        let answers = in_flight.answers().await;
         let mut unconfirmed = false;
-        for (i, tier, queue, published) in pending {
-            let confirmed = match published {
-                Ok(pending) => matches!(pending.answer().await, Ok(Confirmed::Ack)),
-                Err(err) => return Err(err.into()),
-            };
-            if confirmed {
+        for ((i, tier, queue, _), answer) in copies.iter().zip(answers) {
+            let i = *i;
+            if matches!(answer, Ok(Confirmed::Ack)) {
                 self.stats.record(Tally::Retried);
-                self.stats.retried_to(tier);
+                self.stats.retried_to(*tier);
                 tracing::debug!(parent: r.span, %queue, "retry scheduled");
                 r.actions[i] = Action::Ack;
             } else {

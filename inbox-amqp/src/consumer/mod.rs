@@ -26,7 +26,7 @@ use inbox_core::{
 use crate::connect::{close_channel, goodbye, next_pause, pause, wait_out, SessionEnd};
 use crate::delivery::{self, Malformed};
 use crate::frames::{warn_on_small_stack, FRAME_MAX};
-use crate::publish::{publish_with_confirm, Confirmed};
+use crate::publish::{Confirmed, InFlight};
 use crate::stats::{ConsumerStats, Counter};
 use crate::supervisor::Supervisor;
 use crate::{Error, Result, Topology};
