@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::options::ConfirmSelectOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ErrorKind};
 use tokio::runtime::Handle;
@@ -12,7 +11,7 @@ use tokio::time::Instant;
 
 use inbox_core::{OutboxPublisher, OutboxRow, Publication};
 
-use crate::publish::{Confirmed, InFlight};
+use crate::publish::{confirm_channel, Confirmed, InFlight};
 use crate::TENANT_HEADER;
 
 /// Publishes rows on the relay's connection. Called by the core relay round on a
@@ -138,15 +137,6 @@ struct Round {
     /// Why the round stopped before settling every row (the connection was lost, or
     /// the lease ran out); the unsettled rows stay leased and are taken again.
     lost: Option<String>,
-}
-
-/// A channel in confirm mode.
-pub(crate) async fn confirm_channel(conn: &Connection) -> lapin::Result<Channel> {
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    Ok(channel)
 }
 
 fn properties(row: &OutboxRow, span: &tracing::Span) -> BasicProperties {

@@ -16,10 +16,19 @@
 
 use inbox_core::display::Escaped;
 use lapin::message::BasicReturnMessage;
-use lapin::options::BasicPublishOptions;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, PublisherConfirm};
+use lapin::{BasicProperties, Channel, Connection, PublisherConfirm};
 use tokio::time::Instant;
+
+/// A channel in confirm mode.
+pub(crate) async fn confirm_channel(conn: &Connection) -> lapin::Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
 
 /// How the broker answered a confirmed publication.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

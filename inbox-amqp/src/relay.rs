@@ -15,7 +15,8 @@ use inbox_core::{
 
 use crate::connect::SessionEnd;
 use crate::connection::ConnectionSettings;
-use crate::outbox_publisher::{confirm_channel, AmqpPublisher};
+use crate::outbox_publisher::AmqpPublisher;
+use crate::publish::confirm_channel;
 use crate::supervisor::Supervisor;
 use crate::{Error, Result};
 

@@ -3,7 +3,7 @@
 //! published and a verdict at the end: none lost, none doubled (duplicates are
 //! published on purpose), the projection equals the ledger, the queue drained.
 //!
-//! The consumer (and, in one scenario, the relay publishing the outbox) is given the
+//! The consumer (and, in two scenarios, the relay publishing the outbox) is given the
 //! three nodes' URLs in one setting; the group's queues are quorum queues with a
 //! replica on each node. The short form runs in CI; the long
 //! form (`INBOX_CLUSTER_LONG=1`) publishes ten times as much.
@@ -493,6 +493,150 @@ fn kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing
         "the consumer lost its node: {consumed:?}"
     );
     scene.verdict(&workload, published);
+}
+
+/// `kill -9` of the node leading the retry tier's queue while the consumer sends
+/// poison events (user 0, failing until they are dead-lettered) through the tier and
+/// the relay publishes the outbox at about 1,000 rows/s: the consumer's retry copies,
+/// refused while the tier elects a new leader, go on a fresh channel after a refusal
+/// (a channel that published during the election can go on being nacked); every
+/// poison event ends dead, every other event is applied once.
+#[test]
+fn kill_dash_nine_of_the_retry_tiers_leader_under_retries_loses_and_doubles_nothing() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let n = events();
+    let workload = Workload::generate(n, n / 2, 59);
+    let group = ConsumerGroup::new(GROUP).unwrap();
+    let tier = scene
+        .topology
+        .retry_queue(&group, Duration::from_millis(50));
+    let leader = scene
+        .cluster
+        .leader_of(&tier)
+        .expect("the tier has a leader");
+    // The leader's node first: the relay and the consumer connect to it, and lose it.
+    let urls = scene.cluster.urls();
+    let mut list = vec![urls[leader].clone()];
+    list.extend(
+        (0..urls.len())
+            .filter(|i| *i != leader)
+            .map(|i| urls[i].clone()),
+    );
+    let list = list.join(" ");
+    let consumer = scene.consumer_of(list.clone());
+    let stats = consumer.stats();
+    let relay = Relay::new(list, Arc::clone(&scene.store)).with_settings(
+        RelaySettings::default()
+            .relay_id("cluster")
+            .lease(100, Duration::from_secs(2))
+            .poll_interval(Duration::from_millis(20))
+            .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+            .connect_timeout(Duration::from_secs(2)),
+    );
+    let relayed = relay.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
+
+    // Poison and healthy events interleaved (the workload puts the poison first).
+    let order: Vec<usize> = (0..n / 2).flat_map(|i| [i, n / 2 + i]).collect();
+    let enqueued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let producer = {
+        let (store, enqueued) = (Arc::clone(&scene.store), Arc::clone(&enqueued));
+        let (events, exchange) = (workload.events.clone(), scene.topology.exchange());
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            for (i, at) in order.into_iter().enumerate() {
+                let due = started + Duration::from_secs_f64(i as f64 / 1_000.0);
+                if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let (key, event) = &events[at];
+                let body = serde_json::to_vec(event).unwrap();
+                let msg =
+                    inbox_core::OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
+                let mut conn = store.connection().unwrap();
+                enqueue(&mut conn, &msg, store.clock().now()).unwrap();
+                enqueued.store(i + 1, std::sync::atomic::Ordering::SeqCst);
+            }
+        })
+    };
+    let third = n / 3;
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            enqueued.load(std::sync::atomic::Ordering::SeqCst) >= third
+                && stats.snapshot().retried > 0
+        }));
+    assert!(
+        started,
+        "the consumer sent no retry copy: {:?} {:?}",
+        relayed.snapshot(),
+        stats.snapshot()
+    );
+    scene.cluster.kill_node(leader).unwrap();
+    let at_kill = stats.snapshot();
+    producer.join().unwrap();
+
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    let all = i64::try_from(n).unwrap();
+    let done = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(180), || {
+            unpublished(&db, &schema) == 0 && settled(&db, &schema) >= all
+        }));
+    let published = usize::try_from(relayed.snapshot().published).unwrap();
+    let drained = scene.drained(&stats, published);
+    shutdown.cancel();
+    scene.runtime.block_on(running).unwrap().unwrap();
+    scene.runtime.block_on(relaying).unwrap().unwrap();
+    let (consumed, relayed) = (stats.snapshot(), relayed.snapshot());
+    eprintln!(
+        "retry tier's leader node {leader} killed at {} retried: relay {relayed:?}, consumer {consumed:?}",
+        at_kill.retried
+    );
+    assert!(
+        at_kill.dead_lettered < u64::try_from(n / 2).unwrap(),
+        "the kill did not land while poison was retried: {at_kill:?}"
+    );
+    assert!(
+        done,
+        "not every event published and settled: {relayed:?} {consumed:?}"
+    );
+    assert!(
+        drained,
+        "copies left undelivered in the queue: {consumed:?}"
+    );
+    assert!(
+        consumed.reconnects >= 1,
+        "the consumer lost its node: {consumed:?}"
+    );
+    assert_eq!(
+        dead(&db, &schema),
+        i64::try_from(n / 2).unwrap(),
+        "every poison event dead, no other"
+    );
+    scene.verdict(&workload, published);
+}
+
+/// Claims dead in `schema`.
+fn dead(db_url: &str, schema: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = PgConnection::establish(db_url).unwrap();
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
+        .unwrap();
+    diesel::sql_query("SELECT COUNT(*) AS n FROM inbox_claims WHERE status = 'dead'")
+        .get_result::<N>(&mut conn)
+        .map(|r| r.n)
+        .unwrap_or(-1)
 }
 
 /// Outbox rows not yet published in `schema`.

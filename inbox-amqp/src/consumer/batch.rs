@@ -43,6 +43,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
     pub(super) async fn handle_batch(
         self: &Arc<Self>,
         channel: &Channel,
+        copies: &mut Copies,
         group: &ConsumerGroup,
         deliveries: Vec<Delivery>,
         tokens: &Tokens,
@@ -114,7 +115,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             stop: &tokens.stop,
             span: &span,
         };
-        self.schedule_retries(channel, group, retries, retrying)
+        self.schedule_retries(copies, group, retries, retrying)
             .await?;
         self.settle(channel, &deliveries, &actions).await?;
         if let Some(cause) = halt {
@@ -235,12 +236,13 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         })
     }
 
-    /// Publishes each retry copy with a confirm to its tier and acks its original
-    /// only once the copy is confirmed; an original whose copy was refused is
-    /// requeued after a pause.
+    /// Publishes each retry copy with a confirm to its tier (on the worker's
+    /// [`Copies`] channel) and acks its original only once the copy is confirmed; an
+    /// original whose copy was refused is requeued after a pause, and the channel
+    /// replaced.
     pub(super) async fn schedule_retries(
         &self,
-        channel: &Channel,
+        copies: &mut Copies,
         group: &ConsumerGroup,
         retries: Vec<Retry>,
         r: Retrying<'_>,
@@ -249,7 +251,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             return Ok(());
         }
         // The copies' tiers and properties first: the copies in flight borrow them.
-        let copies: Vec<_> = retries
+        let tiers: Vec<_> = retries
             .into_iter()
             .map(|(i, delay, message_type)| {
                 let d = &r.deliveries[i];
@@ -261,8 +263,9 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                 (i, tier, queue, properties)
             })
             .collect();
+        let channel = copies.channel().await?;
         let mut in_flight = InFlight::default();
-        for (i, _, queue, properties) in &copies {
+        for (i, _, queue, properties) in &tiers {
             let d = &r.deliveries[*i];
             in_flight
                 .publish(channel, "", queue, &d.data, properties.clone())
@@ -271,7 +274,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         // Every copy's answer together: which copy a return was is known only then.
         let answers = in_flight.answers().await;
         let mut unconfirmed = false;
-        for ((i, tier, queue, _), answer) in copies.iter().zip(answers) {
+        for ((i, tier, queue, _), answer) in tiers.iter().zip(answers) {
             let i = *i;
             if matches!(answer, Ok(Confirmed::Ack)) {
                 self.stats.record(Tally::Retried);
@@ -286,6 +289,8 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             }
         }
         if unconfirmed {
+            // A channel nacked once may go on being nacked (see `copies`).
+            copies.replace().await;
             // A full tier refuses copies until it drains: an original requeued at once
             // would come straight back, in a loop as fast as the broker answers.
             wait_out(r.stop, r.backoff, self.settings.connection.backoff_max).await;

@@ -8,7 +8,6 @@ use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -32,6 +31,7 @@ use crate::supervisor::Supervisor;
 use crate::{Error, Result, Topology};
 
 mod batch;
+mod copies;
 mod dead_letters;
 mod halts;
 mod pacing;
@@ -39,6 +39,7 @@ mod session;
 mod settings;
 
 use batch::*;
+use copies::Copies;
 use dead_letters::*;
 use pacing::*;
 use session::*;
@@ -50,8 +51,9 @@ pub use settings::ConsumerSettings;
 /// Per group, `workers` tasks each own a channel: they batch deliveries, hand each
 /// batch to the store on a blocking thread, and only then act: ack after commit (one
 /// `multiple` ack when the whole batch may be acked, else one ack each), a retry
-/// published with a confirm to its tier before the original is acked, nothing acked
-/// after a store failure. A task per group reads the broker's dead-letter queue into
+/// published with a confirm to its tier before the original is acked (on a second
+/// channel of the worker's, replaced after a copy is refused), nothing acked after a
+/// store failure. A task per group reads the broker's dead-letter queue into
 /// the store. Each group's workers and its dead-letter reader have a connection of
 /// their own (see [`Consumer::run`]). A lost connection is re-established with
 /// backoff and the topology declared again.

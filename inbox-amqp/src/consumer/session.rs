@@ -29,7 +29,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
     /// on a channel of its own, until one of them ends it.
     pub(super) async fn session(
         self: &Arc<Self>,
-        conn: &Connection,
+        conn: &Arc<Connection>,
         group: &ConsumerGroup,
         shutdown: &CancellationToken,
         caution: &Caution,
@@ -104,8 +104,13 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                                         group = %group,
                                         worker
                                     );
-                                    let worker =
-                                        task.worker(channel, group.clone(), tokens(), pace.clone());
+                                    let worker = task.worker(
+                                        Arc::clone(conn),
+                                        channel,
+                                        group.clone(),
+                                        tokens(),
+                                        pace.clone(),
+                                    );
                                     tasks.spawn(worker.instrument(span));
                                 }
                             }
@@ -154,21 +159,23 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         }
     }
 
+    /// A worker consuming `group` on `channel`, its retry copies on a channel of
+    /// their own of `conn` (see [`Copies`]). Ending with `Err` ends the session and
+    /// closes the connection, both channels with it.
     pub(super) async fn worker(
         self: Arc<Self>,
+        conn: Arc<Connection>,
         channel: Channel,
         group: ConsumerGroup,
         tokens: Tokens,
         pace: Pace,
     ) -> std::result::Result<(), SessionEnd> {
+        let mut copies = Copies::new(conn);
         let settings = &self.settings;
         let mut retry_backoff = settings.connection.backoff_min;
         let mut store_backoff = settings.connection.backoff_min;
         channel
             .basic_qos(pace.prefetch, BasicQosOptions::default())
-            .await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
             .await?;
         let queue = self.topology.queue(&group);
         let tag = format!("inbox-{}-{}", group, channel.id());
@@ -208,7 +215,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                 store: &mut store_backoff,
             };
             let size = batch.len();
-            self.handle_batch(&channel, &group, batch, &tokens, backoff)
+            self.handle_batch(&channel, &mut copies, &group, batch, &tokens, backoff)
                 .await?;
             if tokens.halt.halted.is_cancelled() {
                 // What it holds stays held: never a relaxed end, which would close the
@@ -220,6 +227,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         // No new deliveries; what was prefetched and not handled goes back to the
         // queue when the channel closes.
         stop_consuming(&channel, &tag, &tokens, "inbox worker stopping").await;
+        copies.close().await;
         Ok(())
     }
 }
