@@ -32,6 +32,68 @@ pub(crate) enum SessionEnd {
     Fatal(Error),
 }
 
+impl SessionEnd {
+    /// How grave an end is: fatal, then unreadable (the caution it starts must not
+    /// be lost to a lost or relaxed end), then lost, then relaxed.
+    fn rank(&self) -> u8 {
+        match self {
+            Self::Fatal(_) => 3,
+            Self::Unreadable(_) => 2,
+            Self::Lost(_) => 1,
+            Self::Relaxed => 0,
+        }
+    }
+}
+
+/// The gravest end a session has come to so far, kept outside the session's future.
+///
+/// A session of several tasks ends when one of them does, and the others first
+/// finish their batch; the session's end is the gravest of theirs. It is recorded
+/// here as each task ends, not only returned: when the connection dies under a task
+/// that never finishes, the supervisor gives up on the session and drops its future
+/// (see [`while_connected`]), and the end recorded before the drop still decides
+/// what comes next. Without it a task's fatal end would reconnect, and an
+/// unreadable frame's caution would be lost, whenever a slow batch outlived the
+/// connection by [`GOODBYE_WAIT`].
+#[derive(Default)]
+pub(crate) struct Ends(std::sync::Mutex<Option<SessionEnd>>);
+
+impl Ends {
+    fn gravest(&self) -> std::sync::MutexGuard<'_, Option<SessionEnd>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records `end` when it is graver than every end recorded so far, and then
+    /// calls `graver` with it.
+    pub(crate) fn record(&self, end: SessionEnd, graver: impl FnOnce(&SessionEnd)) {
+        let mut gravest = self.gravest();
+        if gravest.as_ref().is_none_or(|g| end.rank() > g.rank()) {
+            graver(&end);
+            *gravest = Some(end);
+        }
+    }
+
+    /// The gravest end recorded, taken out: `Ok(())` when none was.
+    pub(crate) fn take(&self) -> std::result::Result<(), SessionEnd> {
+        let mut gravest = self.gravest();
+        gravest.take().map_or(Ok(()), Err)
+    }
+
+    /// The end of a session given up on because its connection was lost (`why`):
+    /// the gravest of that loss and the ends recorded before it.
+    pub(crate) fn given_up(&self, why: String) -> SessionEnd {
+        let mut gravest = self.gravest();
+        match gravest.take() {
+            Some(
+                end @ (SessionEnd::Fatal(_) | SessionEnd::Unreadable(_) | SessionEnd::Lost(_)),
+            ) => end,
+            Some(SessionEnd::Relaxed) | None => SessionEnd::Lost(why),
+        }
+    }
+}
+
 impl From<lapin::Error> for SessionEnd {
     fn from(err: lapin::Error) -> Self {
         if matches!(err.kind(), lapin::ErrorKind::ParsingError(_)) {

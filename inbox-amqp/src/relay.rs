@@ -13,7 +13,7 @@ use inbox_core::{
     MAX_RETRY_DELAY,
 };
 
-use crate::connect::SessionEnd;
+use crate::connect::{Ends, SessionEnd};
 use crate::connection::ConnectionSettings;
 use crate::outbox_publisher::AmqpPublisher;
 use crate::publish::confirm_channel;
@@ -359,7 +359,9 @@ impl<O: OutboxStore> Relay<O> {
                     }
                     Ok(channels)
                 },
-                move |conn, channels| async move { relay.session(conn, channels, shutdown).await },
+                move |conn, channels, ends| async move {
+                    relay.session(conn, channels, shutdown, &ends).await
+                },
                 || {
                     relay.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!(inbox_core::metrics::OUTBOX_RELAY_RECONNECTS_TOTAL)
@@ -400,12 +402,14 @@ impl<O: OutboxStore> Relay<O> {
     /// Relay rounds on one connection until shutdown or the connection is lost: one
     /// lane of rounds per channel, all at once. When one lane ends (the connection
     /// or its channel lost, a fatal error), the others finish the round they are in
-    /// and stop, and the session ends with the first lane's reason.
+    /// and stop, and the session ends with the gravest lane's end, recorded in
+    /// `ends` as each lane ends (it still counts when the session is given up on).
     async fn session(
         &self,
         conn: Arc<Connection>,
         channels: Vec<Channel>,
         shutdown: &CancellationToken,
+        ends: &Ends,
     ) -> std::result::Result<(), SessionEnd> {
         let stop = shutdown.child_token();
         let mut lanes = JoinSet::new();
@@ -420,7 +424,6 @@ impl<O: OutboxStore> Relay<O> {
                 .in_current_span(),
             );
         }
-        let mut first = Ok(());
         while let Some(joined) = lanes.join_next().await {
             let end = joined.unwrap_or_else(|source| {
                 Err(SessionEnd::Fatal(Error::TaskFailed {
@@ -428,11 +431,11 @@ impl<O: OutboxStore> Relay<O> {
                     source,
                 }))
             });
-            if first.is_ok() {
-                first = end;
+            if let Err(end) = end {
+                ends.record(end, |_| {});
             }
         }
-        first
+        ends.take()
     }
 
     /// One lane's rounds on `channel` until `shutdown` or a loss.

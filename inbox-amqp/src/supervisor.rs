@@ -14,8 +14,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::brokers::BrokerUrls;
-use crate::connect::SessionEnd;
 use crate::connect::{close_connection, full_jitter, open, pause, while_connected};
+use crate::connect::{Ends, SessionEnd};
 use crate::connection::ConnectionSettings;
 use crate::election::awaits_election;
 use crate::tls::Tls;
@@ -98,6 +98,9 @@ impl<'a> Supervisor<'a> {
     /// The connection is watched while it declares and while its session runs (see
     /// [`while_connected`]): once it has not been connected for 2 s, the declaration
     /// ([`Error::Unanswered`]) or the session ([`SessionEnd::Lost`]) is given up on.
+    /// A session given up on ends as the gravest of that loss and the ends its tasks
+    /// recorded in the [`Ends`] it is given (a task's fatal end stays fatal, an
+    /// unreadable frame stays unreadable).
     ///
     /// A declaration answered that a quorum queue has no leader yet (an election, see
     /// [`crate::election`]) is not fatal, even the first: it is tried again after
@@ -117,7 +120,7 @@ impl<'a> Supervisor<'a> {
     where
         D: FnMut(Arc<Connection>) -> DF,
         DF: Future<Output = Result<T>>,
-        S: FnMut(Arc<Connection>, T) -> SF,
+        S: FnMut(Arc<Connection>, T, Arc<Ends>) -> SF,
         SF: Future<Output = std::result::Result<(), SessionEnd>>,
     {
         let mut backoff = self.backoff_min;
@@ -186,8 +189,9 @@ impl<'a> Supervisor<'a> {
             connected_before = true;
 
             let started = Instant::now();
-            let session = session(Arc::clone(&conn), declared);
-            let end = while_connected(&conn, session, SessionEnd::Lost).await;
+            let ends = Arc::new(Ends::default());
+            let session = session(Arc::clone(&conn), declared, Arc::clone(&ends));
+            let end = while_connected(&conn, session, |why| ends.given_up(why)).await;
             close_connection(&conn, self.goodbye).await;
             match end {
                 Ok(()) => return Ok(()),
@@ -276,7 +280,7 @@ mod tests {
         let ran = runtime.block_on(supervisor().run(
             &shutdown,
             |_| async { Ok(()) },
-            |_, ()| {
+            |_, (), _| {
                 sessions += 1;
                 async { Ok(()) }
             },
@@ -322,7 +326,7 @@ mod tests {
                     }
                 }
             },
-            |_, ()| async { Ok(()) },
+            |_, (), _| async { Ok(()) },
             || {},
         ));
         assert!(ran.is_ok(), "{ran:?}");
@@ -333,6 +337,20 @@ mod tests {
     /// every connection open through it (lapin sees its connection fail); later
     /// connections go through.
     async fn proxy(target: String) -> (String, Arc<tokio::sync::watch::Sender<u64>>) {
+        let (url, cut, _) = counting_proxy(target).await;
+        (url, cut)
+    }
+
+    /// [`proxy`], and how many connections it has taken.
+    async fn counting_proxy(
+        target: String,
+    ) -> (
+        String,
+        Arc<tokio::sync::watch::Sender<u64>>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&taken);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|e| panic!("bind: {e}"));
@@ -343,6 +361,7 @@ mod tests {
         let cuts = Arc::clone(&cut);
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let mut cut = cuts.subscribe();
                 let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
                     return;
@@ -355,7 +374,7 @@ mod tests {
                 });
             }
         });
-        (format!("amqp://guest:guest@{addr}/%2f"), cut)
+        (format!("amqp://guest:guest@{addr}/%2f"), cut, taken)
     }
 
     /// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
@@ -417,7 +436,7 @@ mod tests {
                         Ok(())
                     }
                 },
-                |_, ()| {
+                |_, (), _| {
                     sessions.set(sessions.get() + 1);
                     let n = sessions.get();
                     let now = session_stuck && n == stuck;
@@ -481,5 +500,88 @@ mod tests {
             (3, 2, 1),
             "declarations, sessions, reconnects"
         );
+    }
+
+    /// How a supervisor of two broker URLs went on after its first session recorded
+    /// `end` in its [`Ends`], cut its own connection and then never returned (a task
+    /// still in a batch): how it ended (`None`: it hung for 20 s), and how many
+    /// connections each URL took.
+    fn after_a_recorded_end_and_a_hung_session(
+        broker: String,
+        end: fn() -> SessionEnd,
+    ) -> (Option<Result<()>>, [usize; 2]) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        runtime.block_on(async {
+            let (first, cut, first_taken) = counting_proxy(broker.clone()).await;
+            let (second, _, second_taken) = counting_proxy(broker).await;
+            let urls = format!("{first} {second}");
+            let settings = ConnectionSettings::default()
+                .backoff(Duration::from_millis(10), Duration::from_millis(50));
+            let supervisor =
+                Supervisor::new(&urls, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"));
+            let shutdown = CancellationToken::new();
+            let sessions = std::cell::Cell::new(0);
+            let running = supervisor.run(
+                &shutdown,
+                |_| async { Ok(()) },
+                |_, (), ends| {
+                    sessions.set(sessions.get() + 1);
+                    let hang = sessions.get() == 1;
+                    let cut = Arc::clone(&cut);
+                    async move {
+                        if hang {
+                            ends.record(end(), |_| {});
+                            cut.send_modify(|n| *n += 1);
+                            std::future::pending::<()>().await;
+                        }
+                        Ok(())
+                    }
+                },
+                || {},
+            );
+            let ended = tokio::time::timeout(Duration::from_secs(20), running)
+                .await
+                .ok();
+            (ended, [first_taken.load(SeqCst), second_taken.load(SeqCst)])
+        })
+    }
+
+    /// A session given up on after its connection died ends as the gravest end its
+    /// tasks recorded, not as a plain loss: a fatal end stops the supervisor
+    /// (a loss would reconnect and run on).
+    #[test]
+    fn a_fatal_end_recorded_before_the_session_is_given_up_stays_fatal() {
+        let Some(broker) = broker() else { return };
+        let fatal = || SessionEnd::Fatal(Error::invalid("test", "nothing", "a fatal end"));
+        let (ended, taken) = after_a_recorded_end_and_a_hung_session(broker, fatal);
+        let ended = ended.expect("the supervisor hung on the session");
+        assert!(
+            matches!(
+                &ended,
+                Err(Error::InvalidSetting {
+                    setting: "test",
+                    ..
+                })
+            ),
+            "{ended:?} (connections taken per URL: {taken:?})"
+        );
+        assert_eq!(taken, [1, 0], "connections taken per URL");
+    }
+
+    /// And an unreadable frame stays unreadable: the supervisor reconnects to the
+    /// same, healthy broker (a loss moves to the next URL).
+    #[test]
+    fn an_unreadable_end_recorded_before_the_session_is_given_up_stays_unreadable() {
+        let Some(broker) = broker() else { return };
+        let unreadable = || SessionEnd::Unreadable("a frame the client cannot parse".into());
+        let (ended, taken) = after_a_recorded_end_and_a_hung_session(broker, unreadable);
+        let ended = ended.expect("the supervisor hung on the session");
+        assert!(ended.is_ok(), "{ended:?}");
+        assert_eq!(taken, [2, 0], "connections taken per URL");
     }
 }

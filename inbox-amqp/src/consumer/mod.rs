@@ -22,7 +22,7 @@ use inbox_core::{
     DeadLetterReason, Decision, ErrorChain, GroupHalts, InboxStore, Tally, TransportAction,
 };
 
-use crate::connect::{close_channel, goodbye, next_pause, pause, wait_out, SessionEnd};
+use crate::connect::{close_channel, goodbye, next_pause, pause, wait_out, Ends, SessionEnd};
 use crate::delivery::{self, Malformed};
 use crate::frames::{warn_on_small_stack, FRAME_MAX};
 use crate::publish::{Confirmed, InFlight};
@@ -340,10 +340,10 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
             .run(
                 stop,
                 move |conn| async move { shared.topology.declare_group(&conn, group).await },
-                move |conn, ()| async move {
-                    let end = shared.session(&conn, group, stop, caution, role).await;
-                    caution.after(&end);
-                    end
+                move |conn, (), ends| async move {
+                    shared
+                        .session(&conn, group, stop, caution, &ends, role)
+                        .await
                 },
                 || shared.reconnected(),
             )
@@ -378,7 +378,7 @@ impl<S: InboxStore + GroupHalts> Shared<S> {
             .run(
                 stop,
                 move |conn| async move { shared.topology.declare(&conn).await },
-                move |_, ()| async move {
+                move |_, (), _| async move {
                     stop.cancelled().await;
                     Ok(())
                 },

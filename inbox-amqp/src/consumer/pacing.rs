@@ -19,13 +19,17 @@ impl Caution {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// Remembers how a session ended.
-    pub(super) fn after<T>(&self, end: &std::result::Result<T, SessionEnd>) {
-        match end {
-            Err(SessionEnd::Unreadable(_)) => self.0.store(true, Ordering::Relaxed),
-            Err(SessionEnd::Relaxed) => self.0.store(false, Ordering::Relaxed),
-            _ => {}
-        }
+    /// Records a task's `end` in its session's `ends` and, when it is the gravest so
+    /// far, remembers it at once: an unreadable frame makes the next session
+    /// cautious, a relaxed end a normal one. At once, not when the session returns,
+    /// because a session given up on (its connection gone, a task still in a batch)
+    /// is dropped and never returns.
+    pub(super) fn record(&self, ends: &Ends, end: SessionEnd) {
+        ends.record(end, |gravest| match gravest {
+            SessionEnd::Unreadable(_) => self.0.store(true, Ordering::Relaxed),
+            SessionEnd::Relaxed => self.0.store(false, Ordering::Relaxed),
+            SessionEnd::Lost(_) | SessionEnd::Fatal(_) => {}
+        });
     }
 }
 
@@ -118,6 +122,31 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The caution follows the gravest end of a session as soon as it is recorded
+    /// (a session given up on never returns its end): an unreadable frame turns it
+    /// on, a later lesser end of the same session does not turn it off, and a
+    /// relaxed end of the next session does.
+    #[test]
+    fn the_caution_follows_the_gravest_end_as_it_is_recorded() {
+        let caution = Caution::default();
+        let ends = Ends::default();
+        caution.record(&ends, SessionEnd::Lost("cut".into()));
+        assert!(!caution.is_on(), "a loss is not a poison");
+        caution.record(&ends, SessionEnd::Unreadable("poison".into()));
+        assert!(caution.is_on(), "an unreadable frame, at once");
+        caution.record(&ends, SessionEnd::Relaxed);
+        caution.record(&ends, SessionEnd::Lost("cut".into()));
+        assert!(caution.is_on(), "lesser ends of the same session");
+        assert!(matches!(ends.take(), Err(SessionEnd::Unreadable(_))));
+        let next = Ends::default();
+        caution.record(&next, SessionEnd::Relaxed);
+        assert!(!caution.is_on(), "the cautious session relaxed");
+        let fatal = SessionEnd::Fatal(crate::Error::invalid("test", "nothing", "fatal"));
+        caution.record(&next, fatal);
+        assert!(!caution.is_on(), "a fatal end leaves the caution as it was");
+        assert!(matches!(next.take(), Err(SessionEnd::Fatal(_))));
+    }
 
     type Item = std::result::Result<u32, &'static str>;
 

@@ -33,6 +33,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         group: &ConsumerGroup,
         shutdown: &CancellationToken,
         caution: &Caution,
+        ends: &Ends,
         role: Role,
     ) -> std::result::Result<(), SessionEnd> {
         let stop = shutdown.child_token();
@@ -58,7 +59,6 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
         // run, not halted) it gets tasks of its own; while it is halted, none.
         let mut started: Option<Arc<Run>> = None;
         let mut resumes = self.resumes.subscribe();
-        let mut outcome = Ok(());
         loop {
             if !stop.is_cancelled() {
                 resumes.borrow_and_update();
@@ -81,9 +81,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                                     // The tasks started already finish their batch:
                                     // drained, never aborted.
                                     stop.cancel();
-                                    if outcome.is_ok() {
-                                        outcome = Err(err.into());
-                                    }
+                                    caution.record(ends, err.into());
                                     break;
                                 }
                             };
@@ -122,7 +120,7 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
                 joined = tasks.join_next(), if !tasks.is_empty() => joined,
                 // Every group halted (or the session ends): hold the connection until
                 // a group resumes or the session ends.
-                () = stop.cancelled(), if tasks.is_empty() => return outcome,
+                () = stop.cancelled(), if tasks.is_empty() => return ends.take(),
                 changed = resumes.changed(), if !stop.is_cancelled() => {
                     if changed.is_err() {
                         stop.cancel();
@@ -139,22 +137,9 @@ impl<S: InboxStore + GroupHalts> super::Shared<S> {
             });
             if let Err(end) = ended {
                 // One task's end ends the session: the others finish their batch. The
-                // gravest end is the session's: fatal, then unreadable (the caution
-                // it starts must not be lost to a relaxed or lost end).
+                // gravest end is the session's, recorded as it comes (see `Ends`).
                 stop.cancel();
-                let rank = |end: &SessionEnd| match end {
-                    SessionEnd::Fatal(_) => 3,
-                    SessionEnd::Unreadable(_) => 2,
-                    SessionEnd::Lost(_) => 1,
-                    SessionEnd::Relaxed => 0,
-                };
-                let graver = match &outcome {
-                    Ok(()) => true,
-                    Err(current) => rank(&end) > rank(current),
-                };
-                if graver {
-                    outcome = Err(end);
-                }
+                caution.record(ends, end);
             }
         }
     }
