@@ -38,6 +38,8 @@ mod serve;
 mod shutdown;
 mod stats;
 mod supervisor;
+#[cfg(test)]
+mod test_proxy;
 mod tls;
 mod topology;
 

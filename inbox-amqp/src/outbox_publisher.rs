@@ -392,13 +392,14 @@ async fn publish_pipelined<'r>(
         }
     }
     debug_assert_eq!(in_flight.len(), spans.len());
-    let Some(answers) = in_flight.answers_by(deadline).await else {
-        return Err(LEASE_RAN_OUT.to_owned());
-    };
+    // The rows answered before the lease ran out are settled all the same (marked
+    // published, not published again); the others stay leased.
+    let answers = in_flight.answers_by(deadline).await;
+    let ran_out = answers.iter().any(Option::is_none);
     let mut unsettled = Vec::new();
     for ((row, span), answer) in rows.iter().zip(spans).zip(answers) {
         match answer {
-            Ok(confirmed) => {
+            Some(Ok(confirmed)) => {
                 let settled = settled(row, confirmed);
                 failed_span(&span, &settled);
                 match settled {
@@ -406,8 +407,12 @@ async fn publish_pipelined<'r>(
                     Settled::Failed(failure) => round.failed.push(failure),
                 }
             }
-            Err(_) => unsettled.push(*row),
+            Some(Err(_)) => unsettled.push(*row),
+            None => {}
         }
+    }
+    if ran_out {
+        return Err(LEASE_RAN_OUT.to_owned());
     }
     unsettled.extend(unsent);
     Ok(unsettled)
@@ -433,13 +438,11 @@ async fn publish_alone(
     let span = publish_span(row);
     let mut in_flight = InFlight::default();
     let published = match basic_publish(&mut in_flight, channel, row, &span).await {
-        Ok(()) => match in_flight.answers_by(deadline).await {
-            None => return Err(LEASE_RAN_OUT.to_owned()),
-            Some(answers) => match answers.into_iter().next() {
-                Some(answer) => answer,
-                // One answer per publication: not reached.
-                None => return Err("the broker's answer went missing".to_owned()),
-            },
+        Ok(()) => match in_flight.answers_by(deadline).await.into_iter().next() {
+            Some(Some(answer)) => answer,
+            Some(None) => return Err(LEASE_RAN_OUT.to_owned()),
+            // One answer per publication: not reached.
+            None => return Err("the broker's answer went missing".to_owned()),
         },
         Err(err) => Err(err),
     };

@@ -109,12 +109,19 @@ impl<'a> InFlight<'a> {
         self.sent.len()
     }
 
-    /// [`InFlight::answers`], or `None` when `deadline` passes first.
+    /// [`InFlight::answers`] as far as they came by `deadline`: `None` for each
+    /// publication not answered by then.
+    ///
+    /// The answers that did come stand, returns and all. RabbitMQ sends a
+    /// publication's return before its ack, so an acked publication's return is on
+    /// a confirm settled by then (whichever one lapin put it on), and every settled
+    /// confirm is read, past the first one unanswered too. A return on them that
+    /// carries an unanswered publication marks nothing answered.
     pub(crate) async fn answers_by(
         self,
         deadline: Instant,
-    ) -> Option<Vec<lapin::Result<Confirmed>>> {
-        tokio::time::timeout_at(deadline, self.answers()).await.ok()
+    ) -> Vec<Option<lapin::Result<Confirmed>>> {
+        self.settle(Some(deadline)).await
     }
 
     /// Waits for the broker's answer to each publication, in the order they were
@@ -128,18 +135,37 @@ impl<'a> InFlight<'a> {
     /// again (a copy the consumers' inboxes absorb) rather than marked done when it
     /// may have gone nowhere.
     pub(crate) async fn answers(self) -> Vec<lapin::Result<Confirmed>> {
+        // Without a deadline every publication is answered.
+        self.settle(None).await.into_iter().flatten().collect()
+    }
+
+    /// The answers, each awaited until `deadline` (when given) and only taken if
+    /// already there after it.
+    async fn settle(self, deadline: Option<Instant>) -> Vec<Option<lapin::Result<Confirmed>>> {
         let mut answers = Vec::with_capacity(self.sent.len());
         let mut returns = Vec::new();
         let mut sent = Vec::with_capacity(self.sent.len());
-        for (publication, confirm) in self.sent {
-            answers.push(confirm.await.map(|confirmation| {
-                let nacked = confirmation.is_nack();
-                returns.extend(confirmation.take_message());
-                if nacked {
-                    Confirmed::Nack
-                } else {
-                    Confirmed::Ack
+        let mut ran_out = false;
+        for (publication, mut confirm) in self.sent {
+            let confirmed = match deadline {
+                _ if ran_out => futures_lite::future::poll_once(&mut confirm).await,
+                None => Some((&mut confirm).await),
+                Some(deadline) => {
+                    let answered = tokio::time::timeout_at(deadline, &mut confirm).await.ok();
+                    ran_out = answered.is_none();
+                    answered
                 }
+            };
+            answers.push(confirmed.map(|confirmed| {
+                confirmed.map(|confirmation| {
+                    let nacked = confirmation.is_nack();
+                    returns.extend(confirmation.take_message());
+                    if nacked {
+                        Confirmed::Nack
+                    } else {
+                        Confirmed::Ack
+                    }
+                })
             }));
             sent.push(publication);
         }
@@ -150,16 +176,17 @@ impl<'a> InFlight<'a> {
 }
 
 /// Marks [`Confirmed::Returned`] each acked publication of `sent` (answered in
-/// `answers`, in the same order) that one of `returned` carries; when a return
-/// carries none of them, every acked one (see [`InFlight::answers`]).
+/// `answers`, in the same order; `None` when not answered) that one of `returned`
+/// carries; when a return carries none of them, every acked one (see
+/// [`InFlight::answers`]).
 fn mark_returned(
     sent: &[Sent<'_>],
     returned: &[Sent<'_>],
-    answers: &mut [lapin::Result<Confirmed>],
+    answers: &mut [Option<lapin::Result<Confirmed>>],
 ) {
-    let mut mark = |answer: &mut lapin::Result<Confirmed>| {
-        if matches!(answer, Ok(Confirmed::Ack)) {
-            *answer = Ok(Confirmed::Returned);
+    let mut mark = |answer: &mut Option<lapin::Result<Confirmed>>| {
+        if matches!(answer, Some(Ok(Confirmed::Ack))) {
+            *answer = Some(Ok(Confirmed::Returned));
         }
     };
     for message in returned {
@@ -200,12 +227,13 @@ mod tests {
         }
     }
 
-    fn acked(n: usize) -> Vec<lapin::Result<Confirmed>> {
-        (0..n).map(|_| Ok(Confirmed::Ack)).collect()
+    fn acked(n: usize) -> Vec<Option<lapin::Result<Confirmed>>> {
+        (0..n).map(|_| Some(Ok(Confirmed::Ack))).collect()
     }
 
-    fn kinds(answers: &[lapin::Result<Confirmed>]) -> Vec<Option<Confirmed>> {
-        answers.iter().map(|a| a.as_ref().ok().copied()).collect()
+    fn kinds(answers: &[Option<lapin::Result<Confirmed>>]) -> Vec<Option<Confirmed>> {
+        let kind = |a: &Option<lapin::Result<Confirmed>>| a.as_ref()?.as_ref().ok().copied();
+        answers.iter().map(kind).collect()
     }
 
     #[test]
@@ -256,7 +284,11 @@ mod tests {
             sent("q", "1", b"a"),
             sent("q", "1", b"a"),
         ];
-        let mut answers = vec![Ok(Confirmed::Nack), Ok(Confirmed::Ack), Ok(Confirmed::Ack)];
+        let mut answers = vec![
+            Some(Ok(Confirmed::Nack)),
+            Some(Ok(Confirmed::Ack)),
+            Some(Ok(Confirmed::Ack)),
+        ];
         mark_returned(&set, &[sent("q", "1", b"a")], &mut answers);
         assert_eq!(
             kinds(&answers),
@@ -274,21 +306,32 @@ mod tests {
         let set = [
             sent("q", "1", b"a"),
             sent("q", "2", b"b"),
+            sent("q", "4", b"d"),
             sent("q", "3", b"c"),
         ];
-        let mut answers = vec![Ok(Confirmed::Ack), Ok(Confirmed::Nack), Ok(Confirmed::Ack)];
+        let mut answers = vec![
+            Some(Ok(Confirmed::Ack)),
+            Some(Ok(Confirmed::Nack)),
+            None,
+            Some(Ok(Confirmed::Ack)),
+        ];
         mark_returned(&set, &[sent("elsewhere", "7", b"z")], &mut answers);
         assert_eq!(
             kinds(&answers),
             [
                 Some(Confirmed::Returned),
                 Some(Confirmed::Nack),
+                None,
                 Some(Confirmed::Returned)
             ]
         );
-        let mut answers = acked(3);
+        let mut answers = acked(4);
         mark_returned(&set, &[], &mut answers);
-        assert_eq!(kinds(&answers), [Some(Confirmed::Ack); 3], "no return");
+        assert_eq!(kinds(&answers), [Some(Confirmed::Ack); 4], "no return");
+        // A return carrying an unanswered publication marks nothing answered.
+        let mut answers = vec![Some(Ok(Confirmed::Ack)), None];
+        mark_returned(&set[..2], &[sent("q", "2", b"b")], &mut answers);
+        assert_eq!(kinds(&answers), [Some(Confirmed::Ack), None]);
     }
 
     /// Against the broker of `AMQP_URL`: publications to a queue that exists and to
@@ -363,6 +406,79 @@ mod tests {
                     assert_eq!(*answer, expected, "round {round}, publication {n}");
                 }
             }
+            let _ = conn.close(200, "done".into()).await;
+        });
+    }
+
+    /// Against the broker of `AMQP_URL` through a proxy of the test's: the answers
+    /// that came before the deadline stand (an acked publication is not published
+    /// again, a returned one is still known as returned), and only the publications
+    /// the broker had not answered by then are unanswered.
+    #[test]
+    fn the_answers_that_came_before_the_deadline_stand() {
+        let Some(broker) = crate::test_proxy::broker() else {
+            return;
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        runtime.block_on(async {
+            let proxy = crate::test_proxy::Proxy::start(broker).await;
+            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
+                .await
+                .unwrap_or_else(|e| panic!("connect: {e}"));
+            let channel = confirm_channel(&conn)
+                .await
+                .unwrap_or_else(|e| panic!("channel: {e}"));
+            let queue = channel
+                .queue_declare(
+                    "".into(),
+                    QueueDeclareOptions {
+                        exclusive: true,
+                        auto_delete: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("declare: {e}"))
+                .name()
+                .to_string();
+            let missing = format!("{queue}.missing");
+            let bodies: Vec<Vec<u8>> = (0..40).map(|n| format!("{n}").into_bytes()).collect();
+            let nowhere = |n: usize| n % 5 == 2;
+            let mut in_flight = InFlight::default();
+            for (n, body) in bodies.iter().enumerate() {
+                if n == 20 {
+                    // The first 20 are answered; what the broker says of the rest is
+                    // held back.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    proxy.hold(true);
+                }
+                let routing_key = if nowhere(n) { &missing } else { &queue };
+                let properties = BasicProperties::default().with_message_id(format!("{n}").into());
+                in_flight
+                    .publish(&channel, "", routing_key, body, properties)
+                    .await
+                    .unwrap_or_else(|e| panic!("publish: {e}"));
+            }
+            let deadline = Instant::now() + Duration::from_millis(500);
+            let answers = in_flight.answers_by(deadline).await;
+            assert_eq!(answers.len(), bodies.len());
+            for (n, answer) in answers.iter().enumerate() {
+                let answer = answer
+                    .as_ref()
+                    .map(|a| a.as_ref().copied().unwrap_or_else(|e| panic!("{n}: {e}")));
+                let expected = match n {
+                    20.. => None,
+                    _ if nowhere(n) => Some(Confirmed::Returned),
+                    _ => Some(Confirmed::Ack),
+                };
+                assert_eq!(answer, expected, "publication {n}");
+            }
+            proxy.hold(false);
             let _ = conn.close(200, "done".into()).await;
         });
     }

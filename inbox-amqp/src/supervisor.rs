@@ -233,6 +233,7 @@ impl<'a> Supervisor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_proxy::{broker, Proxy};
 
     fn supervisor() -> Supervisor<'static> {
         let settings = ConnectionSettings::default()
@@ -333,63 +334,6 @@ mod tests {
         assert_eq!(declared.get(), 3, "declared until the queue had a leader");
     }
 
-    /// A loopback proxy to `target` (host:port): calling the returned cut drops
-    /// every connection open through it (lapin sees its connection fail); later
-    /// connections go through.
-    async fn proxy(target: String) -> (String, Arc<tokio::sync::watch::Sender<u64>>) {
-        let (url, cut, _) = counting_proxy(target).await;
-        (url, cut)
-    }
-
-    /// [`proxy`], and how many connections it has taken.
-    async fn counting_proxy(
-        target: String,
-    ) -> (
-        String,
-        Arc<tokio::sync::watch::Sender<u64>>,
-        Arc<std::sync::atomic::AtomicUsize>,
-    ) {
-        let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = Arc::clone(&taken);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .unwrap_or_else(|e| panic!("bind: {e}"));
-        let addr = listener
-            .local_addr()
-            .unwrap_or_else(|e| panic!("addr: {e}"));
-        let cut = Arc::new(tokio::sync::watch::Sender::new(0u64));
-        let cuts = Arc::clone(&cut);
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let mut cut = cuts.subscribe();
-                let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
-                    return;
-                };
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = cut.changed() => {}
-                    }
-                });
-            }
-        });
-        (format!("amqp://guest:guest@{addr}/%2f"), cut, taken)
-    }
-
-    /// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
-    fn broker() -> Option<String> {
-        let Ok(url) = std::env::var("AMQP_URL") else {
-            assert!(
-                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
-                "AMQP_URL"
-            );
-            return None;
-        };
-        let uri: lapin::uri::AMQPUri = url.parse().unwrap_or_else(|e| panic!("{e}"));
-        Some(format!("{}:{}", uri.authority.host, uri.authority.port))
-    }
-
     /// What a run of `supervisor` on `url` did: the declarations and sessions it
     /// started, its reconnects, and how it ended (`None`: it hung for 20 s).
     struct Runs {
@@ -413,14 +357,15 @@ mod tests {
         let sessions = std::cell::Cell::new(0);
         let reconnects = std::cell::Cell::new(0);
         let ended = runtime.block_on(async {
-            let (url, cut) = proxy(broker).await;
+            let proxy = Proxy::start(broker).await;
+            let url = proxy.url.clone();
             let settings = ConnectionSettings::default()
                 .backoff(Duration::from_millis(10), Duration::from_millis(50));
             let supervisor =
                 Supervisor::new(&url, None, &settings, "bye").unwrap_or_else(|e| panic!("{e}"));
             let shutdown = CancellationToken::new();
-            let stuck_call = |cut: Arc<tokio::sync::watch::Sender<u64>>| async move {
-                cut.send_modify(|n| *n += 1);
+            let stuck_call = |proxy: Proxy| async move {
+                proxy.cut();
                 std::future::pending::<()>().await;
             };
             let running = supervisor.run(
@@ -428,10 +373,10 @@ mod tests {
                 |_| {
                     declared.set(declared.get() + 1);
                     let now = !session_stuck && declared.get() == stuck;
-                    let cut = Arc::clone(&cut);
+                    let proxy = proxy.clone();
                     async move {
                         if now {
-                            stuck_call(cut).await;
+                            stuck_call(proxy).await;
                         }
                         Ok(())
                     }
@@ -440,10 +385,10 @@ mod tests {
                     sessions.set(sessions.get() + 1);
                     let n = sessions.get();
                     let now = session_stuck && n == stuck;
-                    let cut = Arc::clone(&cut);
+                    let proxy = proxy.clone();
                     async move {
                         if now {
-                            stuck_call(cut).await;
+                            stuck_call(proxy).await;
                         }
                         if n < stuck {
                             Err(SessionEnd::Lost("again".into()))
@@ -510,16 +455,17 @@ mod tests {
         broker: String,
         end: fn() -> SessionEnd,
     ) -> (Option<Result<()>>, [usize; 2]) {
-        use std::sync::atomic::Ordering::SeqCst;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap_or_else(|e| panic!("runtime: {e}"));
         runtime.block_on(async {
-            let (first, cut, first_taken) = counting_proxy(broker.clone()).await;
-            let (second, _, second_taken) = counting_proxy(broker).await;
-            let urls = format!("{first} {second}");
+            let (first, second) = (
+                Proxy::start(broker.clone()).await,
+                Proxy::start(broker).await,
+            );
+            let urls = format!("{} {}", first.url, second.url);
             let settings = ConnectionSettings::default()
                 .backoff(Duration::from_millis(10), Duration::from_millis(50));
             let supervisor =
@@ -532,11 +478,11 @@ mod tests {
                 |_, (), ends| {
                     sessions.set(sessions.get() + 1);
                     let hang = sessions.get() == 1;
-                    let cut = Arc::clone(&cut);
+                    let first = first.clone();
                     async move {
                         if hang {
                             ends.record(end(), |_| {});
-                            cut.send_modify(|n| *n += 1);
+                            first.cut();
                             std::future::pending::<()>().await;
                         }
                         Ok(())
@@ -547,7 +493,7 @@ mod tests {
             let ended = tokio::time::timeout(Duration::from_secs(20), running)
                 .await
                 .ok();
-            (ended, [first_taken.load(SeqCst), second_taken.load(SeqCst)])
+            (ended, [first.taken(), second.taken()])
         })
     }
 

@@ -1,0 +1,114 @@
+//! A loopback TCP proxy of the unit tests' own in front of the broker of
+//! `AMQP_URL`: it can cut every connection through it, or hold back what the
+//! broker sends (its confirms, say) while the client's frames still go through.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::watch;
+
+/// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
+pub(crate) fn broker() -> Option<String> {
+    let Ok(url) = std::env::var("AMQP_URL") else {
+        assert!(
+            std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
+            "AMQP_URL"
+        );
+        return None;
+    };
+    let uri: lapin::uri::AMQPUri = url.parse().unwrap_or_else(|e| panic!("{e}"));
+    Some(format!("{}:{}", uri.authority.host, uri.authority.port))
+}
+
+/// A running proxy; its clones control the same one.
+#[derive(Clone)]
+pub(crate) struct Proxy {
+    /// `amqp://guest:guest@<the proxy>/%2f`.
+    pub(crate) url: String,
+    cuts: Arc<watch::Sender<u64>>,
+    held: Arc<watch::Sender<bool>>,
+    taken: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    /// A proxy to `target` (host:port) on a free loopback port.
+    pub(crate) async fn start(target: String) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("bind: {e}"));
+        let addr = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"));
+        let proxy = Self {
+            url: format!("amqp://guest:guest@{addr}/%2f"),
+            cuts: Arc::new(watch::Sender::new(0)),
+            held: Arc::new(watch::Sender::new(false)),
+            taken: Arc::default(),
+        };
+        let running = proxy.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                running.taken.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                let mut cut = running.cuts.subscribe();
+                let held = running.held.subscribe();
+                tokio::spawn(async move {
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    let unheld = watch::Sender::new(false).subscribe();
+                    tokio::select! {
+                        () = pipe(client_read, server_write, unheld) => {}
+                        () = pipe(server_read, client_write, held) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        proxy
+    }
+
+    /// Drops every connection open through the proxy (the client sees its
+    /// connection fail); later connections go through.
+    pub(crate) fn cut(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+    }
+
+    /// Holds back (or, with `false`, lets through again) what the broker sends on
+    /// every connection through the proxy.
+    pub(crate) fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
+
+    /// How many connections the proxy has taken.
+    pub(crate) fn taken(&self) -> usize {
+        self.taken.load(Ordering::SeqCst)
+    }
+}
+
+/// Copies `from` to `to` until either closes, pausing while `held` says so.
+async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut held: watch::Receiver<bool>) {
+    let mut buf = vec![0; 16 * 1024];
+    loop {
+        while *held.borrow_and_update() {
+            if held.changed().await.is_err() {
+                return;
+            }
+        }
+        let read = tokio::select! {
+            read = from.read(&mut buf) => read,
+            _ = held.changed() => continue,
+        };
+        match read {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
