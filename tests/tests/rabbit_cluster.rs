@@ -3,9 +3,10 @@
 //! published and a verdict at the end: none lost, none doubled (duplicates are
 //! published on purpose), the projection equals the ledger, the queue drained.
 //!
-//! The consumer (and, in two scenarios, the relay publishing the outbox) is given the
-//! three nodes' URLs in one setting; the group's queues are quorum queues with a
-//! replica on each node. The short form runs in CI; the long
+//! The consumer and, in every scenario but the first, the relay publishing the outbox
+//! are given the three nodes' URLs in one setting; the group's queues are quorum
+//! queues with a replica on each node. Where a relay runs, the verdict also asks that
+//! every outbox row ends published. The short form runs in CI; the long
 //! form (`INBOX_CLUSTER_LONG=1`) publishes ten times as much.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
@@ -15,7 +16,8 @@ use std::time::Duration;
 
 use diesel::PgConnection;
 use inbox_amqp::{
-    CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Relay, RelaySettings, Topology,
+    CancellationToken, Consumer, ConsumerSettings, ConsumerStats, Relay, RelaySettings, RelayStats,
+    Topology,
 };
 use inbox_core::ConsumerGroup;
 use inbox_diesel::{enqueue, Store};
@@ -159,15 +161,17 @@ impl Scene {
             }))
     }
 
-    /// The end of every scenario: waits (up to two minutes) for every distinct event
-    /// to be settled and then for every copy to be delivered, stops the consumer,
-    /// prints `what` with its counters and checks the verdict; `reconnected` when the
-    /// scenario must have made the consumer reconnect.
+    /// The end of every scenario: waits (up to three minutes) for every distinct event
+    /// to be settled and every outbox row published, then for every copy to be
+    /// delivered, stops the consumer and the relay, prints `what` with their counters
+    /// and checks the verdict; `reconnected` when the scenario must have made both
+    /// reconnect.
     fn finish(&self, what: &str, end: Ending<'_>, reconnected: bool) {
         let Ending {
             workload,
             published,
             stats,
+            relay,
             shutdown,
             running,
         } = end;
@@ -175,20 +179,92 @@ impl Scene {
         let (db, schema) = (self.db.url().to_owned(), self.db.schema.clone());
         let done = self
             .runtime
-            .block_on(amqp::eventually(Duration::from_secs(120), || {
-                settled(&db, &schema) >= all
+            .block_on(amqp::eventually(Duration::from_secs(180), || {
+                unpublished(&db, &schema) == 0 && settled(&db, &schema) >= all
             }));
+        let relayed = relay.as_ref().map_or(0, |r| r.stats.snapshot().published);
+        let published = published + usize::try_from(relayed).unwrap();
         let drained = self.drained(&stats, published);
         shutdown.cancel();
         self.runtime.block_on(running).unwrap().unwrap();
+        let relayed = relay.map(|relay| {
+            self.runtime.block_on(relay.running).unwrap().unwrap();
+            relay.stats.snapshot()
+        });
         let stats = stats.snapshot();
-        eprintln!("{what}: {stats:?}");
-        assert!(done, "the consumer stalled: {stats:?}");
+        eprintln!("{what}: consumer {stats:?}, relay {relayed:?}");
+        assert!(
+            done,
+            "not every row published and applied: {stats:?} {relayed:?}"
+        );
         assert!(drained, "copies left undelivered in the queue: {stats:?}");
         if reconnected {
-            assert!(stats.reconnects >= 1, "{stats:?}");
+            assert!(
+                stats.reconnects >= 1,
+                "the consumer lost its node: {stats:?}"
+            );
+            if let Some(relayed) = &relayed {
+                assert!(
+                    relayed.reconnects >= 1,
+                    "the relay lost its node: {relayed:?}"
+                );
+            }
         }
         self.verdict(workload, published);
+    }
+
+    /// The cluster's URLs in one setting with the node leading `queue` first (the
+    /// relay and the consumer connect to it, and lose it), and that node.
+    fn leader_first(&self, queue: &str) -> (usize, String) {
+        let leader = self
+            .cluster
+            .leader_of(queue)
+            .expect("the queue has a leader");
+        let urls = self.cluster.urls();
+        let mut list = vec![urls[leader].clone()];
+        list.extend(
+            (0..urls.len())
+                .filter(|i| *i != leader)
+                .map(|i| urls[i].clone()),
+        );
+        (leader, list.join(" "))
+    }
+
+    /// A relay of the scene's outbox to the brokers of `urls`.
+    fn relay_of(&self, urls: String) -> Relay<Store<PgConnection>> {
+        Relay::new(urls, Arc::clone(&self.store)).with_settings(
+            RelaySettings::default()
+                .relay_id("cluster")
+                .lease(100, Duration::from_secs(2))
+                .poll_interval(Duration::from_millis(20))
+                .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+                .connect_timeout(Duration::from_secs(2)),
+        )
+    }
+
+    /// Enqueues the events of `workload` at `order` into the outbox, each in a
+    /// transaction of its own, at about `rate` a second, on a thread of its own.
+    fn produce(&self, workload: &Workload, order: Vec<usize>, rate: f64) -> Producer {
+        let enqueued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (store, counted) = (Arc::clone(&self.store), Arc::clone(&enqueued));
+        let (events, exchange) = (workload.events.clone(), self.topology.exchange());
+        let thread = std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            for (i, at) in order.into_iter().enumerate() {
+                let due = started + Duration::from_secs_f64(i as f64 / rate);
+                if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let (key, event) = &events[at];
+                let body = serde_json::to_vec(event).unwrap();
+                let msg =
+                    inbox_core::OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
+                let mut conn = store.connection().unwrap();
+                enqueue(&mut conn, &msg, store.clock().now()).unwrap();
+                counted.store(i + 1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        Producer { thread, enqueued }
     }
 
     fn consumer(&self) -> Consumer<Store<PgConnection>> {
@@ -231,17 +307,43 @@ impl Scene {
     }
 }
 
-/// A running scenario, handed to [`Scene::finish`].
+/// A running scenario, handed to [`Scene::finish`]: what was published straight
+/// to the broker, the consumer, and the relay if one runs.
 struct Ending<'w> {
     workload: &'w Workload,
     published: usize,
     stats: Arc<ConsumerStats>,
+    relay: Option<Relaying>,
     shutdown: CancellationToken,
     running: tokio::task::JoinHandle<inbox_amqp::Result<()>>,
 }
 
-/// Claims settled (done or dead) in `schema`.
-fn settled(db_url: &str, schema: &str) -> i64 {
+/// A running relay.
+struct Relaying {
+    stats: Arc<RelayStats>,
+    running: tokio::task::JoinHandle<inbox_amqp::Result<()>>,
+}
+
+/// Producers enqueueing into the outbox (see [`Scene::produce`]).
+struct Producer {
+    thread: std::thread::JoinHandle<()>,
+    enqueued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Producer {
+    /// How many rows are enqueued so far.
+    fn enqueued(&self) -> usize {
+        self.enqueued.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until every row is enqueued.
+    fn join(self) {
+        self.thread.join().unwrap();
+    }
+}
+
+/// `SELECT COUNT(*) AS n FROM <from>` in `schema`; `None` when it cannot be read.
+fn count(db_url: &str, schema: &str, from: &str) -> Option<i64> {
     use diesel::connection::SimpleConnection;
     use diesel::{Connection, RunQueryDsl};
     #[derive(diesel::QueryableByName)]
@@ -249,13 +351,30 @@ fn settled(db_url: &str, schema: &str) -> i64 {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         n: i64,
     }
-    let mut conn = PgConnection::establish(db_url).unwrap();
+    let mut conn = PgConnection::establish(db_url).ok()?;
     conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
-        .unwrap();
-    diesel::sql_query("SELECT COUNT(*) AS n FROM inbox_claims WHERE status IN ('done', 'dead')")
+        .ok()?;
+    diesel::sql_query(format!("SELECT COUNT(*) AS n FROM {from}"))
         .get_result::<N>(&mut conn)
         .map(|r| r.n)
-        .unwrap_or(0)
+        .ok()
+}
+
+/// Claims settled (done or dead) in `schema`.
+fn settled(db_url: &str, schema: &str) -> i64 {
+    let from = "inbox_claims WHERE status IN ('done', 'dead')";
+    count(db_url, schema, from).unwrap_or(0)
+}
+
+/// Claims dead in `schema`.
+fn dead(db_url: &str, schema: &str) -> i64 {
+    count(db_url, schema, "inbox_claims WHERE status = 'dead'").unwrap_or(-1)
+}
+
+/// Outbox rows not yet published in `schema`.
+fn unpublished(db_url: &str, schema: &str) -> i64 {
+    let from = "outbox_messages WHERE published_at IS NULL";
+    count(db_url, schema, from).unwrap_or(i64::MAX)
 }
 
 /// `kill -9` of the node leading the group's queue while the consumer is mid-stream:
@@ -298,6 +417,7 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
         workload: &workload,
         published,
         stats,
+        relay: None,
         shutdown,
         running,
     };
@@ -307,7 +427,10 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
 
 /// A rolling restart of the three nodes (each stopped and started again in turn,
 /// the next only once it is back), a wave of events published before each and the
-/// node stopped while the wave is being consumed.
+/// node stopped while the wave is being consumed. The same events go through the
+/// outbox too, enqueued as each wave is published, and the relay (connected first
+/// to the node stopped first) publishes them across the restarts: each event is
+/// applied once whichever way it came.
 #[test]
 fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
     let Some(mut scene) = Scene::new() else {
@@ -317,28 +440,40 @@ fn a_rolling_restart_of_the_three_nodes_loses_and_doubles_nothing() {
     let workload = Workload::generate(wave * 3, 0, 43);
     let consumer = scene.consumer();
     let stats = consumer.stats();
+    let relay = scene.relay_of(scene.cluster.url_list());
+    let relayed = relay.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
     let mut published = 0;
     for node in 0..3 {
-        published += scene.publish_range(&workload, node * wave..(node + 1) * wave);
+        let range = node * wave..(node + 1) * wave;
+        published += scene.publish_range(&workload, range.clone());
+        let producer = scene.produce(&workload, range.collect(), 1_000.0);
         let started = scene.reached(&stats, node * wave + wave / 10);
         assert!(started, "wave {node} not consumed: {:?}", stats.snapshot());
         scene.cluster.stop_node(node).unwrap();
         scene.cluster.restart_node(node).unwrap();
+        producer.join();
     }
     let end = Ending {
         workload: &workload,
         published,
         stats,
+        relay: Some(Relaying {
+            stats: relayed,
+            running: relaying,
+        }),
         shutdown,
         running,
     };
     scene.finish("rolling restart", end, false);
 }
 
-/// The consumer's first node reached through a proxy that then cuts it off (the
-/// node itself stays up): the consumer moves to the next node of its list.
+/// The first node of the consumer and the relay reached through a proxy that then
+/// cuts them off (the node itself stays up): both move to the next node of their
+/// list. The events are published straight to the broker and, at the same time,
+/// enqueued into the outbox (about 1,000 a second) for the relay.
 #[test]
 fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
     let Some(scene) = Scene::new() else { return };
@@ -349,31 +484,55 @@ fn a_client_cut_from_one_node_moves_to_another_and_loses_nothing() {
         .runtime
         .block_on(amqp::Proxy::start(amqp::host_port(&urls[0])));
     let list = format!("{} {} {}", proxy.url_for(&urls[0]), urls[1], urls[2]);
-    let consumer = scene.consumer_of(list);
+    let consumer = scene.consumer_of(list.clone());
     let stats = consumer.stats();
+    let relay = scene.relay_of(list);
+    let relayed = relay.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
-    let started = scene.reached(&stats, events() / 10);
+    let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
+    let producer = scene.produce(&workload, (0..events()).collect(), 1_000.0);
+    let started = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(60), || {
+            stats.snapshot().processed >= u64::try_from(events() / 10).unwrap()
+                && relayed.snapshot().published > 0
+        }));
     assert!(
         started,
-        "the consumer did not start: {:?}",
-        stats.snapshot()
+        "the consumer or the relay did not start: {:?} {:?}",
+        stats.snapshot(),
+        relayed.snapshot()
     );
     proxy.block(true);
     proxy.cut();
     let at_cut = stats.snapshot();
+    let relayed_at_cut = relayed.snapshot().published;
+    producer.join();
     assert!(
         at_cut.processed < u64::try_from(events()).unwrap(),
         "the cut did not land mid-stream: {at_cut:?}"
+    );
+    assert!(
+        relayed_at_cut < u64::try_from(events()).unwrap(),
+        "the cut did not land while the relay published ({relayed_at_cut} published)"
     );
     let end = Ending {
         workload: &workload,
         published,
         stats,
+        relay: Some(Relaying {
+            stats: relayed,
+            running: relaying,
+        }),
         shutdown,
         running,
     };
-    scene.finish(&format!("cut at {} processed", at_cut.processed), end, true);
+    let what = format!(
+        "cut at {} processed, {relayed_at_cut} relayed",
+        at_cut.processed
+    );
+    scene.finish(&what, end, true);
 }
 
 /// The outbox into the cluster: producers enqueue every event (about 1,000 a second)
@@ -389,59 +548,20 @@ fn kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing
     };
     let workload = Workload::generate(events(), 0, 53);
     let queue = scene.queue();
-    let leader = scene
-        .cluster
-        .leader_of(&queue)
-        .expect("the queue has a leader");
-    // The leader's node first: the relay and the consumer connect to it, and lose it.
-    let urls = scene.cluster.urls();
-    let mut list = vec![urls[leader].clone()];
-    list.extend(
-        (0..urls.len())
-            .filter(|i| *i != leader)
-            .map(|i| urls[i].clone()),
-    );
-    let list = list.join(" ");
+    let (leader, list) = scene.leader_first(&queue);
     let consumer = scene.consumer_of(list.clone());
     let stats = consumer.stats();
-    let relay = Relay::new(list, Arc::clone(&scene.store)).with_settings(
-        RelaySettings::default()
-            .relay_id("cluster")
-            .lease(100, Duration::from_secs(2))
-            .poll_interval(Duration::from_millis(20))
-            .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
-            .connect_timeout(Duration::from_secs(2)),
-    );
+    let relay = scene.relay_of(list);
     let relayed = relay.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
     let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
-
-    let enqueued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let producer = {
-        let (store, enqueued) = (Arc::clone(&scene.store), Arc::clone(&enqueued));
-        let (events, exchange) = (workload.events.clone(), scene.topology.exchange());
-        std::thread::spawn(move || {
-            let started = std::time::Instant::now();
-            for (i, (key, event)) in events.iter().enumerate() {
-                let due = started + Duration::from_secs_f64(i as f64 / 1_000.0);
-                if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-                let body = serde_json::to_vec(event).unwrap();
-                let msg =
-                    inbox_core::OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
-                let mut conn = store.connection().unwrap();
-                enqueue(&mut conn, &msg, store.clock().now()).unwrap();
-                enqueued.store(i + 1, std::sync::atomic::Ordering::SeqCst);
-            }
-        })
-    };
+    let producer = scene.produce(&workload, (0..events()).collect(), 1_000.0);
     let third = events() / 3;
     let started = scene
         .runtime
         .block_on(amqp::eventually(Duration::from_secs(60), || {
-            enqueued.load(std::sync::atomic::Ordering::SeqCst) >= third
+            producer.enqueued() >= third
                 && relayed.snapshot().published > 0
                 && stats.snapshot().processed > 0
         }));
@@ -453,46 +573,27 @@ fn kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing
     );
     scene.cluster.kill_node(leader).unwrap();
     let at_kill = relayed.snapshot().published;
-    producer.join().unwrap();
+    producer.join();
     assert!(
         at_kill < u64::try_from(events()).unwrap(),
         "the kill did not land while the relay published ({at_kill} published)"
     );
-
-    // Every row published, every event settled, the queue drained.
-    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
-    let all = i64::try_from(events()).unwrap();
-    let done = scene
-        .runtime
-        .block_on(amqp::eventually(Duration::from_secs(180), || {
-            unpublished(&db, &schema) == 0 && settled(&db, &schema) >= all
-        }));
-    let published = usize::try_from(relayed.snapshot().published).unwrap();
-    let drained = scene.drained(&stats, published);
-    shutdown.cancel();
-    scene.runtime.block_on(running).unwrap().unwrap();
-    scene.runtime.block_on(relaying).unwrap().unwrap();
-    let (consumed, relayed) = (stats.snapshot(), relayed.snapshot());
-    eprintln!(
-        "leader node {leader} killed at {at_kill} relayed: relay {relayed:?}, consumer {consumed:?}"
+    let end = Ending {
+        workload: &workload,
+        published: 0,
+        stats,
+        relay: Some(Relaying {
+            stats: relayed,
+            running: relaying,
+        }),
+        shutdown,
+        running,
+    };
+    scene.finish(
+        &format!("leader node {leader} killed at {at_kill} relayed"),
+        end,
+        true,
     );
-    assert!(
-        done,
-        "not every row published and applied: {relayed:?} {consumed:?}"
-    );
-    assert!(
-        drained,
-        "copies left undelivered in the queue: {consumed:?}"
-    );
-    assert!(
-        relayed.reconnects >= 1,
-        "the relay lost its node: {relayed:?}"
-    );
-    assert!(
-        consumed.reconnects >= 1,
-        "the consumer lost its node: {consumed:?}"
-    );
-    scene.verdict(&workload, published);
 }
 
 /// `kill -9` of the node leading the retry tier's queue while the consumer sends
@@ -512,29 +613,10 @@ fn kill_dash_nine_of_the_retry_tiers_leader_under_retries_loses_and_doubles_noth
     let tier = scene
         .topology
         .retry_queue(&group, Duration::from_millis(50));
-    let leader = scene
-        .cluster
-        .leader_of(&tier)
-        .expect("the tier has a leader");
-    // The leader's node first: the relay and the consumer connect to it, and lose it.
-    let urls = scene.cluster.urls();
-    let mut list = vec![urls[leader].clone()];
-    list.extend(
-        (0..urls.len())
-            .filter(|i| *i != leader)
-            .map(|i| urls[i].clone()),
-    );
-    let list = list.join(" ");
+    let (leader, list) = scene.leader_first(&tier);
     let consumer = scene.consumer_of(list.clone());
     let stats = consumer.stats();
-    let relay = Relay::new(list, Arc::clone(&scene.store)).with_settings(
-        RelaySettings::default()
-            .relay_id("cluster")
-            .lease(100, Duration::from_secs(2))
-            .poll_interval(Duration::from_millis(20))
-            .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
-            .connect_timeout(Duration::from_secs(2)),
-    );
+    let relay = scene.relay_of(list);
     let relayed = relay.stats();
     let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
@@ -544,32 +626,12 @@ fn kill_dash_nine_of_the_retry_tiers_leader_under_retries_loses_and_doubles_noth
     // node is killed once a third of the events are enqueued and as many copies sent:
     // with copies flowing as the tier elects its new leader.
     let order: Vec<usize> = (0..n / 2).flat_map(|i| [i, n / 2 + i]).collect();
-    let enqueued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let producer = {
-        let (store, enqueued) = (Arc::clone(&scene.store), Arc::clone(&enqueued));
-        let (events, exchange) = (workload.events.clone(), scene.topology.exchange());
-        std::thread::spawn(move || {
-            let started = std::time::Instant::now();
-            for (i, at) in order.into_iter().enumerate() {
-                let due = started + Duration::from_secs_f64(i as f64 / 1_000.0);
-                if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-                let (key, event) = &events[at];
-                let body = serde_json::to_vec(event).unwrap();
-                let msg =
-                    inbox_core::OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
-                let mut conn = store.connection().unwrap();
-                enqueue(&mut conn, &msg, store.clock().now()).unwrap();
-                enqueued.store(i + 1, std::sync::atomic::Ordering::SeqCst);
-            }
-        })
-    };
+    let producer = scene.produce(&workload, order, 1_000.0);
     let third = n / 3;
     let started = scene
         .runtime
         .block_on(amqp::eventually(Duration::from_secs(60), || {
-            enqueued.load(std::sync::atomic::Ordering::SeqCst) >= third
+            producer.enqueued() >= third
                 && stats.snapshot().retried >= u64::try_from(third).unwrap()
         }));
     assert!(
@@ -580,7 +642,7 @@ fn kill_dash_nine_of_the_retry_tiers_leader_under_retries_loses_and_doubles_noth
     );
     scene.cluster.kill_node(leader).unwrap();
     let at_kill = stats.snapshot();
-    producer.join().unwrap();
+    producer.join();
 
     // Every healthy event applied: the worker's copies do not hold it up.
     let healthy = u64::try_from(n / 2).unwrap();
@@ -654,40 +716,4 @@ fn kill_dash_nine_of_the_retry_tiers_leader_under_retries_loses_and_doubles_noth
         "every poison event dead, no other"
     );
     scene.verdict(&workload, published);
-}
-
-/// Claims dead in `schema`.
-fn dead(db_url: &str, schema: &str) -> i64 {
-    use diesel::connection::SimpleConnection;
-    use diesel::{Connection, RunQueryDsl};
-    #[derive(diesel::QueryableByName)]
-    struct N {
-        #[diesel(sql_type = diesel::sql_types::BigInt)]
-        n: i64,
-    }
-    let mut conn = PgConnection::establish(db_url).unwrap();
-    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
-        .unwrap();
-    diesel::sql_query("SELECT COUNT(*) AS n FROM inbox_claims WHERE status = 'dead'")
-        .get_result::<N>(&mut conn)
-        .map(|r| r.n)
-        .unwrap_or(-1)
-}
-
-/// Outbox rows not yet published in `schema`.
-fn unpublished(db_url: &str, schema: &str) -> i64 {
-    use diesel::connection::SimpleConnection;
-    use diesel::{Connection, RunQueryDsl};
-    #[derive(diesel::QueryableByName)]
-    struct N {
-        #[diesel(sql_type = diesel::sql_types::BigInt)]
-        n: i64,
-    }
-    let mut conn = PgConnection::establish(db_url).unwrap();
-    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
-        .unwrap();
-    diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_messages WHERE published_at IS NULL")
-        .get_result::<N>(&mut conn)
-        .map(|r| r.n)
-        .unwrap_or(i64::MAX)
 }
