@@ -210,8 +210,12 @@ impl Bench {
             .await
             .unwrap_or_else(|e| panic!("amqp: {}", RedactedError::new(&e, &self.amqp_url)));
         let (exchange, queue) = self.destination(&conn, name).await;
+        // When each message's transaction committed (read after the commit returns)
+        // and when it arrived. Matched at the end: a message can arrive before its
+        // producer has read the clock after its commit (the relay woken by the
+        // commit's NOTIFY is that fast), and such a message counts as 0 ms.
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();
+        let arrivals: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
 
         let channel = conn.create_channel().await.expect("channel");
         let mut consumer = channel
@@ -223,7 +227,7 @@ impl Bench {
             )
             .await
             .expect("consume");
-        let (seen, lat) = (Arc::clone(&committed), Arc::clone(&latencies));
+        let arrived_at = Arc::clone(&arrivals);
         let reader = tokio::spawn(async move {
             while let Some(Ok(d)) = consumer.next().await {
                 let arrived = Instant::now();
@@ -233,9 +237,11 @@ impl Bench {
                     .as_ref()
                     .map(|m| m.as_str().to_owned())
                     .unwrap_or_default();
-                if let Some(at) = seen.lock().expect("map").get(&id) {
-                    lat.lock().expect("latencies").push(arrived - *at);
-                }
+                arrived_at
+                    .lock()
+                    .expect("arrivals")
+                    .entry(id)
+                    .or_insert(arrived);
                 let _ = d.ack(BasicAckOptions::default()).await;
             }
         });
@@ -288,14 +294,20 @@ impl Bench {
         }
         let achieved = total as f64 / started.elapsed().as_secs_f64();
         let deadline = Instant::now() + Duration::from_secs(30);
-        while latencies.lock().expect("latencies").len() < total as usize
-            && Instant::now() < deadline
+        while arrivals.lock().expect("arrivals").len() < total as usize && Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         shutdown.cancel();
         reader.abort();
-        let mut all = latencies.lock().expect("latencies").clone();
+        let mut all: Vec<Duration> = {
+            let committed = committed.lock().expect("map");
+            (arrivals.lock().expect("arrivals").iter())
+                .filter_map(|(id, arrived)| {
+                    Some(arrived.saturating_duration_since(*committed.get(id)?))
+                })
+                .collect()
+        };
         all.sort();
         let pick = |q: f64| {
             all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))

@@ -520,10 +520,15 @@ impl<C: StoreConnection> Store<C> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
-        (lease.rows, lease.unreadable) = C::write_transaction(&mut *conn, |conn| {
-            let ids = C::lease_ids(conn, relay, limit, now, until)?;
-            C::load_outbox(conn, &ids)
-        })?;
+        // The lease is one `UPDATE ... RETURNING` statement, atomic on its own and
+        // committed by itself: no transaction around it (a `BEGIN` and a `COMMIT`
+        // are two round trips more per round). The rows are read after it commits:
+        // what is read of a leased row does not change under the lease (a producer
+        // never rewrites a row, nothing publishes, revives or deletes a row another
+        // holds; an operator's `DELETE` of a leased row makes it missing from the
+        // lease, as if it had gone before it).
+        let ids = C::lease_ids(&mut conn, relay, limit, now, until)?;
+        (lease.rows, lease.unreadable) = C::load_outbox(&mut conn, &ids)?;
         Ok(lease)
     }
 
@@ -533,9 +538,10 @@ impl<C: StoreConnection> Store<C> {
         }
         let now = self.clock().now();
         let mut conn = self.connection()?;
-        Ok(C::write_transaction(&mut *conn, |conn| {
-            C::mark_outbox_published(conn, relay, ids, now)
-        })?)
+        // Each row's mark stands alone (guarded by the lease it names), so the marks
+        // need no transaction around them: a round's (up to 500 rows a statement) is
+        // one round trip, committed by itself.
+        Ok(C::mark_outbox_published(&mut conn, relay, ids, now)?)
     }
 
     fn record_row_failures(&self, relay: &str, failures: &[OutboxFailure]) -> Result<()> {
@@ -573,7 +579,8 @@ impl<C: StoreConnection> Store<C> {
     }
 }
 
-/// Every call is a short transaction of its own on a pooled connection; every time
+/// Every call is a short transaction of its own on a pooled connection (the lease and
+/// the mark, single statements, commit by themselves without a `BEGIN`); every time
 /// comes from the store's clock. `wait_for_enqueue` on PostgreSQL uses the store's
 /// LISTEN connection (not a pooled one) and wall time; on SQLite it sleeps on the
 /// store's clock and returns `false`.
