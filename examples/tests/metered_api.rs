@@ -1456,7 +1456,8 @@ fn two_instances_set_up_one_fresh_schema_at_once() {
 /// (it would refund a request still being served), and the new usage's own message
 /// must not share its key (it would be dropped as a duplicate). The loss is made by
 /// hand: the debit's transaction rolled back and the sequence set back, as the
-/// promoted standby has them.
+/// promoted standby has them. Nor may the lost request itself, still streaming when
+/// the database failed over, mark that usage delivered or refund it when it ends.
 #[test]
 fn a_stale_settlement_of_a_usage_lost_in_a_failover_leaves_the_usage_that_took_its_id_alone() {
     use diesel::connection::SimpleConnection;
@@ -1502,24 +1503,35 @@ fn a_stale_settlement_of_a_usage_lost_in_a_failover_leaves_the_usage_that_took_i
     // The lost usage: debited, its message read (as the broker got it), then gone.
     let mut lost = None;
     let rolled_back = conn.transaction(|conn| -> QueryResult<()> {
-        let (id, _) = db::debit(conn, &debit, now).unwrap();
-        lost = Some((id, outbox(conn).pop().unwrap()));
+        let usage = db::debit(conn, &debit, now).unwrap();
+        lost = Some((usage, outbox(conn).pop().unwrap()));
         Err(diesel::result::Error::RollbackTransaction)
     });
     assert!(rolled_back.is_err());
-    let (lost_id, lost_row) = lost.unwrap();
+    let (lost_usage, lost_row) = lost.unwrap();
+    let lost_id = lost_usage.usage_id;
     conn.batch_execute(&format!(
         "SELECT setval('usage_events_id_seq', {lost_id}, false)"
     ))
     .unwrap();
 
-    let (id, _) = db::debit(&mut conn, &debit, now).unwrap();
+    let id = db::debit(&mut conn, &debit, now).unwrap().usage_id;
     assert_eq!(id, lost_id, "the id came round again");
     let new_row = outbox(&mut conn).pop().unwrap();
     assert_ne!(
         new_row.message_key, lost_row.message_key,
         "the new usage's settlement has a key of its own"
     );
+    // The lost request ends: its delivery and its refund find no usage of theirs.
+    assert!(
+        !db::deliver(&mut conn, &lost_usage, None, b"{}", now).unwrap(),
+        "the lost request marked the usage that took its id delivered"
+    );
+    assert!(
+        !db::refund(&mut conn, &lost_usage, now).unwrap(),
+        "the lost request refunded the usage that took its id"
+    );
+    assert_eq!(db::usage(&mut conn, id).unwrap().unwrap().status, "debited");
     let stale: db::SettlementDue = serde_json::from_slice(&lost_row.payload).unwrap();
     assert_eq!(stale.usage_id, id);
     assert!(
@@ -1572,11 +1584,11 @@ fn a_usage_table_from_before_usage_ref_keeps_each_usage_s_key() {
         settle_at: now,
         exchange: "metered",
     };
-    let (old, _) = db::debit(&mut conn, &debit, now).unwrap();
+    let old = db::debit(&mut conn, &debit, now).unwrap().usage_id;
     conn.batch_execute("ALTER TABLE usage_events DROP COLUMN usage_ref")
         .unwrap();
     db::create_schema(&mut conn).unwrap();
-    let (new, _) = db::debit(&mut conn, &debit, now).unwrap();
+    let new = db::debit(&mut conn, &debit, now).unwrap().usage_id;
     #[derive(QueryableByName)]
     struct Ref {
         #[diesel(sql_type = Text)]

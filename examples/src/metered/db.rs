@@ -343,13 +343,27 @@ pub struct SettlementDue {
     pub usage_ref: Option<String>,
 }
 
+/// A debited usage, as the debit returns it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DebitedUsage {
+    /// The usage's id.
+    pub usage_id: i64,
+    /// Its `usage_ref`, random: the request that debited it marks it delivered or
+    /// refunds it by its id and this, so that a failover that lost the debit (and
+    /// handed the id to another usage since) cannot make the request settle another
+    /// request's usage.
+    pub usage_ref: String,
+    /// The account's balance after the debit.
+    pub balance: i64,
+}
+
 /// Debits, marks the idempotency record committed (fenced by its token) and
-/// enqueues the settlement, all in one transaction; returns (usage id, balance).
+/// enqueues the settlement, all in one transaction.
 pub fn debit(
     conn: &mut PgConnection,
     d: &Debit<'_>,
     now: DateTime<Utc>,
-) -> Result<(i64, i64), DebitError> {
+) -> Result<DebitedUsage, DebitError> {
     conn.transaction(|conn| {
         let row: Option<Debited> = diesel::sql_query(DEBIT)
             .bind::<BigInt, _>(d.account)
@@ -393,16 +407,22 @@ pub fn debit(
         )
         .with_not_before(d.settle_at);
         inbox_diesel::enqueue(conn, &message, now)?;
-        Ok((row.usage_id, row.balance))
+        Ok(DebitedUsage {
+            usage_id: row.usage_id,
+            usage_ref: row.usage_ref,
+            balance: row.balance,
+        })
     })
 }
 
-/// Marks a usage delivered (a guarded write from `debited`) and saves the response
-/// on its idempotency record, in one transaction. `false`: it was settled already
-/// (refunded at its deadline): the response must not be sent as a success.
+/// Marks a usage delivered (a guarded write from `debited`, of the usage `usage`
+/// names by id and `usage_ref`) and saves the response on its idempotency record,
+/// in one transaction. `false`: it was settled already (refunded at its deadline),
+/// or it is gone (a failover lost the debit): the response must not be sent as a
+/// success.
 pub fn deliver(
     conn: &mut PgConnection,
-    usage_id: i64,
+    usage: &DebitedUsage,
     idempotency: Option<(i64, &IdempotencyKey, LeaseToken)>,
     response: &[u8],
     now: DateTime<Utc>,
@@ -410,10 +430,11 @@ pub fn deliver(
     conn.transaction(|conn| {
         let marked = diesel::sql_query(
             "UPDATE usage_events SET status = 'delivered', settled_at = $2 \
-             WHERE id = $1 AND status = 'debited'",
+             WHERE id = $1 AND usage_ref = $3 AND status = 'debited'",
         )
-        .bind::<BigInt, _>(usage_id)
+        .bind::<BigInt, _>(usage.usage_id)
         .bind::<Timestamptz, _>(now)
+        .bind::<Text, _>(&usage.usage_ref)
         .execute(conn)?;
         if marked != 1 {
             return Ok(false);
@@ -491,15 +512,15 @@ impl From<DieselError> for RefundError {
     }
 }
 
-/// Refunds a usage if it is still `debited` (and its idempotency record with it);
-/// returns whether this call refunded it. Safe to call from any process, any number
-/// of times: exactly one refund can win.
+/// Refunds the usage `usage` names (by id and `usage_ref`) if it is still `debited`
+/// (and its idempotency record with it); returns whether this call refunded it.
+/// Safe to call from any process, any number of times: exactly one refund can win.
 pub fn refund(
     conn: &mut PgConnection,
-    usage_id: i64,
+    usage: &DebitedUsage,
     now: DateTime<Utc>,
 ) -> inbox_diesel::Result<bool> {
-    refund_from(conn, usage_id, None, "debited", now)
+    refund_from(conn, usage.usage_id, Some(&usage.usage_ref), "debited", now)
 }
 
 /// The settlement of `due`: refunds its usage if it is still `debited` and is the

@@ -287,7 +287,7 @@ async fn execute(
         Ok(outcome)
     })
     .await?;
-    let (usage_id, _balance) = debited.map_err(|e| match e {
+    let usage = debited.map_err(|e| match e {
         DebitError::InsufficientCredits => ApiError::new(
             StatusCode::PAYMENT_REQUIRED,
             "insufficient_credits",
@@ -310,10 +310,11 @@ async fn execute(
     })?;
 
     let (tx, rx) = mpsc::channel(16);
+    let usage_id = usage.usage_id;
     let job = StreamJob {
         app: Arc::clone(app),
         tx,
-        usage_id,
+        usage,
         account,
         idempotency: idempotency_key.zip(token),
         chunks: upstream::chunks(&text),

@@ -32,7 +32,8 @@ pub(crate) fn error_line(code: &str, message: &str, usage_id: i64, refunded: boo
 pub(crate) struct StreamJob {
     pub(crate) app: Arc<App>,
     pub(crate) tx: mpsc::Sender<Bytes>,
-    pub(crate) usage_id: i64,
+    /// The usage the request debited (settled by its id and `usage_ref`).
+    pub(crate) usage: db::DebitedUsage,
     pub(crate) account: i64,
     pub(crate) idempotency: Option<(IdempotencyKey, inbox_core::idempotency::LeaseToken)>,
     pub(crate) chunks: Vec<Chunk>,
@@ -89,7 +90,7 @@ impl StreamJob {
     async fn finish(self, sent: Vec<Bytes>) {
         let last = line(json!({
             "type": "done",
-            "usage_id": self.usage_id,
+            "usage_id": self.usage.usage_id,
             "chunks": sent.len(),
             "characters": self.amount,
             "charged": self.amount,
@@ -98,13 +99,13 @@ impl StreamJob {
         for l in sent.iter().chain(std::iter::once(&last)) {
             body.extend_from_slice(l);
         }
-        let usage_id = self.usage_id;
+        let (usage_id, usage) = (self.usage.usage_id, self.usage.clone());
         let idem = self.idempotency.clone().map(|(k, t)| (self.account, k, t));
         let now = self.app.store.clock().now();
         let marked = blocking(&self.app, move |conn| {
             db::deliver(
                 conn,
-                usage_id,
+                &usage,
                 idem.as_ref().map(|(a, k, t)| (*a, k, *t)),
                 &body,
                 now,
@@ -151,10 +152,10 @@ impl StreamJob {
             ),
             Cut::ClientGone => ("client_disconnected", "the client went away; refunded"),
         };
-        let usage_id = self.usage_id;
+        let (usage_id, usage) = (self.usage.usage_id, self.usage.clone());
         let now = self.app.store.clock().now();
         let refunded = blocking(&self.app, move |conn| {
-            db::refund(conn, usage_id, now).map_err(ApiError::internal)
+            db::refund(conn, &usage, now).map_err(ApiError::internal)
         })
         .await;
         let tail = match refunded {
