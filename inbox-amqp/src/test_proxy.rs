@@ -51,15 +51,19 @@ impl Proxy {
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 running.taken.fetch_add(1, Ordering::SeqCst);
+                // Subscribed before connecting: a cut from now on drops it.
+                let mut cut = running.cuts.subscribe();
+                let held = running.held.subscribe();
                 let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
                     return;
                 };
-                let mut cut = running.cuts.subscribe();
-                let held = running.held.subscribe();
                 tokio::spawn(async move {
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
-                    let unheld = watch::Sender::new(false).subscribe();
+                    // What the client sends is never held: a sender kept for as long
+                    // as the connection (a dropped one would end `changed` at once,
+                    // every time).
+                    let (_never, unheld) = watch::channel(false);
                     tokio::select! {
                         () = pipe(client_read, server_write, unheld) => {}
                         () = pipe(server_read, client_write, held) => {}
@@ -89,7 +93,9 @@ impl Proxy {
     }
 }
 
-/// Copies `from` to `to` until either closes, pausing while `held` says so.
+/// Copies `from` to `to` until either closes, pausing while `held` says so: a hold
+/// set before bytes arrive holds them back (it is looked at first), bytes already
+/// read go through.
 async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut held: watch::Receiver<bool>) {
     let mut buf = vec![0; 16 * 1024];
     loop {
@@ -99,8 +105,12 @@ async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut held: watch::
             }
         }
         let read = tokio::select! {
+            biased;
+            changed = held.changed() => match changed {
+                Ok(()) => continue,
+                Err(_) => return,
+            },
             read = from.read(&mut buf) => read,
-            _ = held.changed() => continue,
         };
         match read {
             Ok(0) | Err(_) => return,

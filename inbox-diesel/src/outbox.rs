@@ -520,15 +520,14 @@ impl<C: StoreConnection> Store<C> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
-        // The lease is one `UPDATE ... RETURNING` statement, atomic on its own and
-        // committed by itself: no transaction around it (a `BEGIN` and a `COMMIT`
-        // are two round trips more per round). The rows are read after it commits:
-        // what is read of a leased row does not change under the lease (a producer
-        // never rewrites a row, nothing publishes, revives or deletes a row another
-        // holds; an operator's `DELETE` of a leased row makes it missing from the
-        // lease, as if it had gone before it).
-        let ids = C::lease_ids(&mut conn, relay, limit, now, until)?;
-        (lease.rows, lease.unreadable) = C::load_outbox(&mut conn, &ids)?;
+        // The lease and the read of its rows in one transaction: a read that fails
+        // (the connection lost, a timeout) takes the lease back with it, so the rows
+        // are free at once rather than after `lease_for`, and no later row of their
+        // ordering keys waits for them.
+        (lease.rows, lease.unreadable) = C::write_transaction(&mut *conn, |conn| {
+            let ids = C::lease_ids(conn, relay, limit, now, until)?;
+            C::load_outbox(conn, &ids)
+        })?;
         Ok(lease)
     }
 
@@ -538,10 +537,16 @@ impl<C: StoreConnection> Store<C> {
         }
         let now = self.clock().now();
         let mut conn = self.connection()?;
-        // Each row's mark stands alone (guarded by the lease it names), so the marks
-        // need no transaction around them: a round's (up to 500 rows a statement) is
-        // one round trip, committed by itself.
-        Ok(C::mark_outbox_published(&mut conn, relay, ids, now)?)
+        // Each row's mark stands alone (guarded by the lease it names): a round of
+        // up to 500 rows is marked by one statement, committed by itself, without
+        // the two round trips of a `BEGIN` and a `COMMIT`. A larger round's several
+        // statements share a transaction, so that an error means none was marked.
+        if ids.len() <= crate::dsl::ID_CHUNK {
+            return Ok(C::mark_outbox_published(&mut conn, relay, ids, now)?);
+        }
+        Ok(C::write_transaction(&mut *conn, |conn| {
+            C::mark_outbox_published(conn, relay, ids, now)
+        })?)
     }
 
     fn record_row_failures(&self, relay: &str, failures: &[OutboxFailure]) -> Result<()> {
@@ -579,8 +584,8 @@ impl<C: StoreConnection> Store<C> {
     }
 }
 
-/// Every call is a short transaction of its own on a pooled connection (the lease and
-/// the mark, single statements, commit by themselves without a `BEGIN`); every time
+/// Every call is a short transaction of its own on a pooled connection (the mark of up
+/// to 500 rows, one statement, commits by itself without a `BEGIN`); every time
 /// comes from the store's clock. `wait_for_enqueue` on PostgreSQL uses the store's
 /// LISTEN connection (not a pooled one) and wall time; on SQLite it sleeps on the
 /// store's clock and returns `false`.
