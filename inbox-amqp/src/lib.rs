@@ -39,7 +39,7 @@ mod shutdown;
 mod stats;
 mod supervisor;
 #[cfg(test)]
-mod test_proxy;
+mod test_support;
 mod tls;
 mod topology;
 

@@ -212,11 +212,10 @@ fn mark_returned(
 mod tests {
     use std::time::Duration;
 
-    use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
-    use lapin::types::FieldTable;
-    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    use lapin::ConnectionProperties;
 
     use super::*;
+    use crate::test_support;
 
     fn sent<'a>(routing_key: &'a str, id: &str, body: &'a [u8]) -> Sent<'a> {
         Sent {
@@ -340,44 +339,17 @@ mod tests {
     /// lapin puts returns on other publications' confirms.
     #[test]
     fn each_publication_in_flight_is_answered_as_what_happened_to_it() {
-        let Ok(url) = std::env::var("AMQP_URL") else {
-            assert!(
-                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
-                "AMQP_URL"
-            );
+        let Some(url) = test_support::amqp_url() else {
             return;
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("runtime: {e}"));
-        runtime.block_on(async {
+        test_support::runtime().block_on(async {
             let conn = Connection::connect(&url, ConnectionProperties::default())
                 .await
                 .unwrap_or_else(|e| panic!("connect: {e}"));
-            let channel = conn
-                .create_channel()
+            let channel = confirm_channel(&conn)
                 .await
                 .unwrap_or_else(|e| panic!("channel: {e}"));
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .unwrap_or_else(|e| panic!("confirm_select: {e}"));
-            let queue = channel
-                .queue_declare(
-                    "".into(),
-                    QueueDeclareOptions {
-                        exclusive: true,
-                        auto_delete: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("declare: {e}"))
-                .name()
-                .to_string();
+            let queue = test_support::exclusive_queue(&channel).await;
             let missing = format!("{queue}.missing");
             let bodies: Vec<Vec<u8>> = (0..600).map(|n| format!("{n}").into_bytes()).collect();
             let nowhere = |n: usize| n % 7 == 3;
@@ -416,36 +388,18 @@ mod tests {
     /// the broker had not answered by then are unanswered.
     #[test]
     fn the_answers_that_came_before_the_deadline_stand() {
-        let Some(broker) = crate::test_proxy::broker() else {
+        let Some(broker) = test_support::broker() else {
             return;
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("runtime: {e}"));
-        runtime.block_on(async {
-            let proxy = crate::test_proxy::Proxy::start(broker).await;
+        test_support::runtime().block_on(async {
+            let proxy = test_support::Proxy::start(broker).await;
             let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
                 .await
                 .unwrap_or_else(|e| panic!("connect: {e}"));
             let channel = confirm_channel(&conn)
                 .await
                 .unwrap_or_else(|e| panic!("channel: {e}"));
-            let queue = channel
-                .queue_declare(
-                    "".into(),
-                    QueueDeclareOptions {
-                        exclusive: true,
-                        auto_delete: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("declare: {e}"))
-                .name()
-                .to_string();
+            let queue = test_support::exclusive_queue(&channel).await;
             let missing = format!("{queue}.missing");
             let bodies: Vec<Vec<u8>> = (0..40).map(|n| format!("{n}").into_bytes()).collect();
             let nowhere = |n: usize| n % 5 == 2;

@@ -233,7 +233,7 @@ impl<'a> Supervisor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_proxy::{broker, Proxy};
+    use crate::test_support::{amqp_url, broker, Proxy};
 
     fn supervisor() -> Supervisor<'static> {
         let settings = ConnectionSettings::default()
@@ -295,11 +295,7 @@ mod tests {
     /// for with backoff, not fatal (against the broker of `AMQP_URL`, when set).
     #[test]
     fn a_leaderless_queue_at_startup_is_waited_for() {
-        let Ok(url) = std::env::var("AMQP_URL") else {
-            assert!(
-                std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
-                "AMQP_URL"
-            );
+        let Some(url) = amqp_url() else {
             return;
         };
         let settings = ConnectionSettings::default()
@@ -348,11 +344,7 @@ mod tests {
     /// connection's failure never answers; every other declaration and session ends
     /// at once, the session with a loss until the `stuck`-th has passed.
     fn run_with_a_stuck_call(broker: String, session_stuck: bool, stuck: usize) -> Runs {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let runtime = crate::test_support::runtime();
         let declared = std::cell::Cell::new(0);
         let sessions = std::cell::Cell::new(0);
         let reconnects = std::cell::Cell::new(0);
@@ -455,11 +447,7 @@ mod tests {
         broker: String,
         end: fn() -> SessionEnd,
     ) -> (Option<Result<()>>, [usize; 2]) {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let runtime = crate::test_support::runtime();
         runtime.block_on(async {
             let (first, second) = (
                 Proxy::start(broker.clone()).await,

@@ -1,16 +1,20 @@
-//! A loopback TCP proxy of the unit tests' own in front of the broker of
-//! `AMQP_URL`: it can cut every connection through it, or hold back what the
-//! broker sends (its confirms, say) while the client's frames still go through.
+//! What the unit tests that talk to the broker of `AMQP_URL` share: its URL, a
+//! runtime, an exclusive queue, and a loopback TCP proxy of the tests' own in front of
+//! the broker that can cut every connection through it, or hold back what the broker
+//! sends (its confirms, say) while the client's frames still go through.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::Channel;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
-/// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
-pub(crate) fn broker() -> Option<String> {
+/// `AMQP_URL`, `None` (a skip) when it is not set.
+pub(crate) fn amqp_url() -> Option<String> {
     let Ok(url) = std::env::var("AMQP_URL") else {
         assert!(
             std::env::var_os("INBOX_REQUIRE_SERVICES").is_none(),
@@ -18,8 +22,37 @@ pub(crate) fn broker() -> Option<String> {
         );
         return None;
     };
-    let uri: lapin::uri::AMQPUri = url.parse().unwrap_or_else(|e| panic!("{e}"));
+    Some(url)
+}
+
+/// The broker of `AMQP_URL` as host:port, `None` (a skip) when it is not set.
+pub(crate) fn broker() -> Option<String> {
+    let uri: lapin::uri::AMQPUri = amqp_url()?.parse().unwrap_or_else(|e| panic!("{e}"));
     Some(format!("{}:{}", uri.authority.host, uri.authority.port))
+}
+
+/// A runtime of two worker threads, as the consumer and the relay run on.
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"))
+}
+
+/// A queue of `channel`'s connection alone, deleted with it; its name.
+pub(crate) async fn exclusive_queue(channel: &Channel) -> String {
+    let options = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare("".into(), options, FieldTable::default())
+        .await
+        .unwrap_or_else(|e| panic!("declare: {e}"))
+        .name()
+        .to_string()
 }
 
 /// A running proxy; its clones control the same one.
