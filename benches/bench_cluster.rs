@@ -11,7 +11,9 @@
 //!
 //! Throughput: the same drain with `ConsumerSettings::default()`, from a queue filled
 //! beforehand, on the cluster (replicas on all three nodes) and on one node, rounds
-//! interleaved; printed: msg/s per round and the median of each.
+//! interleaved; and one relay with `RelaySettings::default()` publishing an outbox
+//! backlog of as many rows into the group's queue, on the cluster and on one node;
+//! printed: msg/s per round and the median of each.
 //!
 //! `cargo run --release -p inbox-benches --bin bench_cluster` (as root, with RabbitMQ
 //! installed); `BENCH_ROUNDS` (default 3), `BENCH_EVENTS` (default 5000).
@@ -20,9 +22,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel::PgConnection;
-use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Topology};
+use inbox_amqp::{CancellationToken, Consumer, ConsumerSettings, Relay, Topology};
 use inbox_benches::{env_or, median, service_urls};
-use inbox_core::ConsumerGroup;
+use inbox_core::{ConsumerGroup, OutboxMessage};
 use inbox_diesel::Store;
 use inbox_examples::usage::{quick_policy, DailyUsage, UsageDb, Workload, GROUP, MESSAGE_TYPE};
 use inbox_test_support::amqp::{self, confirm_channel, publish, wait_for_confirms, Outgoing};
@@ -156,6 +158,58 @@ fn drain(runtime: &tokio::runtime::Runtime, urls: &str, events: usize, seed: u64
     rate
 }
 
+/// Publishes a backlog of `rows` outbox rows (enqueued beforehand) into a group
+/// queue declared on `urls`, with one relay and the default settings; msg/s.
+fn relay_drain(runtime: &tokio::runtime::Runtime, urls: &str, rows: usize, seed: u64) -> f64 {
+    use diesel::Connection;
+    let db = PgFixture::new().expect("DATABASE_URL");
+    let topology = topology("bench-relay");
+    let store = store(&db);
+    runtime.block_on(async {
+        let conn = inbox_amqp::connect(urls, None).await.expect("connect");
+        topology.declare(&conn).await.expect("declare");
+        let _ = conn.close(200, "declared".into()).await;
+    });
+    let exchange = topology.exchange();
+    {
+        let mut conn = store.connection().expect("db");
+        let now = store.clock().now();
+        let events = Workload::generate(rows, 0, seed).events;
+        for chunk in events.chunks(500) {
+            conn.transaction::<_, diesel::result::Error, _>(|conn| {
+                for (key, event) in chunk {
+                    let body = serde_json::to_vec(event).expect("json");
+                    let msg = OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
+                    inbox_diesel::enqueue(&mut *conn, &msg, now).map_err(|e| {
+                        diesel::result::Error::QueryBuilderError(e.to_string().into())
+                    })?;
+                }
+                Ok(())
+            })
+            .expect("backlog");
+        }
+    }
+    let relay = Relay::new(urls.to_owned(), Arc::clone(&store));
+    let stats = relay.stats();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let running = runtime.spawn(relay.run(shutdown.clone()));
+    let all = u64::try_from(rows).unwrap_or(u64::MAX);
+    while stats.snapshot().published < all {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the relay stalled: {:?}",
+            stats.snapshot()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    runtime.block_on(running).expect("join").expect("relay");
+    runtime.block_on(delete(urls, &topology));
+    rate
+}
+
 fn main() {
     let rounds: u64 = env_or("BENCH_ROUNDS", 3);
     let events: usize = env_or("BENCH_EVENTS", 5_000);
@@ -186,6 +240,19 @@ fn main() {
     let (c, o) = (median(on_cluster), median(on_one));
     println!(
         "throughput (defaults, prefilled queue): cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
+        c / o
+    );
+    let (mut on_cluster, mut on_one) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let c = relay_drain(&runtime, &cluster.url_list(), events, 300 + round);
+        let o = relay_drain(&runtime, &one_node, events, 400 + round);
+        println!("round {round}: relay to the cluster {c:.0} msg/s, to one node {o:.0} msg/s");
+        on_cluster.push(c);
+        on_one.push(o);
+    }
+    let (c, o) = (median(on_cluster), median(on_one));
+    println!(
+        "relay throughput (defaults, outbox backlog): cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
         c / o
     );
 }

@@ -3,19 +3,24 @@
 //! waited for rather than fatal.
 //!
 //! RabbitMQ (3.x, quorum queues) answers an operation that needs the queue's leader
-//! while there is none with a connection-level `541 INTERNAL_ERROR`, whose text
-//! names the quorum queue: `timed out consuming from quorum queue 'q' in vhost '/'`
-//! for a `basic.consume`, `Cannot declare a queue 'q' on node '...'` for a declaration
-//! that must start the queue's replicas. Neither says anything about the
-//! configuration: once a majority of the queue's replicas is back and has elected a
-//! leader (seconds after a node's loss), the same operation succeeds.
+//! while there is none with a connection-level `541 INTERNAL_ERROR`. Its text may
+//! name the quorum queue (`timed out consuming from quorum queue 'q' in vhost '/'`
+//! for a `basic.consume`, `Cannot declare a queue 'q' on node '...'` for a
+//! declaration that must start the queue's replicas), or be the bare
+//! `INTERNAL_ERROR` of a channel process that crashed waiting for the leader: a
+//! consume from a quorum queue whose majority is lost, on RabbitMQ 3.10, answers
+//! just that (`rabbit_cluster::a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one`).
+//! None of them says anything about the configuration, and no `541` does: it is
+//! the server's own failure (a misconfiguration is `403`, `404`, `406` or `530`).
+//! Once a majority of the queue's replicas is back and has elected a leader, the
+//! same operation succeeds.
 //!
-//! So a declaration answered so is not the startup failure a misconfiguration is:
-//! the supervisor waits it out with the reconnect backoff (jittered, growing up to
-//! `backoff_max`) and tries again, moving to the next broker URL, for as long as it
-//! takes. A consume answered so ends the session as a lost connection does, which
-//! was already reconnected after backoff. Any other `INTERNAL_ERROR` stays what it
-//! was.
+//! So a declaration answered with `541` is not the startup failure a
+//! misconfiguration is: the supervisor waits it out with the reconnect backoff
+//! (jittered, growing up to `backoff_max`) and tries again, moving to the next
+//! broker URL, for as long as it takes, logging each answer at `warn`. A consume
+//! answered so ends the session as a lost connection does, which was already
+//! reconnected after backoff.
 
 use crate::Error;
 
@@ -27,15 +32,10 @@ pub(crate) fn awaits_election(err: &Error) -> bool {
     }
 }
 
-/// Whether a broker's error text says a quorum queue has no leader yet: an
-/// `INTERNAL_ERROR` naming a quorum queue, or a queue that could not be declared
-/// on a node.
+/// Whether a broker's error text is an `INTERNAL_ERROR` (`541`), which a queue
+/// without a leader answers, with or without naming it.
 fn leaderless_text(text: &str) -> bool {
-    let internal = text.contains("INTERNAL_ERROR") || text.contains("INTERNAL-ERROR");
-    internal
-        && (text.contains("quorum queue")
-            || text.contains("Cannot declare a queue")
-            || text.contains("no leader"))
+    text.contains("INTERNAL_ERROR") || text.contains("INTERNAL-ERROR")
 }
 
 /// A lapin error as the broker sends one (for tests).
@@ -56,12 +56,20 @@ mod tests {
         for text in [
             "INTERNAL_ERROR - timed out consuming from quorum queue 'q' in vhost '/': {'%2F_q','rabbit@n1'}",
             "INTERNAL_ERROR - Cannot declare a queue 'queue 'q' in vhost '/'' on node 'rabbit@n2': {error,timeout}",
+            // What RabbitMQ 3.10 answered a consume of a queue whose majority was lost.
+            "INTERNAL_ERROR",
         ] {
             let err = internal_error(text);
             assert!(awaits_election(&err), "{err}");
         }
+        let not_allowed = {
+            use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError};
+            let kind = AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED);
+            let err = AMQPError::new(kind, "NOT_ALLOWED - vhost 'v' not found".into());
+            Error::Amqp(lapin::Error::from(lapin::ErrorKind::ProtocolError(err)))
+        };
         for err in [
-            internal_error("INTERNAL_ERROR - something else broke"),
+            not_allowed,
             Error::TopologyConflict {
                 name: "q".to_owned(),
                 detail: "PRECONDITION_FAILED - inequivalent arg, quorum queue".to_owned(),

@@ -232,14 +232,11 @@ impl Scene {
 
     /// A relay of the scene's outbox to the brokers of `urls`.
     fn relay_of(&self, urls: String) -> Relay<Store<PgConnection>> {
-        Relay::new(urls, Arc::clone(&self.store)).with_settings(
-            RelaySettings::default()
-                .relay_id("cluster")
-                .lease(100, Duration::from_secs(2))
-                .poll_interval(Duration::from_millis(20))
-                .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
-                .connect_timeout(Duration::from_secs(2)),
-        )
+        self.relay_with(urls, relay_settings())
+    }
+
+    fn relay_with(&self, urls: String, settings: RelaySettings) -> Relay<Store<PgConnection>> {
+        Relay::new(urls, Arc::clone(&self.store)).with_settings(settings)
     }
 
     /// Enqueues the events of `workload` at `order` into the outbox, each in a
@@ -305,6 +302,16 @@ impl Scene {
         assert!(diffs.is_empty(), "the projection differs: {diffs:?}");
         assert_eq!(settled, distinct, "one claim per distinct event");
     }
+}
+
+/// The scenarios' relay settings: short leases and pauses.
+fn relay_settings() -> RelaySettings {
+    RelaySettings::default()
+        .relay_id("cluster")
+        .lease(100, Duration::from_secs(2))
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
+        .connect_timeout(Duration::from_secs(2))
 }
 
 /// A running scenario, handed to [`Scene::finish`]: what was published straight
@@ -423,6 +430,130 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
     };
     scene.finish(&what, end, true);
     eprintln!("new leader {:?}", scene.cluster.leader_of(&queue));
+}
+
+/// A real election, waited for: two of the three nodes are killed (`kill -9`), so
+/// the group's queue has no majority and no leader, and the survivor answers what a
+/// node answers then (checked first: a consume of the test's own is answered `541
+/// INTERNAL_ERROR`). The consumer and the relay start then, with every node's URL
+/// and a backlog in the queue and the outbox: they reach the survivor, are told the
+/// queue has no leader, and wait, the consumer until its consume is answered so and
+/// it has reconnected. Neither ends; nothing is applied, retried or dead-lettered;
+/// the relay's nacked rows count no attempt (its `max_attempts` is 2 here, so two
+/// counted nacks would kill a row). When the two nodes are back, the replicas elect
+/// a leader and both go on: every event applied once, every outbox row published.
+#[test]
+fn a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one() {
+    let Some(mut scene) = Scene::new() else {
+        return;
+    };
+    let workload = Workload::generate(events(), 0, 61);
+    let published = scene.publish(&workload);
+    scene
+        .produce(&workload, (0..events()).collect(), 50_000.0)
+        .join();
+    let queue = scene.queue();
+    let leader = scene
+        .cluster
+        .leader_of(&queue)
+        .expect("the queue has a leader");
+    let other = (leader + 1) % 3;
+    let survivor = (leader + 2) % 3;
+    scene.cluster.kill_node(leader).unwrap();
+    scene.cluster.kill_node(other).unwrap();
+    let killed = std::time::Instant::now();
+
+    // What the survivor answers: a consume needs the queue's leader (RabbitMQ
+    // 3.10 answers after about a minute); the consumer and the relay start
+    // meanwhile.
+    let probe_url = scene.cluster.urls()[survivor].clone();
+    let probed = queue.clone();
+    let probe = scene.runtime.spawn(async move {
+        let conn = inbox_amqp::connect(&probe_url, None).await.unwrap();
+        let channel = conn.create_channel().await.unwrap();
+        let consumed = channel
+            .basic_consume(
+                probed.as_str().into(),
+                "probe".into(),
+                lapin::options::BasicConsumeOptions::default(),
+                lapin::types::FieldTable::default(),
+            )
+            .await;
+        let _ = conn.close(200, "probed".into()).await;
+        consumed.err().map(|err| err.to_string())
+    });
+    let consumer = scene.consumer();
+    let stats = consumer.stats();
+    let relay = scene.relay_with(scene.cluster.url_list(), relay_settings().max_attempts(2));
+    let relayed = relay.stats();
+    let shutdown = CancellationToken::new();
+    let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
+    let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
+    let answer = scene.runtime.block_on(probe).unwrap();
+    let answer = answer.expect("a consume from a queue without a leader succeeded");
+    eprintln!(
+        "the survivor answered a consume after {:?}: {answer}",
+        killed.elapsed()
+    );
+    assert!(
+        answer.contains("INTERNAL_ERROR"),
+        "not an election's answer: {answer}"
+    );
+    let answered = scene
+        .runtime
+        .block_on(amqp::eventually(Duration::from_secs(180), || {
+            stats.snapshot().reconnects >= 1 && relayed.snapshot().reconnects >= 1
+        }));
+    let (waiting, relay_waiting) = (stats.snapshot(), relayed.snapshot());
+    let (db, schema) = (scene.db.url().to_owned(), scene.db.schema.clone());
+    eprintln!(
+        "no leader for {:?}: consumer {waiting:?}, relay {relay_waiting:?}",
+        killed.elapsed()
+    );
+    assert!(
+        answered,
+        "the consumer or the relay was not answered and reconnected"
+    );
+    assert!(relay_waiting.nacked > 0, "the relay was not refused");
+    assert!(
+        !running.is_finished() && !relaying.is_finished(),
+        "a queue without a leader ended the consumer or the relay"
+    );
+    assert_eq!(
+        (waiting.processed, waiting.retried, waiting.dead_lettered),
+        (0, 0, 0),
+        "a queue without a leader was paid for by its messages"
+    );
+    assert_eq!(settled(&db, &schema), 0, "applied without a leader");
+    let counted = "outbox_messages WHERE attempts > 0 OR dead_at IS NOT NULL";
+    assert_eq!(
+        count(&db, &schema, counted),
+        Some(0),
+        "the relay's nacks counted against its rows: {relay_waiting:?}"
+    );
+
+    scene.cluster.restart_node(leader).unwrap();
+    scene.cluster.restart_node(other).unwrap();
+    let end = Ending {
+        workload: &workload,
+        published,
+        stats: Arc::clone(&stats),
+        relay: Some(Relaying {
+            stats: relayed,
+            running: relaying,
+        }),
+        shutdown,
+        running,
+    };
+    let what = format!("nodes {leader} and {other} killed, then back");
+    scene.finish(&what, end, false);
+    let after = stats.snapshot();
+    assert_eq!(
+        (after.retried, after.dead_lettered, dead(&db, &schema)),
+        (0, 0, 0),
+        "the election was paid for by its messages"
+    );
+    eprintln!("leader elected: node {:?}", scene.cluster.leader_of(&queue));
 }
 
 /// A rolling restart of the three nodes (each stopped and started again in turn,
