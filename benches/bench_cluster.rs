@@ -7,7 +7,12 @@
 //! `BENCH_EVENTS` events; after a tenth, the leader's node is killed (`kill -9`); the
 //! figure is the time from the kill to the first event committed on a new connection
 //! (the first processed count seen after the reconnect count rose). The node is
-//! started again between rounds. Printed: every round, p50 and max.
+//! started again between rounds. The relay likewise: with the default settings and
+//! the leader's URL first, it publishes `BENCH_EVENTS` rows that a producer enqueues
+//! at `BENCH_RATE` a second (default 1,000), one transaction each; after a tenth are
+//! published the leader is killed, and the figure is the time from the kill to the
+//! first row marked published after the relay reconnected. Printed: every round, p50
+//! and max.
 //!
 //! Throughput: the same drain with `ConsumerSettings::default()`, from a queue filled
 //! beforehand, on the cluster (replicas on all three nodes) and on one node, rounds
@@ -16,7 +21,8 @@
 //! printed: msg/s per round and the median of each.
 //!
 //! `cargo run --release -p inbox-benches --bin bench_cluster` (as root, with RabbitMQ
-//! installed); `BENCH_ROUNDS` (default 3), `BENCH_EVENTS` (default 5000).
+//! installed); `BENCH_ROUNDS` (default 3), `BENCH_EVENTS` (default 5000),
+//! `BENCH_RATE` (the relay's offered rows a second, default 1000).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -136,6 +142,100 @@ fn unavailable_once(
     gap.as_secs_f64() * 1000.0
 }
 
+/// One relay unavailability round: milliseconds from the kill of the queue's leader
+/// to the first row published after the relay reconnected.
+fn relay_unavailable_once(
+    runtime: &tokio::runtime::Runtime,
+    cluster: &mut RabbitCluster,
+    events: usize,
+    rate: f64,
+    round: u64,
+) -> f64 {
+    let db = PgFixture::new().expect("DATABASE_URL");
+    let topology = topology("bench-relay-kill");
+    let store = store(&db);
+    let urls = cluster.urls();
+    runtime.block_on(async {
+        let conn = inbox_amqp::connect(&cluster.url_list(), None)
+            .await
+            .expect("connect");
+        topology.declare(&conn).await.expect("declare");
+        let _ = conn.close(200, "declared".into()).await;
+    });
+    let queue = topology.queue(&ConsumerGroup::new(GROUP).expect("group"));
+    let leader = cluster.leader_of(&queue).expect("a leader");
+    let mut list = vec![urls[leader].clone()];
+    list.extend(
+        (0..urls.len())
+            .filter(|i| *i != leader)
+            .map(|i| urls[i].clone()),
+    );
+    let producing = {
+        let (store, exchange) = (Arc::clone(&store), topology.exchange());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            for (i, (key, event)) in Workload::generate(events, 0, 500 + round)
+                .events
+                .iter()
+                .enumerate()
+            {
+                let due = started + Duration::from_secs_f64(i as f64 / rate);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let body = serde_json::to_vec(event).expect("json");
+                let msg = OutboxMessage::new(key.clone(), &exchange, MESSAGE_TYPE, body);
+                let mut conn = store.connection().expect("db");
+                inbox_diesel::enqueue(&mut conn, &msg, store.clock().now()).expect("enqueue");
+            }
+        })
+    };
+    let relay = Relay::new(list.join(" "), Arc::clone(&store));
+    let stats = relay.stats();
+    let shutdown = CancellationToken::new();
+    let running = runtime.spawn(relay.run(shutdown.clone()));
+    let tenth = u64::try_from(events / 10).unwrap_or(1);
+    while stats.snapshot().published < tenth {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let killed = Instant::now();
+    cluster.kill_node(leader).expect("kill");
+    let at_kill = stats.snapshot().published;
+    let gap = loop {
+        let s = stats.snapshot();
+        if s.reconnects >= 1 && s.published > at_kill {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(120),
+            "no progress after the kill: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    producing.join().expect("producer");
+    let all = u64::try_from(events).unwrap_or(u64::MAX);
+    while stats.snapshot().published < all {
+        assert!(
+            killed.elapsed() < Duration::from_secs(300),
+            "the relay stalled: {:?}",
+            stats.snapshot()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let all_out = killed.elapsed();
+    shutdown.cancel();
+    runtime.block_on(running).expect("join").expect("relay");
+    runtime.block_on(delete(&cluster.url_list(), &topology));
+    cluster.restart_node(leader).expect("restart");
+    println!(
+        "round {round}: leader node {leader} killed at {at_kill} published, relay unavailable {:.0} ms, every row out {:.1} s after the kill ({:?})",
+        gap.as_secs_f64() * 1000.0,
+        all_out.as_secs_f64(),
+        stats.snapshot()
+    );
+    gap.as_secs_f64() * 1000.0
+}
+
 /// Drains `events` from a queue filled beforehand on `urls` with the default
 /// settings; msg/s.
 fn drain(runtime: &tokio::runtime::Runtime, urls: &str, events: usize, seed: u64) -> f64 {
@@ -227,6 +327,15 @@ fn main() {
     let max = gaps.iter().copied().fold(0.0, f64::max);
     println!(
         "unavailable after a leader kill: p50 {:.0} ms, max {max:.0} ms over {rounds} rounds",
+        median(gaps.clone())
+    );
+    let rate: f64 = env_or("BENCH_RATE", 1_000.0);
+    let gaps: Vec<f64> = (1..=rounds)
+        .map(|round| relay_unavailable_once(&runtime, &mut cluster, events, rate, round))
+        .collect();
+    let max = gaps.iter().copied().fold(0.0, f64::max);
+    println!(
+        "relay unavailable after a leader kill: p50 {:.0} ms, max {max:.0} ms over {rounds} rounds",
         median(gaps.clone())
     );
     let (mut on_cluster, mut on_one) = (Vec::new(), Vec::new());

@@ -24,18 +24,21 @@
 
 use crate::Error;
 
-/// Whether `err` is a broker's answer that a quorum queue has no leader yet.
+/// Whether `err` is a broker's answer that a quorum queue has no leader yet: an
+/// `INTERNAL_ERROR` (`541`), told by its code, never by its text (which can hold
+/// names a client chose).
 pub(crate) fn awaits_election(err: &Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError};
     match err {
-        Error::Amqp(err) => leaderless_text(&err.to_string()),
+        Error::Amqp(err) => match err.kind() {
+            lapin::ErrorKind::ProtocolError(answer) => matches!(
+                answer.kind(),
+                AMQPErrorKind::Hard(AMQPHardError::INTERNALERROR)
+            ),
+            _ => false,
+        },
         _ => false,
     }
-}
-
-/// Whether a broker's error text is an `INTERNAL_ERROR` (`541`), which a queue
-/// without a leader answers, with or without naming it.
-fn leaderless_text(text: &str) -> bool {
-    text.contains("INTERNAL_ERROR") || text.contains("INTERNAL-ERROR")
 }
 
 /// A lapin error as the broker sends one (for tests).
@@ -62,14 +65,21 @@ mod tests {
             let err = internal_error(text);
             assert!(awaits_election(&err), "{err}");
         }
-        let not_allowed = {
-            use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError};
-            let kind = AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED);
-            let err = AMQPError::new(kind, "NOT_ALLOWED - vhost 'v' not found".into());
+        let answer = |kind, text: &str| {
+            let err = lapin::protocol::AMQPError::new(kind, text.into());
             Error::Amqp(lapin::Error::from(lapin::ErrorKind::ProtocolError(err)))
         };
+        use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
         for err in [
-            not_allowed,
+            answer(
+                AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED),
+                "NOT_ALLOWED - vhost 'v' not found",
+            ),
+            // A name chosen by a client is no 541.
+            answer(
+                AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED),
+                "ACCESS_REFUSED - access to queue 'INTERNAL_ERROR' in vhost '/' refused",
+            ),
             Error::TopologyConflict {
                 name: "q".to_owned(),
                 detail: "PRECONDITION_FAILED - inequivalent arg, quorum queue".to_owned(),

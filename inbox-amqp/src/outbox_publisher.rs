@@ -35,8 +35,31 @@ impl AmqpPublisher {
         }
     }
 
-    /// Of the last publication's unpublished rows: how many were returned, nacked
-    /// (left leased, not failures: see [`publish`](OutboxPublisher::publish)), and
+    /// Closes the channel and opens a fresh one in confirm mode (by `deadline`);
+    /// `Err` says why none could be opened (the session then reconnects).
+    ///
+    /// Done after every round with a nacked row. A channel that published while its
+    /// quorum queue had no leader (the leader's node killed) can go on being nacked
+    /// for every publish after the queue has a new leader, while a new channel on the
+    /// same connection is acked at once (seen with RabbitMQ 3.10 in
+    /// `rabbit_cluster::kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing`:
+    /// thousands of nacks in three minutes). A nack for a cause that lasts (a queue
+    /// over its length) costs a new channel per round, which is cheap.
+    async fn replace_channel(&mut self, deadline: Instant) -> std::result::Result<(), String> {
+        crate::connect::close_channel(&self.channel, "nacked; replaced").await;
+        match tokio::time::timeout_at(deadline, confirm_channel(&self.conn)).await {
+            Ok(Ok(fresh)) => {
+                self.channel = fresh;
+                Ok(())
+            }
+            Ok(Err(err)) => Err(format!("replacing a nacked channel failed: {err}")),
+            Err(_) => {
+                Err("replacing a nacked channel: no answer before the lease expired".to_owned())
+            }
+        }
+    }
+
+    /// Of the last publication's failures: how many were returned, nacked, and
     /// failed on their own.
     pub(crate) fn failure_kinds(&self) -> (u64, u64, u64) {
         let count = |kind| self.kinds.iter().filter(|k| **k == kind).count() as u64;
@@ -48,49 +71,40 @@ impl AmqpPublisher {
     }
 }
 
-/// A nack is the broker's refusal, not the row's fault: RabbitMQ nacks what a
+/// A nack is the broker's refusal, not the row's failure: RabbitMQ nacks what a
 /// queue cannot take now (a quorum queue without a leader, during an election or
-/// with its majority lost; a queue over its length with `reject-publish`), never a
-/// row for what it holds. So a nacked row is not recorded as a failure (which would
-/// count an attempt and, after `max_attempts`, kill every row of a backlog that an
-/// hour-long quorum loss refused). It stays leased, to be published again when its
-/// lease expires, and the publication ends as lost: the session ends and the relay
-/// reconnects with the backoff of a lost connection, on the next broker URL. A new
-/// connection also mends a channel that goes on being nacked after its queue has a
-/// new leader, while a new channel is acked at once (seen with RabbitMQ 3.10 in
-/// `rabbit_cluster::kill_dash_nine_of_the_queues_leader_under_the_relay_loses_and_doubles_nothing`:
-/// thousands of nacks in three minutes on the old channel). A refusal that lasts
-/// is then an outage of the broker, waited out as one: nothing counted, nothing
-/// dead, the backlog kept in id order.
+/// with its majority lost; a queue over its length with `reject-publish`). So a
+/// nacked row is listed as refused ([`Publication::refused`]): the relay round
+/// records it with its doubling delay, but a refusal never makes a row dead (it
+/// did when a nack counted as any failure: a quorum lost for a quarter of an hour
+/// killed every row of the backlog, and a dead row no longer holds back the later
+/// rows of its ordering key). The other rows of the round and of later rounds go
+/// on, on a new channel.
 impl OutboxPublisher for AmqpPublisher {
     fn publish(&mut self, rows: &[OutboxRow], within: Duration) -> Publication {
         let handle = self.handle.clone();
-        let mut round = handle.block_on(async {
+        let round = handle.block_on(async {
             let deadline = Instant::now() + within;
-            publish(&self.conn, &mut self.channel, rows, deadline).await
+            let mut round = publish(&self.conn, &mut self.channel, rows, deadline).await;
+            let nacked = round.failed.iter().any(|f| f.kind == FailureKind::Nacked);
+            if nacked && round.lost.is_none() {
+                if let Err(reason) = self.replace_channel(deadline).await {
+                    round.lost = Some(reason);
+                }
+            }
+            round
         });
         self.kinds = round.failed.iter().map(|f| f.kind).collect();
-        let nacked = self
-            .kinds
-            .iter()
-            .filter(|k| **k == FailureKind::Nacked)
-            .count();
-        if nacked > 0 {
-            round.failed.retain(|f| f.kind != FailureKind::Nacked);
-            round.lost.get_or_insert_with(|| {
-                format!(
-                    "the broker nacked {nacked} of {} publications (a quorum queue without a \
-                     leader, or a queue over its length); they stay leased and go out again",
-                    rows.len()
-                )
-            });
-        }
         let mut publication = Publication::default();
         for id in round.published {
             publication.confirmed(id);
         }
         for failure in round.failed {
-            publication.failed(failure.id, failure.error);
+            if failure.kind == FailureKind::Nacked {
+                publication.refused(failure.id, failure.error);
+            } else {
+                publication.failed(failure.id, failure.error);
+            }
         }
         publication.lost = round.lost;
         publication

@@ -54,14 +54,15 @@ pub struct RelaySettings {
     /// Whether an idle relay waits for the store's enqueue notification (PostgreSQL
     /// NOTIFY) or only polls (default true).
     pub wake_on_notify: bool,
-    /// First delay before a failed publication (unroutable, a channel the broker
-    /// closed over the row, a row the store cannot read; not a nack, which is the
-    /// broker's and counts no attempt) is tried again;
+    /// First delay before a failed publication (nack, unroutable, a channel the
+    /// broker closed over the row, a row the store cannot read) is tried again;
     /// doubled per attempt up to one minute (default 1 s; above zero and at most a
     /// year, else refused).
     pub retry_after: Duration,
     /// Failed publications after which a row is dead: kept in the outbox, never
-    /// leased again, listed by the store for an operator (default
+    /// leased again, listed by the store for an operator. A nack (the broker's
+    /// refusal: a queue without a leader, or over its length) counts as a try for
+    /// the delay but never makes a row dead (default
     /// [`DEFAULT_OUTBOX_MAX_ATTEMPTS`], about a quarter of an hour of tries with the
     /// default delays).
     pub max_attempts: u32,
@@ -232,8 +233,8 @@ pub struct RelaySnapshot {
     pub published: u64,
     /// Rows the broker returned as unroutable.
     pub returned: u64,
-    /// Publications the broker nacked (each ended its session; the rows stay
-    /// leased and go out again, no attempt counted).
+    /// Rows the broker nacked (also counted in `retried`: a nack never makes a row
+    /// dead).
     pub nacked: u64,
     /// Rows that failed on their own: the broker closed the channel over them (an
     /// exchange that does not exist, a body over its size limit), they cannot be
@@ -276,12 +277,12 @@ impl RelayStats {
 /// confirmed rows published in a second short transaction (only rows it still
 /// leases). A row that fails on its own is recorded against itself (attempts, last
 /// error, a doubling delay, dead after [`RelaySettings::max_attempts`]) and never
-/// stops the rows around it: returned as unroutable; a row the broker closes the channel
+/// stops the rows around it: nacked (refused by a queue that cannot take anything
+/// now: delayed like a failure, never made dead by it) or returned; a row the
+/// broker closes the channel
 /// over (an exchange that does not exist, a body over `max_message_size`), found by
 /// publishing the unconfirmed rows one at a time on a new channel, after which the
 /// rest go on; a row that cannot be encoded as AMQP; a row the store cannot read.
-/// A nack is the broker's refusal, not the row's: the nacked rows stay leased, no
-/// attempt counted, and the relay reconnects with backoff.
 /// Rows with the same ordering key are never leased while an earlier one is live,
 /// so they reach the broker in commit order across any number of relays. No
 /// database transaction is held across broker I/O. A relay keeps
@@ -557,10 +558,9 @@ impl<O: OutboxStore> Relay<O> {
             tracing::error!(error = %ErrorChain(&err), "recording failed publications failed");
         }
         let (returned, nacked, rejected) = publisher.failure_kinds();
-        // Rows the store could not read failed on their own too (nacked rows are not
-        // failures: they stay leased).
+        // Rows the store could not read failed on their own too.
         let failed = report.failures.len() as u64;
-        let rejected = rejected + failed.saturating_sub(returned + rejected);
+        let rejected = rejected + failed.saturating_sub(returned + nacked + rejected);
         let (retried, dead) = (report.retried() as u64, report.dead() as u64);
         stats.published.fetch_add(marked as u64, Ordering::Relaxed);
         stats.returned.fetch_add(returned, Ordering::Relaxed);

@@ -104,6 +104,18 @@ impl RelayRound {
                 fate: fate(row.attempts),
                 error: row.error.clone(),
             }))
+            .chain(
+                (publication.refused.into_iter()).map(|(id, error)| OutboxFailure {
+                    id,
+                    // Never the last attempt: the delay doubles, death never comes.
+                    fate: OutboxFate::after(
+                        self.retry_after,
+                        attempts_of(id).unwrap_or(0),
+                        u32::MAX,
+                    ),
+                    error,
+                }),
+            )
             .collect();
         // Marked only after the publisher confirmed: a relay that dies here leaves
         // the rows leased, and they are published again after the lease expires.
@@ -177,6 +189,11 @@ pub struct Publication {
     pub published: Vec<i64>,
     /// Rows that failed on their own: id and what went wrong.
     pub failed: Vec<(i64, String)>,
+    /// Rows the broker refused for a reason not their own (a nack: the queue cannot
+    /// take anything now): id and the broker's answer. Recorded as a failed attempt
+    /// with its doubling delay, but never as a row's last: a refusal, however many,
+    /// never makes a row dead.
+    pub refused: Vec<(i64, String)>,
     /// Why publishing stopped before every row was settled (the connection was
     /// lost, or the lease ran out); the rows neither published nor failed stay
     /// leased.
@@ -192,6 +209,11 @@ impl Publication {
     /// Records a row that failed on its own.
     pub fn failed(&mut self, id: i64, error: impl Into<String>) {
         self.failed.push((id, error.into()));
+    }
+
+    /// Records a row the broker refused for a reason not its own.
+    pub fn refused(&mut self, id: i64, error: impl Into<String>) {
+        self.refused.push((id, error.into()));
     }
 }
 
@@ -301,7 +323,7 @@ mod tests {
             let mut publication = Publication::default();
             for row in rows {
                 if self.fail.contains(&row.id) {
-                    publication.failed(row.id, "nacked");
+                    publication.failed(row.id, "unroutable");
                 } else {
                     publication.confirmed(row.id);
                 }
@@ -392,10 +414,48 @@ mod tests {
                 (9, OutboxFate::RetryAfter(2 * s)),
             ]
         );
-        assert_eq!(recorded[0].error, "nacked");
+        assert_eq!(recorded[0].error, "unroutable");
         assert_eq!(recorded[2].error, "headers are not JSON");
         assert_eq!(recorded, report.failures);
         assert_eq!((report.retried(), report.dead()), (2, 1));
+    }
+
+    /// Refuses every row (a nack of each).
+    struct RefusingPublisher;
+
+    impl OutboxPublisher for RefusingPublisher {
+        fn publish(&mut self, rows: &[OutboxRow], _within: Duration) -> Publication {
+            let mut publication = Publication::default();
+            for row in rows {
+                publication.refused(row.id, "nacked by the broker");
+            }
+            publication
+        }
+    }
+
+    #[test]
+    fn a_refusal_is_never_a_rows_last_attempt() {
+        let now = "2026-01-01T00:00:00Z".parse().unwrap();
+        // Row 2 is one failure from dead, row 3 far past it: a refusal kills neither,
+        // and their delays double as any failure's.
+        let rows = vec![row(1, 0, now), row(2, 4, now), row(3, 40, now)];
+        let store = outbox(20, rows, vec![]);
+        let s = Duration::from_secs(2);
+        let round = RelayRound::new("r", 10).failures(s, 5);
+        let report = round.run(&store, &mut RefusingPublisher).unwrap();
+        let recorded = store.recorded.lock().unwrap().clone();
+        let fates: Vec<_> = recorded.iter().map(|f| (f.id, f.fate)).collect();
+        assert_eq!(
+            fates,
+            [
+                (1, OutboxFate::RetryAfter(s)),
+                (2, OutboxFate::RetryAfter(16 * s)),
+                (3, OutboxFate::RetryAfter(crate::MAX_OUTBOX_RETRY_DELAY)),
+            ]
+        );
+        assert_eq!(recorded[1].error, "nacked by the broker");
+        assert_eq!((report.retried(), report.dead()), (3, 0));
+        assert!(store.marked.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //!   holds is checked: every effect is there exactly when its claim is (they commit
 //!   together), and no event is applied twice.
 //!
-//! The primary and the standby are the test's own ([`PgPair`]); the broker is the
-//! shared one, with names of the test's own. `INBOX_FAILOVER_LONG=1` writes ten times
+//! The primary, the standby and the broker are the test's own: a [`PgPair`] and a
+//! one-node [`RabbitCluster`], on loopback; no shared service is used. `INBOX_FAILOVER_LONG=1` writes ten times
 //! as many events; `INBOX_FAILOVER_ROUNDS=n` runs each scenario `n` times on new
 //! pairs and prints the p50 and the longest of the times without progress. Each scenario prints its verdict line and how long the consumer
 //! and the relay made no progress around the kill.
@@ -37,8 +37,9 @@ use inbox_amqp::{
 use inbox_core::{ConsumerGroup, OutboxMessage, OutboxStore};
 use inbox_diesel::{enqueue, Store};
 use inbox_examples::usage::{quick_policy, DailyUsage, UsageDb, Workload, MESSAGE_TYPE};
-use inbox_test_support::amqp::{self, amqp_url, Proxy};
+use inbox_test_support::amqp::{self, Proxy};
 use inbox_test_support::pg_cluster::{available, PgPair};
+use inbox_test_support::rabbit_cluster::{self, RabbitCluster};
 
 const GROUP: &str = "billing.daily-usage";
 const SCHEMA: &str = "failover";
@@ -61,17 +62,18 @@ struct Scene {
     link: Proxy,
     store: Arc<Store<PgConnection>>,
     topology: Topology,
+    /// The broker of the test's own (one node), and its URL.
+    _broker: RabbitCluster,
     amqp: String,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Scene {
     fn new(synchronous: bool) -> Option<Self> {
-        let amqp = amqp_url()?;
-        if !available() {
+        if !available() || !rabbit_cluster::available() {
             assert!(
                 !inbox_test_support::services_required(),
-                "no PostgreSQL install for a primary and standby of the test's own"
+                "no PostgreSQL or RabbitMQ install for servers of the test's own"
             );
             return None;
         }
@@ -93,6 +95,8 @@ impl Scene {
         })
         .unwrap();
         let link = link.unwrap();
+        let broker = RabbitCluster::start(1).unwrap();
+        let amqp = broker.url_list();
         let store = Store::<PgConnection>::builder(pair.url())
             .schema(SCHEMA)
             .pool_size(6)
@@ -119,6 +123,7 @@ impl Scene {
             link,
             store: Arc::new(store),
             topology,
+            _broker: broker,
             amqp,
             runtime,
         })
@@ -282,13 +287,6 @@ impl Scene {
             outbox,
             projection,
         }
-    }
-
-    fn cleanup(&self) {
-        self.runtime.block_on(async {
-            let conn = amqp::connect(&self.amqp).await;
-            self.topology.delete(&conn).await.unwrap();
-        });
     }
 }
 
@@ -525,7 +523,6 @@ fn kill_dash_nine_of_the_primary_and_promotion_of_the_synchronous_standby_lose_a
             workload.expected_totals(),
             "the projection equals the ledger"
         );
-        scene.cleanup();
         gaps.add(&run);
     }
     gaps.print("synchronous");
@@ -553,7 +550,6 @@ fn kill_dash_nine_of_the_primary_and_promotion_of_an_asynchronous_standby_is_mea
             totals_of(&workload, &held.claimed),
             "the projection is the settled claims' effects, each once"
         );
-        scene.cleanup();
         gaps.add(&run);
     }
     gaps.print("asynchronous");
