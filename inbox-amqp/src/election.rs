@@ -41,6 +41,34 @@ pub(crate) fn awaits_election(err: &Error) -> bool {
     }
 }
 
+/// Runs `declare` until it is answered otherwise than as a queue without a leader
+/// answers, pausing with the jittered reconnect backoff (from `min`, doubling to
+/// `max`) between tries; `Ok` at once when `shutdown` is cancelled.
+pub(crate) async fn declare_once_led<F, Fut>(
+    shutdown: &tokio_util::sync::CancellationToken,
+    (min, max): (std::time::Duration, std::time::Duration),
+    mut declare: F,
+) -> crate::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = crate::Result<()>>,
+{
+    let mut backoff = min;
+    loop {
+        let declared = tokio::select! {
+            declared = declare() => declared,
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        match declared {
+            Err(err) if awaits_election(&err) => {
+                tracing::warn!(error = %inbox_core::ErrorChain(&err), ?backoff, "a quorum queue has no leader yet (an election); waiting");
+                crate::connect::pause(shutdown, &mut backoff, max).await;
+            }
+            declared => return declared,
+        }
+    }
+}
+
 /// A lapin error as the broker sends one (for tests).
 #[cfg(test)]
 pub(crate) fn internal_error(text: &str) -> Error {
@@ -53,6 +81,42 @@ pub(crate) fn internal_error(text: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_declaration_is_tried_again_while_the_queue_has_no_leader_and_no_longer() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let pauses = (
+            std::time::Duration::from_millis(1),
+            std::time::Duration::from_millis(5),
+        );
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        // Two leaderless answers, then the answer that stands.
+        for (last, ends) in [(Ok(()), true), (Err("NOT_ALLOWED"), false)] {
+            let tries = std::cell::Cell::new(0);
+            let declared = runtime.block_on(declare_once_led(&shutdown, pauses, || {
+                tries.set(tries.get() + 1);
+                let n = tries.get();
+                async move {
+                    match (n, last) {
+                        (1 | 2, _) => Err(internal_error("INTERNAL_ERROR")),
+                        (_, Ok(())) => Ok(()),
+                        (_, Err(_)) => Err(Error::invalid("url", "a vhost", "v")),
+                    }
+                }
+            }));
+            assert_eq!(declared.is_ok(), ends, "{declared:?}");
+            assert_eq!(tries.get(), 3, "tried until the answer was not a 541");
+        }
+        // A shutdown ends the wait.
+        shutdown.cancel();
+        let declared = runtime.block_on(declare_once_led(&shutdown, pauses, || async {
+            Err(internal_error("INTERNAL_ERROR"))
+        }));
+        assert!(declared.is_ok(), "{declared:?}");
+    }
 
     #[test]
     fn a_leaderless_quorum_queue_is_told_from_other_errors() {

@@ -147,7 +147,7 @@ struct Round {
     /// Rows that failed on their own.
     failed: Vec<Failure>,
     /// Why the round stopped before settling every row (the connection was lost, or
-    /// the lease ran out); the unsettled rows stay leased and are taken again.
+    /// the lease ran out); the relay round releases the unsettled rows.
     lost: Option<String>,
 }
 
@@ -405,7 +405,7 @@ async fn publish_pipelined<'r>(
     }
     debug_assert_eq!(in_flight.len(), spans.len());
     // The rows answered before the lease ran out are settled all the same (marked
-    // published, not published again); the others stay leased.
+    // published, not published again); the relay round releases the others.
     let answers = in_flight.answers_by(deadline).await;
     let ran_out = answers.iter().any(Option::is_none);
     let mut unsettled = Vec::new();

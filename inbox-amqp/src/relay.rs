@@ -61,8 +61,10 @@ pub struct RelaySettings {
     pub retry_after: Duration,
     /// Failed publications after which a row is dead: kept in the outbox, never
     /// leased again, listed by the store for an operator. A nack (the broker's
-    /// refusal: a queue without a leader, or over its length) counts as a try for
-    /// the delay but never makes a row dead (default
+    /// refusal: a queue without a leader, or over its length) and a publication left
+    /// unanswered by a lost connection count as tries for the delay and for this
+    /// limit, but are never a row's last: a row refused past the limit stays live,
+    /// and is dead at its first failure of its own (default
     /// [`DEFAULT_OUTBOX_MAX_ATTEMPTS`], about a quarter of an hour of tries with the
     /// default delays).
     pub max_attempts: u32,
@@ -240,7 +242,8 @@ pub struct RelaySnapshot {
     /// exchange that does not exist, a body over its size limit), they cannot be
     /// encoded as AMQP, or the store could not read them.
     pub rejected: u64,
-    /// Failed rows recorded for a later retry.
+    /// Failed rows recorded for a later retry, nacked ones and those a lost
+    /// connection left unanswered included.
     pub retried: u64,
     /// Failed rows recorded dead (their last attempt).
     pub dead: u64,
@@ -291,7 +294,8 @@ impl RelayStats {
 /// or for its mark to commit. After a non-empty round a lane leases again at once;
 /// when idle it waits for a NOTIFY or the poll interval. At-least-once: a relay that dies between publishing and marking leaves
 /// leases that expire, and the rows are published again (the consumer's inbox
-/// absorbs the copy).
+/// absorbs the copy); a relay that loses its connection mid-round releases the rows
+/// left unanswered, to go out again after `retry_after` on its next connection.
 ///
 /// The store is any [`OutboxStore`], e.g. `inbox_diesel::Store`, whose rows
 /// `inbox_diesel::enqueue` wrote; it needs a broker:
@@ -558,9 +562,11 @@ impl<O: OutboxStore> Relay<O> {
             tracing::error!(error = %ErrorChain(&err), "recording failed publications failed");
         }
         let (returned, nacked, rejected) = publisher.failure_kinds();
-        // Rows the store could not read failed on their own too.
+        // Rows the store could not read failed on their own too; rows left
+        // unanswered are neither.
         let failed = report.failures.len() as u64;
-        let rejected = rejected + failed.saturating_sub(returned + nacked + rejected);
+        let settled = returned + nacked + rejected + report.unanswered as u64;
+        let rejected = rejected + failed.saturating_sub(settled);
         let (retried, dead) = (report.retried() as u64, report.dead() as u64);
         stats.published.fetch_add(marked as u64, Ordering::Relaxed);
         stats.returned.fetch_add(returned, Ordering::Relaxed);

@@ -13,7 +13,9 @@
 //! groups find their queues bound instead of coming back unroutable (rows for another
 //! service's groups wait for that service to declare them); a broker that refuses
 //! that connection or declaration fails `serve` at once, as it would fail the
-//! consumer, and a shutdown during it ends `serve` with `Ok`.
+//! consumer, but a declaration answered as a queue without a leader answers (`541`,
+//! during an election) is tried again after the reconnect backoff, as the
+//! consumer's own is; a shutdown during it ends `serve` with `Ok`.
 
 use std::sync::atomic::Ordering;
 

@@ -24,7 +24,9 @@ pub struct RelayRound {
     /// First delay before a failed row is tried again, doubled per attempt up to
     /// [`MAX_OUTBOX_RETRY_DELAY`](crate::MAX_OUTBOX_RETRY_DELAY) ([`OutboxFate::after`]).
     pub retry_after: Duration,
-    /// Failed publications after which a row is dead.
+    /// Failed publications after which a row is dead. Refusals
+    /// ([`Publication::refused`]) count towards it but are never a row's last: a row
+    /// refused past it stays live, and is dead at its first failure of its own.
     pub max_attempts: u32,
 }
 
@@ -86,7 +88,24 @@ impl RelayRound {
             return Ok(report);
         }
         let within = (lease.until - now).to_std().unwrap_or_default();
-        let publication = publisher.publish(&lease.rows, within);
+        let mut publication = publisher.publish(&lease.rows, within);
+        if let Some(reason) = &publication.lost {
+            // No answer will come for the unanswered rows (the connection is gone, or
+            // the lease ran out): released as refused, they go out again after their
+            // delay instead of waiting out the lease. The publisher has stopped
+            // publishing them, so no other relay's publication races one of ours.
+            let answered: std::collections::HashSet<i64> = (publication.published.iter())
+                .chain(publication.failed.iter().map(|(id, _)| id))
+                .chain(publication.refused.iter().map(|(id, _)| id))
+                .copied()
+                .collect();
+            let unanswered: Vec<(i64, String)> = (lease.rows.iter())
+                .filter(|row| !answered.contains(&row.id))
+                .map(|row| (row.id, format!("no answer from the broker: {reason}")))
+                .collect();
+            report.unanswered = unanswered.len();
+            publication.refused.extend(unanswered);
+        }
         report.lost = publication.lost;
         report.confirmed = publication.published.len();
         let fate = |attempts| OutboxFate::after(self.retry_after, attempts, self.max_attempts);
@@ -148,9 +167,11 @@ pub struct RoundReport {
     /// The failures recorded (or, with `record_error`, meant to be), each with its
     /// fate.
     pub failures: Vec<OutboxFailure>,
-    /// Why the publisher stopped before settling every row; the unsettled rows stay
-    /// leased and are taken again.
+    /// Why the publisher stopped before settling every row; the unsettled rows are
+    /// released as refused (in `failures`) and taken again after their delay.
     pub lost: Option<String>,
+    /// How many of `failures` are rows a lost publication left unanswered.
+    pub unanswered: usize,
     /// Marking failed: the confirmed rows stay leased and are published again.
     pub mark_error: Option<Error>,
     /// Recording the failures failed: the rows are leased again when the lease
@@ -177,7 +198,8 @@ impl RoundReport {
 pub trait OutboxPublisher {
     /// Publishes `rows` (in id order) and waits for each to be confirmed, for at
     /// most `within` (the lease's remaining time). A row that fails on its own is
-    /// listed in [`Publication::failed`] and never stops the others.
+    /// listed in [`Publication::failed`] and never stops the others; one the broker
+    /// refused for a reason not its own (a nack) in [`Publication::refused`].
     fn publish(&mut self, rows: &[OutboxRow], within: Duration) -> Publication;
 }
 
@@ -192,11 +214,14 @@ pub struct Publication {
     /// Rows the broker refused for a reason not their own (a nack: the queue cannot
     /// take anything now): id and the broker's answer. Recorded as a failed attempt
     /// with its doubling delay, but never as a row's last: a refusal, however many,
-    /// never makes a row dead.
+    /// never makes a row dead. The rows a lost publication left unanswered are
+    /// released the same way.
     pub refused: Vec<(i64, String)>,
     /// Why publishing stopped before every row was settled (the connection was
-    /// lost, or the lease ran out); the rows neither published nor failed stay
-    /// leased.
+    /// lost, or the lease ran out). The round releases the rows neither published,
+    /// failed nor refused as refused (`no answer from the broker: <why>`): no answer
+    /// can come for them, so they go out again after their delay rather than when
+    /// the lease expires.
     pub lost: Option<String>,
 }
 
@@ -456,6 +481,56 @@ mod tests {
         assert_eq!(recorded[1].error, "nacked by the broker");
         assert_eq!((report.retried(), report.dead()), (3, 0));
         assert!(store.marked.lock().unwrap().is_empty());
+    }
+
+    /// Confirms row 1, fails row 2 and loses its connection before any other answer.
+    struct LosingPublisher;
+
+    impl OutboxPublisher for LosingPublisher {
+        fn publish(&mut self, _rows: &[OutboxRow], _within: Duration) -> Publication {
+            let mut publication = Publication::default();
+            publication.confirmed(1);
+            publication.failed(2, "unroutable");
+            publication.lost = Some("connection reset".into());
+            publication
+        }
+    }
+
+    #[test]
+    fn the_rows_a_lost_publication_left_unanswered_are_released_as_refused() {
+        let now = "2026-01-01T00:00:00Z".parse().unwrap();
+        let rows = vec![
+            row(1, 0, now),
+            row(2, 0, now),
+            row(3, 0, now),
+            row(4, 30, now),
+        ];
+        let store = outbox(20, rows, vec![]);
+        let s = Duration::from_secs(2);
+        let report = (RelayRound::new("r", 10).failures(s, 5))
+            .run(&store, &mut LosingPublisher)
+            .unwrap();
+        assert_eq!(*store.marked.lock().unwrap(), [1]);
+        let recorded = store.recorded.lock().unwrap().clone();
+        let fates: Vec<_> = recorded.iter().map(|f| (f.id, f.fate)).collect();
+        assert_eq!(
+            fates,
+            [
+                (2, OutboxFate::RetryAfter(s)),
+                (3, OutboxFate::RetryAfter(s)),
+                // Past `max_attempts`, but no answer is never a row's last attempt.
+                (4, OutboxFate::RetryAfter(crate::MAX_OUTBOX_RETRY_DELAY)),
+            ]
+        );
+        assert_eq!(
+            recorded[1].error,
+            "no answer from the broker: connection reset"
+        );
+        assert_eq!(report.lost.as_deref(), Some("connection reset"));
+        assert_eq!(
+            (report.retried(), report.dead(), report.unanswered),
+            (3, 0, 2)
+        );
     }
 
     #[test]

@@ -56,7 +56,6 @@ fn events() -> usize {
 }
 
 struct Scene {
-    _one: std::sync::MutexGuard<'static, ()>,
     pair: PgPair,
     /// The replication link's proxy.
     link: Proxy,
@@ -66,6 +65,8 @@ struct Scene {
     _broker: RabbitCluster,
     amqp: String,
     runtime: tokio::runtime::Runtime,
+    /// Last: the next scenario starts once this one's servers are gone.
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Scene {
@@ -118,7 +119,6 @@ impl Scene {
             topology.declare(&conn).await.unwrap();
         });
         Some(Self {
-            _one: one,
             pair,
             link,
             store: Arc::new(store),
@@ -126,6 +126,7 @@ impl Scene {
             _broker: broker,
             amqp,
             runtime,
+            _one: one,
         })
     }
 

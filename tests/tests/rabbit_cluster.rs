@@ -42,12 +42,13 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A cluster scenario's parts: the cluster, a schema, the consumer's store.
 struct Scene {
-    _one: std::sync::MutexGuard<'static, ()>,
     cluster: RabbitCluster,
     db: PgFixture,
     store: Arc<Store<PgConnection>>,
     topology: Topology,
     runtime: tokio::runtime::Runtime,
+    /// Last: the next scenario starts once this one's nodes are gone.
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Scene {
@@ -82,12 +83,12 @@ impl Scene {
             topology.declare(&conn).await.unwrap();
         });
         Some(Self {
-            _one: one,
             cluster,
             db,
             store: Arc::new(store),
             topology,
             runtime,
+            _one: one,
         })
     }
 
@@ -367,6 +368,26 @@ fn count(db_url: &str, schema: &str, from: &str) -> Option<i64> {
         .ok()
 }
 
+/// Whether `queue` exists on the brokers of `urls` (a passive declaration).
+async fn exists(urls: &str, queue: &str) -> bool {
+    let Ok(conn) = inbox_amqp::connect(urls, None).await else {
+        return false;
+    };
+    let Ok(channel) = conn.create_channel().await else {
+        return false;
+    };
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let found = channel
+        .queue_declare(queue.into(), passive, lapin::types::FieldTable::default())
+        .await
+        .is_ok();
+    let _ = conn.close(200, "looked".into()).await;
+    found
+}
+
 /// Claims settled (done or dead) in `schema`.
 fn settled(db_url: &str, schema: &str) -> i64 {
     let from = "inbox_claims WHERE status IN ('done', 'dead')";
@@ -440,8 +461,10 @@ fn kill_dash_nine_of_the_queues_leader_mid_stream_loses_and_doubles_nothing() {
 /// queue has no leader, and wait, the consumer until its consume is answered so and
 /// it has reconnected. Neither ends; nothing is applied, retried or dead-lettered;
 /// the relay's rows are nacked more than its `max_attempts` (2 here) and none is
-/// made dead. When the two nodes are back, the replicas elect a leader and both go
-/// on: every event applied once, every outbox row published.
+/// made dead. A service started then with a topology of its own (`serve`) is
+/// answered `541` to the declaration of its new queues and waits too. When the two
+/// nodes are back, the replicas elect a leader and all go on: every event applied
+/// once, every outbox row published, the service's queues declared.
 #[test]
 fn a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one() {
     let Some(mut scene) = Scene::new() else {
@@ -471,22 +494,49 @@ fn a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one() {
     let probe = scene.runtime.spawn(async move {
         let conn = inbox_amqp::connect(&probe_url, None).await.unwrap();
         let channel = conn.create_channel().await.unwrap();
-        let consumed = channel
-            .basic_consume(
-                probed.as_str().into(),
-                "probe".into(),
-                lapin::options::BasicConsumeOptions::default(),
-                lapin::types::FieldTable::default(),
-            )
-            .await;
+        let consuming = channel.basic_consume(
+            probed.as_str().into(),
+            "probe".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        );
+        let consumed = tokio::time::timeout(Duration::from_secs(180), consuming)
+            .await
+            .expect("no answer to a consume within 3 minutes");
         let _ = conn.close(200, "probed".into()).await;
         consumed.err().map(|err| err.to_string())
     });
+    let shutdown = CancellationToken::new();
+    // A service started now, with a topology of its own (new queues, which need a
+    // majority of their replicas to be created): `serve` declares it first, and
+    // RabbitMQ answers that declaration `541` ("cannot declare quorum queue ...:
+    // cluster_not_formed", after about 15 s); `serve` waits it out too.
+    let fresh_db = PgFixture::new().unwrap();
+    let fresh_store = Store::<PgConnection>::builder(fresh_db.url())
+        .schema(&fresh_db.schema)
+        .handler(DailyUsage::new(quick_policy()))
+        .build()
+        .unwrap();
+    fresh_store
+        .connection()
+        .unwrap()
+        .create_daily_usage()
+        .unwrap();
+    let fresh_store = Arc::new(fresh_store);
+    let fresh = amqp::test_topology(&amqp::unique_prefix("fresh"), &[50])
+        .quorum_initial_group_size(3)
+        .group(ConsumerGroup::new(GROUP).unwrap(), [MESSAGE_TYPE]);
+    let fresh_queue = fresh.queue(&ConsumerGroup::new(GROUP).unwrap());
+    let serving = scene.runtime.spawn(inbox_amqp::serve(
+        Consumer::new(scene.cluster.url_list(), Arc::clone(&fresh_store), fresh)
+            .with_settings(ConsumerSettings::default().connect_timeout(Duration::from_secs(2))),
+        Relay::new(scene.cluster.url_list(), fresh_store).with_settings(relay_settings()),
+        shutdown.clone(),
+    ));
     let consumer = scene.consumer();
     let stats = consumer.stats();
     let relay = scene.relay_with(scene.cluster.url_list(), relay_settings().max_attempts(2));
     let relayed = relay.stats();
-    let shutdown = CancellationToken::new();
     let running = scene.runtime.spawn(consumer.run(shutdown.clone()));
     let relaying = scene.runtime.spawn(relay.run(shutdown.clone()));
     let answer = scene.runtime.block_on(probe).unwrap();
@@ -515,12 +565,18 @@ fn a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one() {
         !running.is_finished() && !relaying.is_finished(),
         "a queue without a leader ended the consumer or the relay"
     );
+    assert!(
+        !serving.is_finished(),
+        "serve's declaration without a majority ended it: {:?}",
+        scene.runtime.block_on(serving)
+    );
     assert_eq!(
         (waiting.processed, waiting.retried, waiting.dead_lettered),
         (0, 0, 0),
         "a queue without a leader was paid for by the consumer's messages"
     );
-    assert_eq!(settled(&db, &schema), 0, "applied without a leader");
+    let claims = count(&db, &schema, "inbox_claims");
+    assert_eq!(claims, Some(0), "applied without a leader");
     let refused = "outbox_messages WHERE last_error = 'nacked by the broker' AND attempts > 2";
     assert!(
         relay_waiting.nacked > 0 && count(&db, &schema, refused).unwrap_or(0) > 0,
@@ -546,7 +602,24 @@ fn a_queue_without_a_leader_is_waited_for_until_an_election_gives_it_one() {
         running,
     };
     let what = format!("nodes {leader} and {other} killed, then back");
+    // The service's queues are declared once the nodes are back.
+    let urls = scene.cluster.url_list();
+    let give_up = std::time::Instant::now() + Duration::from_secs(120);
+    let declared = loop {
+        if scene.runtime.block_on(exists(&urls, &fresh_queue)) {
+            break true;
+        }
+        if std::time::Instant::now() > give_up {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
     scene.finish(&what, end, false);
+    assert!(declared, "serve never declared its topology");
+    assert!(
+        scene.runtime.block_on(serving).unwrap().is_ok(),
+        "serve did not end cleanly"
+    );
     let after = stats.snapshot();
     assert_eq!(
         (after.retried, after.dead_lettered, dead(&db, &schema)),

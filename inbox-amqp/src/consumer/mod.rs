@@ -181,13 +181,16 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// Declares its topology once, on a connection of its own closed after (what
     /// [`serve`](crate::serve) does before the relay starts), with the settings'
     /// connect timeout, name and CA; `Ok` at once when `shutdown` is cancelled first.
+    /// A declaration answered as a queue without a leader answers (`541`, see
+    /// `election`) is tried again after the reconnect backoff, as the consumer's own
+    /// declaration is, for as long as it takes.
     pub(crate) async fn declare_topology(&self, shutdown: &CancellationToken) -> Result<()> {
         let settings = &self.shared.settings;
         settings.check()?;
         let c = &settings.connection;
         let name = c.connection_name.as_deref();
         let (within, ca) = (c.connect_timeout, c.ca_cert.as_deref());
-        let declare = async {
+        let declare = || async {
             let conn =
                 crate::connect::open_first(&self.url, name, within, Some(FRAME_MAX), ca).await?;
             let declaring = self.shared.topology.declare(&conn);
@@ -200,10 +203,8 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
             crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
             declared
         };
-        tokio::select! {
-            declared = declare => declared,
-            () = shutdown.cancelled() => Ok(()),
-        }
+        let pauses = (c.backoff_min, c.backoff_max);
+        crate::election::declare_once_led(shutdown, pauses, declare).await
     }
 
     /// Runs until `shutdown` is cancelled (then drains: in-flight batches finish and
