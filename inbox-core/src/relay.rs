@@ -90,10 +90,12 @@ impl RelayRound {
         let within = (lease.until - now).to_std().unwrap_or_default();
         let mut publication = publisher.publish(&lease.rows, within);
         if let Some(reason) = &publication.lost {
-            // No answer will come for the unanswered rows (the connection is gone, or
-            // the lease ran out): released as refused, they go out again after their
-            // delay instead of waiting out the lease. The publisher has stopped
-            // publishing them, so no other relay's publication races one of ours.
+            // No answer will come for the unanswered rows (the connection is gone), or
+            // none in time (the lease ran out: any relay could take them already):
+            // released as refused, they go out again after their delay instead of
+            // waiting out the lease. A copy still in flight can land after a later
+            // copy, never after a later row of its ordering key: that row is leased
+            // only once this one is published and marked.
             let answered: std::collections::HashSet<i64> = (publication.published.iter())
                 .chain(publication.failed.iter().map(|(id, _)| id))
                 .chain(publication.refused.iter().map(|(id, _)| id))

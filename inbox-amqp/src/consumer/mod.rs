@@ -183,25 +183,36 @@ impl<S: InboxStore + GroupHalts> Consumer<S> {
     /// connect timeout, name and CA; `Ok` at once when `shutdown` is cancelled first.
     /// A declaration answered as a queue without a leader answers (`541`, see
     /// `election`) is tried again after the reconnect backoff, as the consumer's own
-    /// declaration is, for as long as it takes.
+    /// declaration is, for as long as it takes, each try starting at the next broker
+    /// URL of the list (a node on the minority side of a partition answers so for as
+    /// long as the partition lasts).
     pub(crate) async fn declare_topology(&self, shutdown: &CancellationToken) -> Result<()> {
         let settings = &self.shared.settings;
         settings.check()?;
         let c = &settings.connection;
         let name = c.connection_name.as_deref();
         let (within, ca) = (c.connect_timeout, c.ca_cert.as_deref());
-        let declare = || async {
-            let conn =
-                crate::connect::open_first(&self.url, name, within, Some(FRAME_MAX), ca).await?;
-            let declaring = self.shared.topology.declare(&conn);
-            let declared =
-                crate::connect::while_connected(&conn, declaring, |why| Error::Unanswered {
-                    url: inbox_core::redact_url(&self.url),
-                    why,
-                })
-                .await;
-            crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
-            declared
+        let urls = crate::BrokerUrls::items(&self.url);
+        let tries = std::sync::atomic::AtomicUsize::new(0);
+        let declare = || {
+            let mut list = urls.clone();
+            let tried = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let first = tried % list.len().max(1);
+            list.rotate_left(first);
+            let list = list.join(" ");
+            async move {
+                let conn =
+                    crate::connect::open_first(&list, name, within, Some(FRAME_MAX), ca).await?;
+                let declaring = self.shared.topology.declare(&conn);
+                let declared =
+                    crate::connect::while_connected(&conn, declaring, |why| Error::Unanswered {
+                        url: inbox_core::redact_url(&self.url),
+                        why,
+                    })
+                    .await;
+                crate::connect::goodbye("close", conn.close(200, "topology declared".into())).await;
+                declared
+            }
         };
         let pauses = (c.backoff_min, c.backoff_max);
         crate::election::declare_once_led(shutdown, pauses, declare).await
