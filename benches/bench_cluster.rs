@@ -59,6 +59,13 @@ fn topology(tag: &str) -> Topology {
         .group(ConsumerGroup::new(GROUP).expect("group"), [MESSAGE_TYPE])
 }
 
+/// Declares `topology` on the brokers of `urls`.
+async fn declare(urls: &str, topology: &Topology) {
+    let conn = inbox_amqp::connect(urls, None).await.expect("connect");
+    topology.declare(&conn).await.expect("declare");
+    let _ = conn.close(200, "declared".into()).await;
+}
+
 /// Declares `topology` and fills its queue with `events` events, confirmed.
 async fn fill(urls: &str, topology: &Topology, events: usize, seed: u64) {
     let conn = inbox_amqp::connect(urls, None).await.expect("connect");
@@ -156,13 +163,7 @@ fn relay_unavailable_once(
     let topology = topology("bench-relay-kill");
     let store = store(&db);
     let urls = cluster.urls();
-    runtime.block_on(async {
-        let conn = inbox_amqp::connect(&cluster.url_list(), None)
-            .await
-            .expect("connect");
-        topology.declare(&conn).await.expect("declare");
-        let _ = conn.close(200, "declared".into()).await;
-    });
+    runtime.block_on(declare(&cluster.url_list(), &topology));
     let queue = topology.queue(&ConsumerGroup::new(GROUP).expect("group"));
     let leader = cluster.leader_of(&queue).expect("a leader");
     let mut list = vec![urls[leader].clone()];
@@ -291,11 +292,7 @@ fn relay_drain(runtime: &tokio::runtime::Runtime, urls: &str, rows: usize, seed:
     let db = PgFixture::new().expect("DATABASE_URL");
     let topology = topology("bench-relay");
     let store = store(&db);
-    runtime.block_on(async {
-        let conn = inbox_amqp::connect(urls, None).await.expect("connect");
-        topology.declare(&conn).await.expect("declare");
-        let _ = conn.close(200, "declared".into()).await;
-    });
+    runtime.block_on(declare(urls, &topology));
     let exchange = topology.exchange();
     {
         let mut conn = store.connection().expect("db");
@@ -350,44 +347,57 @@ fn main() {
     let gaps: Vec<f64> = (1..=rounds)
         .map(|round| unavailable_once(&runtime, &mut cluster, events, round))
         .collect();
-    let max = gaps.iter().copied().fold(0.0, f64::max);
-    println!(
-        "unavailable after a leader kill: p50 {:.0} ms, max {max:.0} ms over {rounds} rounds",
-        median(gaps.clone())
-    );
+    report_gaps("unavailable after a leader kill", &gaps);
     let rate: f64 = env_or("BENCH_RATE", 1_000.0);
     let gaps: Vec<f64> = (1..=rounds)
         .map(|round| relay_unavailable_once(&runtime, &mut cluster, events, rate, round))
         .collect();
+    report_gaps("relay unavailable after a leader kill", &gaps);
+    let urls = (cluster.url_list(), one_node);
+    versus(
+        "throughput (defaults, prefilled queue)",
+        rounds,
+        &urls,
+        |urls, seed| drain(&runtime, urls, events, 100 + seed),
+    );
+    versus(
+        "relay throughput (defaults, outbox backlog)",
+        rounds,
+        &urls,
+        |urls, seed| relay_drain(&runtime, urls, events, 300 + seed),
+    );
+}
+
+/// Prints `what`'s p50 and max of `gaps` (milliseconds).
+fn report_gaps(what: &str, gaps: &[f64]) {
     let max = gaps.iter().copied().fold(0.0, f64::max);
     println!(
-        "relay unavailable after a leader kill: p50 {:.0} ms, max {max:.0} ms over {rounds} rounds",
-        median(gaps.clone())
+        "{what}: p50 {:.0} ms, max {max:.0} ms over {} rounds",
+        median(gaps.to_vec()),
+        gaps.len()
     );
+}
+
+/// Runs `run` on the cluster's URLs and on one node's, interleaved, `rounds` times
+/// (its second argument tells the runs' workloads apart); prints each round's msg/s
+/// and the medians.
+fn versus(
+    what: &str,
+    rounds: u64,
+    (cluster, one): &(String, String),
+    mut run: impl FnMut(&str, u64) -> f64,
+) {
     let (mut on_cluster, mut on_one) = (Vec::new(), Vec::new());
     for round in 1..=rounds {
-        let c = drain(&runtime, &cluster.url_list(), events, 100 + round);
-        let o = drain(&runtime, &one_node, events, 200 + round);
-        println!("round {round}: cluster {c:.0} msg/s, one node {o:.0} msg/s");
+        let c = run(cluster, round);
+        let o = run(one, 100 + round);
+        println!("{what}, round {round}: cluster {c:.0} msg/s, one node {o:.0} msg/s");
         on_cluster.push(c);
         on_one.push(o);
     }
     let (c, o) = (median(on_cluster), median(on_one));
     println!(
-        "throughput (defaults, prefilled queue): cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
-        c / o
-    );
-    let (mut on_cluster, mut on_one) = (Vec::new(), Vec::new());
-    for round in 1..=rounds {
-        let c = relay_drain(&runtime, &cluster.url_list(), events, 300 + round);
-        let o = relay_drain(&runtime, &one_node, events, 400 + round);
-        println!("round {round}: relay to the cluster {c:.0} msg/s, to one node {o:.0} msg/s");
-        on_cluster.push(c);
-        on_one.push(o);
-    }
-    let (c, o) = (median(on_cluster), median(on_one));
-    println!(
-        "relay throughput (defaults, outbox backlog): cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
+        "{what}: cluster {c:.0} msg/s, one node {o:.0} msg/s, ratio {:.2}",
         c / o
     );
 }

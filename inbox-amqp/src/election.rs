@@ -84,10 +84,7 @@ mod tests {
 
     #[test]
     fn a_declaration_is_tried_again_while_the_queue_has_no_leader_and_no_longer() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let runtime = crate::test_support::runtime();
         let pauses = (
             std::time::Duration::from_millis(1),
             std::time::Duration::from_millis(5),
