@@ -291,7 +291,7 @@ fn failed_span(span: &tracing::Span, settled: &Settled) {
 /// Publishes `row` into `in_flight` on `channel`.
 async fn basic_publish<'r>(
     in_flight: &mut InFlight<'r>,
-    channel: &Channel,
+    channel: &'r Channel,
     row: &'r OutboxRow,
     span: &tracing::Span,
 ) -> lapin::Result<()> {
@@ -383,8 +383,8 @@ async fn publish(
 /// Publishes `rows` on one channel and awaits every confirm; settles what the broker
 /// answered into `round` and returns the rows it did not (the channel closed), in
 /// order. `Err` when the lease ran out or the connection is gone.
-async fn publish_pipelined<'r>(
-    channel: &Channel,
+async fn publish_pipelined<'c, 'r: 'c>(
+    channel: &'c Channel,
     rows: &[&'r OutboxRow],
     deadline: Instant,
     round: &mut Round,

@@ -14,6 +14,9 @@
 //! what it carries (exchange, routing key, `message_id` and body) against every
 //! publication of its set, whichever confirm lapin put it on.
 
+use std::future::Future;
+use std::pin::Pin;
+
 use inbox_core::display::Escaped;
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -62,45 +65,69 @@ impl<'a> Sent<'a> {
     }
 }
 
+/// A publication's frames handed to lapin and not yet written (`Writing`: lapin
+/// resolves `basic_publish` once its I/O loop has written them), or written and
+/// awaiting the broker's confirm.
+enum Pending<'a> {
+    Writing(Pin<Box<dyn Future<Output = lapin::Result<PublisherConfirm>> + Send + 'a>>),
+    Written(PublisherConfirm),
+}
+
 /// Publications sent on one channel with confirms and not yet answered, in the
 /// order they were sent. Their answers are awaited together ([`InFlight::answers`]).
+///
+/// A publication is queued without waiting for lapin to write it: `basic_publish`
+/// queues its frames on its first poll and then waits for lapin's I/O loop to
+/// have written them, so awaiting each in turn made every publication of a round
+/// a handoff to that loop and back, a write of its own to the socket and a wakeup
+/// of its own. [`InFlight::publish`] polls it once (the frames are queued, in the
+/// order of the calls, with their delivery tags) and keeps it; the writes are
+/// awaited with the confirms. A round of 500 rows measured by `bench_relay`: see
+/// docs/performance.md.
 #[derive(Default)]
 pub(crate) struct InFlight<'a> {
-    sent: Vec<(Sent<'a>, PublisherConfirm)>,
+    sent: Vec<(Sent<'a>, Pending<'a>)>,
 }
 
 impl<'a> InFlight<'a> {
     /// Publishes `body` to `exchange` with `routing_key`, `mandatory` (an unroutable
     /// message comes back as [`Confirmed::Returned`]), on `channel` (in confirm
     /// mode: every publication of a set on the same one).
+    ///
+    /// Returns once the publication is queued in lapin, before it is written: `Err`
+    /// when lapin refused it at once (the channel is closed or closing). A write
+    /// that fails later is that publication's answer ([`InFlight::answers`]).
     pub(crate) async fn publish(
         &mut self,
-        channel: &Channel,
+        channel: &'a Channel,
         exchange: &'a str,
         routing_key: &'a str,
         body: &'a [u8],
         properties: BasicProperties,
     ) -> lapin::Result<()> {
         let message_id = properties.message_id().clone();
-        let confirm = channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                body,
-                properties,
-            )
-            .await?;
+        let mut writing = Box::pin(channel.basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        ));
+        // The first poll queues the frames (or refuses them at once).
+        let pending = match futures_lite::future::poll_once(&mut writing).await {
+            Some(written) => Pending::Written(written?),
+            None => Pending::Writing(writing),
+        };
         let sent = Sent {
             exchange,
             routing_key,
             message_id,
             body,
         };
-        self.sent.push((sent, confirm));
+        self.sent.push((sent, pending));
         Ok(())
     }
 
@@ -146,12 +173,20 @@ impl<'a> InFlight<'a> {
         let mut returns = Vec::new();
         let mut sent = Vec::with_capacity(self.sent.len());
         let mut ran_out = false;
-        for (publication, mut confirm) in self.sent {
+        for (publication, pending) in self.sent {
+            let confirmed = async {
+                let mut confirm = match pending {
+                    Pending::Written(confirm) => confirm,
+                    Pending::Writing(writing) => writing.await?,
+                };
+                (&mut confirm).await
+            };
+            let mut confirmed = std::pin::pin!(confirmed);
             let confirmed = match deadline {
-                _ if ran_out => futures_lite::future::poll_once(&mut confirm).await,
-                None => Some((&mut confirm).await),
+                _ if ran_out => futures_lite::future::poll_once(&mut confirmed).await,
+                None => Some(confirmed.await),
                 Some(deadline) => {
-                    let answered = tokio::time::timeout_at(deadline, &mut confirm).await.ok();
+                    let answered = tokio::time::timeout_at(deadline, confirmed).await.ok();
                     ran_out = answered.is_none();
                     answered
                 }
@@ -377,6 +412,58 @@ mod tests {
                     let answer = answer.as_ref().unwrap_or_else(|e| panic!("{n}: {e}"));
                     assert_eq!(*answer, expected, "round {round}, publication {n}");
                 }
+            }
+            let _ = conn.close(200, "done".into()).await;
+        });
+    }
+
+    /// Against the broker of `AMQP_URL` through a proxy of the test's: a publication
+    /// is queued, not written, when `publish` returns. With the proxy not reading
+    /// what the client sends, 64 publications of 512 KiB cannot all be written (the
+    /// sockets' buffers take a few MiB), yet every `publish` returns; once the
+    /// proxy reads again, every one is acked. Awaiting each write in turn (what
+    /// `basic_publish` alone does) waits at the first publication the buffers do
+    /// not take.
+    #[test]
+    fn publications_are_queued_without_waiting_for_their_writes() {
+        let Some(broker) = test_support::broker() else {
+            return;
+        };
+        test_support::runtime().block_on(async {
+            let proxy = test_support::Proxy::start(broker).await;
+            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
+                .await
+                .unwrap_or_else(|e| panic!("connect: {e}"));
+            let channel = confirm_channel(&conn)
+                .await
+                .unwrap_or_else(|e| panic!("channel: {e}"));
+            let queue = test_support::exclusive_queue(&channel).await;
+            let body = vec![7_u8; 512 * 1024];
+            proxy.hold_sends(true);
+            let mut in_flight = InFlight::default();
+            let queued = tokio::time::timeout(Duration::from_secs(10), async {
+                for n in 0..64 {
+                    let properties =
+                        BasicProperties::default().with_message_id(format!("{n}").into());
+                    in_flight
+                        .publish(&channel, "", &queue, &body, properties)
+                        .await
+                        .unwrap_or_else(|e| panic!("publish {n}: {e}"));
+                }
+            })
+            .await;
+            assert!(
+                queued.is_ok(),
+                "a publication waited for its write: 32 MiB held back by the proxy"
+            );
+            assert_eq!(in_flight.len(), 64);
+            proxy.hold_sends(false);
+            let answers = tokio::time::timeout(Duration::from_secs(60), in_flight.answers())
+                .await
+                .unwrap_or_else(|_| panic!("no answers in 60 s"));
+            for (n, answer) in answers.iter().enumerate() {
+                let answer = answer.as_ref().unwrap_or_else(|e| panic!("{n}: {e}"));
+                assert_eq!(*answer, Confirmed::Ack, "publication {n}");
             }
             let _ = conn.close(200, "done".into()).await;
         });

@@ -62,6 +62,7 @@ pub(crate) struct Proxy {
     pub(crate) url: String,
     cuts: Arc<watch::Sender<u64>>,
     held: Arc<watch::Sender<bool>>,
+    sends_held: Arc<watch::Sender<bool>>,
     taken: Arc<AtomicUsize>,
 }
 
@@ -78,6 +79,7 @@ impl Proxy {
             url: format!("amqp://guest:guest@{addr}/%2f"),
             cuts: Arc::new(watch::Sender::new(0)),
             held: Arc::new(watch::Sender::new(false)),
+            sends_held: Arc::new(watch::Sender::new(false)),
             taken: Arc::default(),
         };
         let running = proxy.clone();
@@ -87,18 +89,15 @@ impl Proxy {
                 // Subscribed before connecting: a cut from now on drops it.
                 let mut cut = running.cuts.subscribe();
                 let held = running.held.subscribe();
+                let sends_held = running.sends_held.subscribe();
                 let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
                     return;
                 };
                 tokio::spawn(async move {
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
-                    // What the client sends is never held: a sender kept for as long
-                    // as the connection (a dropped one would end `changed` at once,
-                    // every time).
-                    let (_never, unheld) = watch::channel(false);
                     tokio::select! {
-                        () = pipe(client_read, server_write, unheld) => {}
+                        () = pipe(client_read, server_write, sends_held) => {}
                         () = pipe(server_read, client_write, held) => {}
                         _ = cut.changed() => {}
                     }
@@ -118,6 +117,13 @@ impl Proxy {
     /// every connection through the proxy.
     pub(crate) fn hold(&self, held: bool) {
         self.held.send_replace(held);
+    }
+
+    /// Stops reading (or, with `false`, reads again) what the client sends on every
+    /// connection through the proxy: once the sockets' buffers are full, the
+    /// client's writes wait.
+    pub(crate) fn hold_sends(&self, held: bool) {
+        self.sends_held.send_replace(held);
     }
 
     /// How many connections the proxy has taken.
