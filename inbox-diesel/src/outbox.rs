@@ -520,14 +520,12 @@ impl<C: StoreConnection> Store<C> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
-        // The lease and the read of its rows in one transaction: a read that fails
-        // (the connection lost, a timeout) takes the lease back with it, so the rows
-        // are free at once rather than after `lease_for`, and no later row of their
+        // The lease and the read of its rows stand or fall together (one statement
+        // on PostgreSQL, one transaction on SQLite): a read that fails (the
+        // connection lost, a timeout) takes the lease back with it, so the rows are
+        // free at once rather than after `lease_for`, and no later row of their
         // ordering keys waits for them.
-        (lease.rows, lease.unreadable) = C::write_transaction(&mut *conn, |conn| {
-            let ids = C::lease_ids(conn, relay, limit, now, until)?;
-            C::load_outbox(conn, &ids)
-        })?;
+        (lease.rows, lease.unreadable) = C::lease_outbox(&mut conn, relay, limit, now, until)?;
         Ok(lease)
     }
 

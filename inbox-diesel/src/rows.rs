@@ -328,7 +328,7 @@ pub struct NewOutbox<'a> {
 }
 
 /// An outbox row as leasing reads it back, before its key and headers are checked.
-#[derive(Queryable, Selectable)]
+#[derive(Queryable, QueryableByName, Selectable)]
 #[diesel(table_name = outbox_messages)]
 pub(crate) struct StoredOutbox {
     pub(crate) id: i64,

@@ -89,14 +89,18 @@ pub trait OutboxOps: Sized {
     /// Wakes relays at commit (PostgreSQL); nothing on SQLite.
     fn notify_enqueue(conn: &mut Self) -> QueryResult<()>;
 
-    /// Leases up to `limit` due rows (see [`OutboxStore::lease`]); returns their ids.
-    fn lease_ids(
+    /// Leases up to `limit` due rows to `relay` until `until` (see
+    /// [`OutboxStore::lease`]) and reads them, in id order; rows that cannot be read
+    /// are returned apart, leased like the others. Each backend keeps the lease and
+    /// the read together its own way (one statement, or one transaction), so that
+    /// a lease whose read failed is taken back with it.
+    fn lease_outbox(
         conn: &mut Self,
         relay: &str,
         limit: i64,
         now: DateTime<Utc>,
         until: DateTime<Utc>,
-    ) -> QueryResult<Vec<i64>>;
+    ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)>;
 }
 
 /// The outbox statements that are the same diesel DSL on both backends, implemented

@@ -4,13 +4,14 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Integer, Text};
+use diesel::sql_types::{Array, BigInt, Integer, Text, Timestamptz};
 use diesel::{PgConnection, QueryResult};
+use inbox_core::{OutboxRow, UnreadableRow};
 
 use crate::dsl::new_outbox_row;
-use crate::rows::NewOutbox;
+use crate::rows::{decode_into, NewOutbox, StoredOutbox};
 use crate::schema::outbox_messages;
-use crate::statements::OutboxOps;
+use crate::statements::{OutboxOps, SharedOutboxOps};
 use crate::{ORDERING_LOCK_CLASS, OUTBOX_CHANNEL};
 
 /// Delivered at commit, with the enqueuing connection's schema as its payload.
@@ -49,7 +50,15 @@ const LEASE: &str = "\
                 AND e.published_at IS NULL AND e.dead_at IS NULL)) \
         ORDER BY o.id LIMIT $4 \
         FOR UPDATE SKIP LOCKED) \
-    RETURNING id";
+    RETURNING id, message_key, exchange, routing_key, message_type, tenant, payload, \
+        headers, ordering_key, created_at, attempts";
+
+/// The ids a relay holds under one lease: read again when the lease's own read
+/// back could not decode a row.
+const LEASED_IDS: &str = "\
+    SELECT id FROM outbox_messages \
+    WHERE leased_by = $1 AND leased_until = $2 AND published_at IS NULL AND dead_at IS NULL \
+    ORDER BY id";
 
 #[derive(QueryableByName)]
 struct LeasedId {
@@ -76,20 +85,45 @@ impl OutboxOps for PgConnection {
             .map(|_| ())
     }
 
-    fn lease_ids(
+    fn lease_outbox(
         conn: &mut Self,
         relay: &str,
         limit: i64,
         now: DateTime<Utc>,
         until: DateTime<Utc>,
-    ) -> QueryResult<Vec<i64>> {
-        let ids: Vec<LeasedId> = diesel::sql_query(LEASE)
-            .bind::<diesel::sql_types::Timestamptz, _>(now)
-            .bind::<diesel::sql_types::Timestamptz, _>(until)
+    ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)> {
+        let leased = diesel::sql_query(LEASE)
+            .bind::<Timestamptz, _>(now)
+            .bind::<Timestamptz, _>(until)
             .bind::<Text, _>(relay)
             .bind::<BigInt, _>(limit)
-            .load(conn)?;
-        Ok(ids.into_iter().map(|r| r.id).collect())
+            .load::<StoredOutbox>(conn);
+        match leased {
+            Ok(stored) => {
+                let mut rows = Vec::with_capacity(stored.len());
+                let mut unreadable = Vec::new();
+                for t in stored {
+                    decode_into(t, &mut rows, &mut unreadable);
+                }
+                rows.sort_by_key(|r| r.id);
+                unreadable.sort_by_key(|r| r.id);
+                Ok((rows, unreadable))
+            }
+            // A value diesel cannot decode (a timestamp of `infinity` another
+            // producer wrote): the lease stands (decoding fails on the client, after
+            // the statement committed), and its rows are read again by id, the
+            // undecodable ones apart. Should that read fail, they stay leased
+            // until `until`.
+            Err(diesel::result::Error::DeserializationError(_)) => {
+                let ids: Vec<LeasedId> = diesel::sql_query(LEASED_IDS)
+                    .bind::<Text, _>(relay)
+                    .bind::<Timestamptz, _>(until)
+                    .load(conn)?;
+                let ids: Vec<i64> = ids.into_iter().map(|r| r.id).collect();
+                Self::load_outbox(conn, &ids)
+            }
+            Err(other) => Err(other),
+        }
     }
 
     fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>> {

@@ -6,11 +6,12 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::{QueryResult, SqliteConnection};
+use inbox_core::{OutboxRow, UnreadableRow};
 
 use crate::dsl::new_outbox_row;
 use crate::rows::NewOutbox;
 use crate::schema::outbox_messages;
-use crate::statements::OutboxOps;
+use crate::statements::{OutboxOps, SharedOutboxOps};
 
 /// One writer at a time, so ids are handed out in commit order: id order is
 /// an ordering key's order, with no lock and no transaction id. A transaction's
@@ -48,20 +49,25 @@ impl OutboxOps for SqliteConnection {
         Ok(())
     }
 
-    fn lease_ids(
+    fn lease_outbox(
         conn: &mut Self,
         relay: &str,
         limit: i64,
         now: DateTime<Utc>,
         until: DateTime<Utc>,
-    ) -> QueryResult<Vec<i64>> {
-        let ids: Vec<LeasedId> = diesel::sql_query(LEASE)
-            .bind::<diesel::sql_types::TimestamptzSqlite, _>(now)
-            .bind::<diesel::sql_types::TimestamptzSqlite, _>(until)
-            .bind::<Text, _>(relay)
-            .bind::<BigInt, _>(limit)
-            .load(conn)?;
-        Ok(ids.into_iter().map(|r| r.id).collect())
+    ) -> QueryResult<(Vec<OutboxRow>, Vec<UnreadableRow>)> {
+        // The lease and the read of its rows in one transaction (IMMEDIATE, as every
+        // write of the store's): a read that fails takes the lease back with it.
+        conn.immediate_transaction(|conn| {
+            let ids: Vec<LeasedId> = diesel::sql_query(LEASE)
+                .bind::<diesel::sql_types::TimestamptzSqlite, _>(now)
+                .bind::<diesel::sql_types::TimestamptzSqlite, _>(until)
+                .bind::<Text, _>(relay)
+                .bind::<BigInt, _>(limit)
+                .load(conn)?;
+            let ids: Vec<i64> = ids.into_iter().map(|r| r.id).collect();
+            Self::load_outbox(conn, &ids)
+        })
     }
 
     fn insert_outbox(conn: &mut Self, row: &NewOutbox<'_>) -> QueryResult<Option<i64>> {
