@@ -11,8 +11,11 @@
 //!   commit to the message's arrival in a bound queue, p50, p99 and p999, with the
 //!   relay woken by PostgreSQL NOTIFY (one round in flight and the default) and with
 //!   polling every 100 ms. The achieved rate is printed beside the offered one.
+//!   Interleaved over `BENCH_ROUNDS` rounds too: the median of each percentile and
+//!   the range of the p99.
 //!
-//! `BENCH_ONLY=throughput` or `BENCH_ONLY=latency` runs one half alone.
+//! `BENCH_ONLY=throughput` or `BENCH_ONLY=latency` runs one half alone;
+//! `BENCH_CASES=2,3` runs only those throughput cases (numbered from 1, as printed).
 //!
 //! `DATABASE_URL` and `AMQP_URL` as for the tests. Fresh schemas and queue names per
 //! run, removed afterwards.
@@ -449,19 +452,30 @@ async fn main() {
     );
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut cpus: Vec<Cpu> = vec![Cpu::default(); cases.len()];
-    let rounds = if only == "latency" { 0 } else { rounds };
-    for _ in 0..rounds {
-        for ((case, seen), used) in cases.iter().zip(&mut rates).zip(&mut cpus) {
+    let throughput_rounds = if only == "latency" { 0 } else { rounds };
+    // `BENCH_CASES=2,3`: only those cases, numbered from 1.
+    let chosen: String = env_or("BENCH_CASES", String::new());
+    let chosen: Vec<usize> = chosen
+        .split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect();
+    let run = |n: usize| chosen.is_empty() || chosen.contains(&(n + 1));
+    for _ in 0..throughput_rounds {
+        for (n, ((case, seen), used)) in cases.iter().zip(&mut rates).zip(&mut cpus).enumerate() {
+            if !run(n) {
+                continue;
+            }
             let (rate, cpu) = bench.throughput(case, events).await;
             seen.push(rate);
             *used = cpu; // the last round's
         }
     }
-    for ((case, seen), used) in cases
+    for (n, ((case, seen), used)) in cases
         .iter()
         .zip(&mut rates)
         .zip(&cpus)
-        .filter(|((_, s), _)| !s.is_empty())
+        .enumerate()
+        .filter(|(_, ((_, s), _))| !s.is_empty())
     {
         let (low, high) = (
             seen.iter().copied().fold(f64::INFINITY, f64::min),
@@ -469,7 +483,7 @@ async fn main() {
         );
         println!(
             "{:<30} {:>8.0} messages/s published, confirmed and marked (range {low:.0} to {high:.0})",
-            case.label,
+            format!("{}. {}", n + 1, case.label),
             median(seen)
         );
         println!(
@@ -487,16 +501,42 @@ async fn main() {
     } else {
         &[(true, 1), (true, default), (false, default)][..]
     };
-    for &(notify, rounds) in latency_cases {
-        let l = bench.latency(rate, seconds, notify, rounds).await;
+    // Interleaved over the rounds like the throughput cases; each round's
+    // percentiles, then the median of each and the range of the p99.
+    let mut seen: Vec<Vec<Latency>> = latency_cases.iter().map(|_| Vec::new()).collect();
+    for _ in 0..rounds {
+        for (&(notify, rounds), seen) in latency_cases.iter().zip(&mut seen) {
+            seen.push(bench.latency(rate, seconds, notify, rounds).await);
+        }
+    }
+    for (&(notify, rounds), seen) in latency_cases.iter().zip(&seen) {
         let mode = if notify {
             format!("LISTEN/NOTIFY, {rounds} round(s)")
         } else {
             format!("polling 100 ms, {rounds} round(s)")
         };
+        let ms = |pick: fn(&Latency) -> Duration| {
+            let mut all: Vec<f64> = seen.iter().map(|l| pick(l).as_secs_f64() * 1e3).collect();
+            median(&mut all)
+        };
+        let p99s: Vec<f64> = seen.iter().map(|l| l.p99.as_secs_f64() * 1e3).collect();
+        let (low, high) = (
+            p99s.iter().copied().fold(f64::INFINITY, f64::min),
+            p99s.iter().copied().fold(0.0, f64::max),
+        );
+        let achieved = seen
+            .iter()
+            .map(|l| l.achieved)
+            .fold(f64::INFINITY, f64::min);
+        let received: usize = seen.iter().map(|l| l.received).sum();
         println!(
-            "commit-to-publish at {rate} msg/s (achieved {:.0}), {mode:<28}: p50 {:>9.2?}  p99 {:>9.2?}  p999 {:>9.2?}  ({} messages)",
-            l.achieved, l.p50, l.p99, l.p999, l.received
+            "commit-to-publish at {rate} msg/s (achieved at least {achieved:.0}), {mode:<28}: \
+             p50 {:>6.2} ms  p99 {:>6.2} ms (range {low:.2} to {high:.2})  p999 {:>6.2} ms  \
+             (medians of {} round(s), {received} messages)",
+            ms(|l| l.p50),
+            ms(|l| l.p99),
+            ms(|l| l.p999),
+            seen.len(),
         );
     }
 }
