@@ -472,3 +472,82 @@ async fn publish_alone(
     failed_span(&span, &settled);
     Ok(settled)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use inbox_core::{MessageKey, OutboxMessage};
+    use lapin::ConnectionProperties;
+
+    use super::*;
+    use crate::test_support;
+
+    /// Against the broker of `AMQP_URL` through a proxy of the test's: a round of
+    /// 24 rows of 256 KiB with a poison row (an exchange that does not exist) fourth
+    /// among them, published while the proxy holds back what the relay sends for a
+    /// moment, so that the round is queued in lapin when the broker closes the
+    /// channel over the poison. The poison is recorded against itself and every
+    /// other row is confirmed, with the connection kept. A publication lapin still
+    /// holds unwritten when it answers the broker's close is written after its
+    /// close-ok, on a channel the broker no longer knows, and RabbitMQ closes the
+    /// connection for it (504): the round is lost and the poison never found.
+    #[test]
+    fn a_channel_closed_over_a_poison_row_costs_the_round_no_connection() {
+        let Some(broker) = test_support::broker() else {
+            return;
+        };
+        test_support::runtime().block_on(async {
+            let proxy = test_support::Proxy::start(broker).await;
+            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
+                .await
+                .unwrap_or_else(|e| panic!("connect: {e}"));
+            let conn = Arc::new(conn);
+            let channel = confirm_channel(&conn)
+                .await
+                .unwrap_or_else(|e| panic!("channel: {e}"));
+            let queue = test_support::exclusive_queue(&channel).await;
+            let now = chrono::Utc::now();
+            let rows: Vec<OutboxRow> = (0..64)
+                .map(|id| {
+                    let exchange = if id == 3 {
+                        format!("{queue}.missing")
+                    } else {
+                        String::new()
+                    };
+                    let key = MessageKey::new(format!("row-{id}")).expect("key");
+                    let message = OutboxMessage::new(key, exchange, "t", vec![1; 512 * 1024])
+                        .with_routing_key(queue.clone());
+                    OutboxRow {
+                        id,
+                        message,
+                        attempts: 0,
+                        created_at: now,
+                    }
+                })
+                .collect();
+            let mut publisher = AmqpPublisher::new(Arc::clone(&conn), channel);
+            proxy.hold_sends(true);
+            let publishing = tokio::task::spawn_blocking(move || {
+                publisher.publish(&rows, Duration::from_secs(60))
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            proxy.hold_sends(false);
+            let publication = publishing.await.expect("publishing");
+            assert_eq!(publication.lost, None, "{:?}", publication.failed);
+            let failed: Vec<i64> = publication.failed.iter().map(|(id, _)| *id).collect();
+            assert_eq!(failed, [3], "{:?}", publication.failed);
+            assert!(
+                publication.failed[0].1.contains("NOT_FOUND"),
+                "{:?}",
+                publication.failed
+            );
+            let mut published = publication.published.clone();
+            published.sort_unstable();
+            let others: Vec<i64> = (0..64).filter(|id| *id != 3).collect();
+            assert_eq!(published, others);
+            assert!(conn.status().connected());
+            let _ = conn.close(200, "done".into()).await;
+        });
+    }
+}
