@@ -94,8 +94,12 @@ impl RelayRound {
             // none in time (the lease ran out: any relay could take them already):
             // released as refused, they go out again after their delay instead of
             // waiting out the lease. A copy still in flight can land after a later
-            // copy, never after a later row of its ordering key: that row is leased
-            // only once this one is published and marked.
+            // copy. It lands after a later row of its ordering key only if the
+            // connection that carried it holds it past this row's next copy being
+            // published and marked (a broker that stopped reading the connection,
+            // under a memory alarm, say): that row is leased only once this one is
+            // published and marked. The AMQP relay keeps at most 64 KiB of a round
+            // queued unwritten in the client (`inbox-amqp/src/publish.rs`).
             let answered: std::collections::HashSet<i64> = (publication.published.iter())
                 .chain(publication.failed.iter().map(|(id, _)| id))
                 .chain(publication.refused.iter().map(|(id, _)| id))

@@ -520,11 +520,15 @@ impl<C: StoreConnection> Store<C> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.connection()?;
-        // The lease and the read of its rows stand or fall together (one statement
-        // on PostgreSQL, one transaction on SQLite): a read that fails (the
-        // connection lost, a timeout) takes the lease back with it, so the rows are
-        // free at once rather than after `lease_for`, and no later row of their
-        // ordering keys waits for them.
+        // The lease and the read of its rows go together (one statement on
+        // PostgreSQL, one transaction on SQLite): a read that fails before the
+        // commit (a timeout, the connection lost) takes the lease back with it, so
+        // the rows are free at once rather than after `lease_for`, and no later row
+        // of their ordering keys waits for them. A connection lost after the commit
+        // leaves them leased until `lease_for` runs out: on PostgreSQL that is while
+        // the rows are on their way back (the statement commits before the client
+        // has them all); a transaction leaves the same window at its COMMIT only,
+        // and cost four round trips and a read of every row by id (docs/outbox.md).
         (lease.rows, lease.unreadable) = C::lease_outbox(&mut conn, relay, limit, now, until)?;
         Ok(lease)
     }

@@ -93,7 +93,7 @@ pub trait OutboxOps: Sized {
     /// [`OutboxStore::lease`]) and reads them, in id order; rows that cannot be read
     /// are returned apart, leased like the others. Each backend keeps the lease and
     /// the read together its own way (one statement, or one transaction), so that
-    /// a lease whose read failed is taken back with it.
+    /// a lease whose read failed before its commit is taken back with it.
     fn lease_outbox(
         conn: &mut Self,
         relay: &str,
