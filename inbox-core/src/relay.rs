@@ -98,7 +98,7 @@ impl RelayRound {
             // connection that carried it holds it past this row's next copy being
             // published and marked (a broker that stopped reading the connection,
             // under a memory alarm, say): that row is leased only once this one is
-            // published and marked. The AMQP relay keeps at most 64 KiB of a round
+            // published and marked. The AMQP relay keeps at most 32 KiB of a round
             // queued unwritten in the client (`inbox-amqp/src/publish.rs`).
             let answered: std::collections::HashSet<i64> = (publication.published.iter())
                 .chain(publication.failed.iter().map(|(id, _)| id))
