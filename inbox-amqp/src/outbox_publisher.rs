@@ -493,7 +493,7 @@ mod tests {
     /// (504): the round is lost and the poison not found. With every publication
     /// queued at once that happened every time; with one large publication held
     /// at a time (the bound of `publish::UNWRITTEN_BUDGET`, as when each write was
-    /// awaited) about one round in twenty. Three rounds on fresh connections: at
+    /// awaited) in 2 of 21 rounds here. Three rounds on fresh connections: at
     /// least one must keep its connection, and every round that does records the
     /// poison against itself and confirms every other row.
     #[test]
