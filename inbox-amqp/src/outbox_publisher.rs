@@ -478,7 +478,6 @@ mod tests {
     use std::time::Duration;
 
     use inbox_core::{MessageKey, OutboxMessage};
-    use lapin::ConnectionProperties;
 
     use super::*;
     use crate::test_support;
@@ -512,15 +511,9 @@ mod tests {
     /// whether it kept its connection.
     fn poisoned_round(broker: &str) -> bool {
         test_support::runtime().block_on(async {
-            let proxy = test_support::Proxy::start(broker.to_owned()).await;
-            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
-                .await
-                .unwrap_or_else(|e| panic!("connect: {e}"));
+            let (proxy, conn, channel, queue) =
+                test_support::through_proxy(broker.to_owned()).await;
             let conn = Arc::new(conn);
-            let channel = confirm_channel(&conn)
-                .await
-                .unwrap_or_else(|e| panic!("channel: {e}"));
-            let queue = test_support::exclusive_queue(&channel).await;
             let now = chrono::Utc::now();
             let rows: Vec<OutboxRow> = (0..64)
                 .map(|id| {

@@ -494,14 +494,7 @@ mod tests {
             return;
         };
         test_support::runtime().block_on(async {
-            let proxy = test_support::Proxy::start(broker).await;
-            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
-                .await
-                .unwrap_or_else(|e| panic!("connect: {e}"));
-            let channel = confirm_channel(&conn)
-                .await
-                .unwrap_or_else(|e| panic!("channel: {e}"));
-            let queue = test_support::exclusive_queue(&channel).await;
+            let (proxy, conn, channel, queue) = test_support::through_proxy(broker).await;
             let filler = conn
                 .create_channel()
                 .await
@@ -571,14 +564,7 @@ mod tests {
             return;
         };
         test_support::runtime().block_on(async {
-            let proxy = test_support::Proxy::start(broker).await;
-            let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
-                .await
-                .unwrap_or_else(|e| panic!("connect: {e}"));
-            let channel = confirm_channel(&conn)
-                .await
-                .unwrap_or_else(|e| panic!("channel: {e}"));
-            let queue = test_support::exclusive_queue(&channel).await;
+            let (proxy, conn, channel, queue) = test_support::through_proxy(broker).await;
             let missing = format!("{queue}.missing");
             let bodies: Vec<Vec<u8>> = (0..40).map(|n| format!("{n}").into_bytes()).collect();
             let nowhere = |n: usize| n % 5 == 2;

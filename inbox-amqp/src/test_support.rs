@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use lapin::Channel;
+use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
@@ -53,6 +53,20 @@ pub(crate) async fn exclusive_queue(channel: &Channel) -> String {
         .unwrap_or_else(|e| panic!("declare: {e}"))
         .name()
         .to_string()
+}
+
+/// Through a new [`Proxy`] to `broker`: a connection, a channel of it in confirm
+/// mode and an exclusive queue of it (its name).
+pub(crate) async fn through_proxy(broker: String) -> (Proxy, Connection, Channel, String) {
+    let proxy = Proxy::start(broker).await;
+    let conn = Connection::connect(&proxy.url, ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("connect: {e}"));
+    let channel = crate::publish::confirm_channel(&conn)
+        .await
+        .unwrap_or_else(|e| panic!("channel: {e}"));
+    let queue = exclusive_queue(&channel).await;
+    (proxy, conn, channel, queue)
 }
 
 /// A running proxy; its clones control the same one.
